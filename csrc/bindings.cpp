@@ -1,0 +1,54 @@
+// Python bindings of specengine._C: the KV block allocator and the CPU/CUDA kernels.
+#include <torch/extension.h>
+
+#include "allocator.h"
+#include "ops.h"
+
+namespace py = pybind11;
+using specengine::BlockAllocator;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "specengine C++ extension: KV block allocator, paged attention, small-M linear";
+
+  py::class_<BlockAllocator>(m, "BlockAllocator",
+                             "Free list + reference counts over num_blocks KV blocks.")
+      .def(py::init<int64_t>(), py::arg("num_blocks"))
+      .def("allocate", &BlockAllocator::allocate,
+           "A free block id with refcount 1; RuntimeError 'out of KV blocks' when none.")
+      .def("allocate_n", &BlockAllocator::allocate_n, py::arg("n"),
+           "n block ids, all or nothing (RuntimeError when fewer than n are free).")
+      .def("incref", &BlockAllocator::incref, py::arg("block_id"))
+      .def("free", &BlockAllocator::free, py::arg("block_id"),
+           "Drop one reference; the block is free again at zero. RuntimeError on double free.")
+      .def("refcount", &BlockAllocator::refcount, py::arg("block_id"))
+      .def_property_readonly("num_free", &BlockAllocator::num_free)
+      .def_property_readonly("num_blocks", &BlockAllocator::num_blocks)
+      .def("__repr__", [](const BlockAllocator& a) {
+        return "BlockAllocator(num_blocks=" + std::to_string(a.num_blocks()) +
+               ", num_free=" + std::to_string(a.num_free()) + ")";
+      });
+
+  m.def("paged_attention", &specengine::paged_attention_cpu, py::arg("query"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("query_seq"),
+        py::arg("kv_lens"), py::arg("scale"), py::arg("tree_base") = py::none(),
+        py::arg("tree_mask") = py::none(),
+        "Paged attention on CPU tensors -> [T, H, D] in query's dtype.");
+  m.def("write_kv", &specengine::write_kv_cpu, py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("key"), py::arg("value"), py::arg("slot_mapping"));
+  m.def("linear", &specengine::linear_cpu, py::arg("x"), py::arg("weight"),
+        py::arg("bias") = py::none(), "x @ weight.T + bias with batch-invariant rows.");
+  m.def("rms_norm", &specengine::rms_norm_cpu, py::arg("x"), py::arg("weight"), py::arg("eps"));
+  m.def("add_rms_norm", &specengine::add_rms_norm_cpu, py::arg("x"), py::arg("residual"),
+        py::arg("weight"), py::arg("eps"));
+  m.def("silu_and_mul", &specengine::silu_and_mul_cpu, py::arg("x"));
+  m.def("cpu_isa", &specengine::cpu_isa);
+#ifdef SPECENGINE_WITH_CUDA
+  m.def("paged_attention_cuda", &specengine::paged_attention_cuda, py::arg("query"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("query_seq"),
+        py::arg("kv_lens"), py::arg("scale"), py::arg("tree_base") = py::none(),
+        py::arg("tree_mask") = py::none());
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+}

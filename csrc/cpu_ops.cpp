@@ -1,0 +1,314 @@
+// Memory-bound CPU ops for small token counts: linear (bf16 via AVX-512 BF16 dot products,
+// fp32 via portable vectors), RMSNorm (Zhang & Sennrich 2019), fused residual add + RMSNorm,
+// SiLU-and-multiply (SwiGLU, Shazeer 2020).
+//
+// linear reads each weight row once for all M rows: the output is tiled into 4 rows x 4
+// features; a thread owns a contiguous range of output features. Every output element is one
+// dot product accumulated over K in a fixed order (16 lanes, then a fixed horizontal sum), so
+// row i of linear(x) equals linear(x[i:i+1]) bit for bit whatever M is (batch invariance).
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "ops.h"
+#include "vec.h"
+
+namespace specengine {
+namespace {
+
+using bf16 = c10::BFloat16;
+constexpr int64_t kTileM = 4, kTileN = 4;
+
+struct LinearArgs {
+  const void* x;     // [M, K]
+  const void* w;     // [N, K]
+  const float* b;    // [N] float32 or nullptr
+  float* y;          // [M, N] float32
+  int64_t M, N, K;
+};
+
+bool has_avx512_bf16() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool ok = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// ---- bf16: AVX-512 BF16 ------------------------------------------------------------------
+#if defined(__x86_64__) && defined(__GNUC__)
+#define SE_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+template <int MB, int NB>
+SE_BF16_TARGET inline void bf16_tile(const LinearArgs& a, int64_t m0, int64_t n0) {
+  const auto* x = static_cast<const uint16_t*>(a.x) + m0 * a.K;
+  const auto* w = static_cast<const uint16_t*>(a.w) + n0 * a.K;
+  __m512 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < a.K; k += 32) {
+    const __mmask32 mk = a.K - k >= 32 ? ~__mmask32(0) : (__mmask32(1) << (a.K - k)) - 1;
+    __m512i wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_maskz_loadu_epi16(mk, w + j * a.K + k);
+    for (int i = 0; i < MB; ++i) {
+      const __m512i xv = _mm512_maskz_loadu_epi16(mk, x + i * a.K + k);
+      for (int j = 0; j < NB; ++j)
+        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xv, (__m512bh)wv[j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) {
+      float s;
+      alignas(64) float lanes[16];
+      _mm512_store_ps(lanes, acc[i][j]);
+      for (int h = 8; h >= 1; h /= 2)  // same fixed order as hsum() in vec.h
+        for (int l = 0; l < h; ++l) lanes[l] += lanes[l + h];
+      s = lanes[0];
+      a.y[(m0 + i) * a.N + n0 + j] = a.b ? s + a.b[n0 + j] : s;
+    }
+}
+
+template <int NB>
+SE_BF16_TARGET inline void bf16_column(const LinearArgs& a, int64_t n0) {
+  int64_t m = 0;
+  for (; m + 4 <= a.M; m += 4) bf16_tile<4, NB>(a, m, n0);
+  switch (a.M - m) {
+    case 3: bf16_tile<3, NB>(a, m, n0); break;
+    case 2: bf16_tile<2, NB>(a, m, n0); break;
+    case 1: bf16_tile<1, NB>(a, m, n0); break;
+    default: break;
+  }
+}
+
+SE_BF16_TARGET void linear_bf16_range(const LinearArgs& a, int64_t n_begin, int64_t n_end) {
+  int64_t n = n_begin;
+  for (; n + kTileN <= n_end; n += kTileN) bf16_column<kTileN>(a, n);
+  for (; n < n_end; ++n) bf16_column<1>(a, n);
+}
+#endif
+
+// ---- fp32 (and the bf16 fallback without AVX-512 BF16): portable vectors ------------------
+template <class T, int MB, int NB>
+SE_INLINE void vec_tile(const LinearArgs& a, int64_t m0, int64_t n0) {
+  const T* x = static_cast<const T*>(a.x) + m0 * a.K;
+  const T* w = static_cast<const T*>(a.w) + n0 * a.K;
+  f32x16 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = f32x16{};
+  int64_t k = 0;
+  for (; k + 16 <= a.K; k += 16) {
+    f32x16 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = load16(w + j * a.K + k);
+    for (int i = 0; i < MB; ++i) {
+      const f32x16 xv = load16(x + i * a.K + k);
+      for (int j = 0; j < NB; ++j) acc[i][j] += xv * wv[j];
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) {
+      float s = hsum(acc[i][j]);
+      for (int64_t kk = k; kk < a.K; ++kk)
+        s += to_float(x[i * a.K + kk]) * to_float(w[j * a.K + kk]);
+      a.y[(m0 + i) * a.N + n0 + j] = a.b ? s + a.b[n0 + j] : s;
+    }
+}
+
+template <class T, int NB>
+SE_INLINE void vec_column(const LinearArgs& a, int64_t n0) {
+  int64_t m = 0;
+  for (; m + 4 <= a.M; m += 4) vec_tile<T, 4, NB>(a, m, n0);
+  switch (a.M - m) {
+    case 3: vec_tile<T, 3, NB>(a, m, n0); break;
+    case 2: vec_tile<T, 2, NB>(a, m, n0); break;
+    case 1: vec_tile<T, 1, NB>(a, m, n0); break;
+    default: break;
+  }
+}
+
+template <class T>
+SE_INLINE void vec_range(const LinearArgs& a, int64_t n_begin, int64_t n_end) {
+  int64_t n = n_begin;
+  for (; n + kTileN <= n_end; n += kTileN) vec_column<T, kTileN>(a, n);
+  for (; n < n_end; ++n) vec_column<T, 1>(a, n);
+}
+
+SE_CLONES void linear_f32_range(const LinearArgs& a, int64_t n0, int64_t n1) {
+  vec_range<float>(a, n0, n1);
+}
+SE_CLONES void linear_bf16_portable_range(const LinearArgs& a, int64_t n0, int64_t n1) {
+  vec_range<bf16>(a, n0, n1);
+}
+
+// ---- norms and activations -----------------------------------------------------------------
+template <class T>
+SE_INLINE void rms_row(const T* x, const T* w, T* out, int64_t D, float eps) {
+  f32x16 acc{};
+  int64_t i = 0;
+  for (; i + 16 <= D; i += 16) {
+    const f32x16 v = load16(x + i);
+    acc += v * v;
+  }
+  float ss = hsum(acc);
+  for (; i < D; ++i) ss += to_float(x[i]) * to_float(x[i]);
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+  for (int64_t j = 0; j < D; ++j) out[j] = static_cast<T>(to_float(x[j]) * inv * to_float(w[j]));
+}
+
+template <class T>
+SE_INLINE void rms_rows(const T* x, const T* res, const T* w, T* out, T* new_res, int64_t r0,
+                        int64_t r1, int64_t D, float eps) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* xr = x + r * D;
+    if (res) {  // new residual = x + residual, rounded to T before normalising (as in torch)
+      for (int64_t j = 0; j < D; ++j)
+        new_res[r * D + j] = static_cast<T>(to_float(xr[j]) + to_float(res[r * D + j]));
+      xr = new_res + r * D;
+    }
+    rms_row(xr, w, out + r * D, D, eps);
+  }
+}
+
+SE_CLONES void rms_rows_f32(const float* x, const float* res, const float* w, float* out,
+                            float* nr, int64_t r0, int64_t r1, int64_t D, float eps) {
+  rms_rows(x, res, w, out, nr, r0, r1, D, eps);
+}
+SE_CLONES void rms_rows_bf16(const bf16* x, const bf16* res, const bf16* w, bf16* out, bf16* nr,
+                             int64_t r0, int64_t r1, int64_t D, float eps) {
+  rms_rows(x, res, w, out, nr, r0, r1, D, eps);
+}
+
+// silu(g) is rounded to T before the product, like torch's F.silu(gate) * up in T.
+template <class T>
+SE_INLINE void silu_mul_rows(const T* x, T* out, int64_t r0, int64_t r1, int64_t d) {
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t j = 0; j < d; ++j) {
+      const float g = to_float(x[r * 2 * d + j]);
+      const T act = static_cast<T>(g / (1.f + std::exp(-g)));
+      out[r * d + j] = static_cast<T>(to_float(act) * to_float(x[r * 2 * d + d + j]));
+    }
+}
+
+void check_float_dtype(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+                   " must be float32 or bfloat16, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor");
+}
+
+}  // namespace
+
+const char* cpu_isa() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (has_avx512_bf16()) return "avx512_bf16";
+  if (__builtin_cpu_supports("avx512f")) return "avx512";
+  if (__builtin_cpu_supports("avx2")) return "avx2";
+#endif
+  return "generic";
+}
+
+at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& w,
+                      const std::optional<at::Tensor>& b) {
+  check_float_dtype(x, "x");
+  TORCH_CHECK_VALUE(x.dim() == 2, "x must be [M, K], got shape ", x.sizes());
+  TORCH_CHECK_VALUE(w.dim() == 2 && w.size(1) == x.size(1), "weight must be [N, K=", x.size(1),
+                    "], got shape ", w.sizes());
+  TORCH_CHECK_TYPE(w.scalar_type() == x.scalar_type(), "weight dtype ", w.scalar_type(),
+                   " differs from x dtype ", x.scalar_type());
+  TORCH_CHECK_VALUE(w.is_contiguous(), "weight must be contiguous");
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+  at::Tensor bias;
+  if (b.has_value() && b->defined()) {
+    TORCH_CHECK_VALUE(b->dim() == 1 && b->size(0) == N, "bias must be [N=", N, "], got ",
+                      b->sizes());
+    bias = b->to(at::kFloat).contiguous();
+  }
+  auto xc = x.contiguous();
+  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return y.to(x.scalar_type());
+  LinearArgs a{xc.data_ptr(), w.data_ptr(), bias.defined() ? bias.data_ptr<float>() : nullptr,
+               y.data_ptr<float>(), M, N, K};
+  const bool is_bf16 = x.scalar_type() == at::kBFloat16;
+  const bool fast_bf16 = is_bf16 && has_avx512_bf16();
+  // Ranges of whole 4-feature tiles per thread; ~64 KiB of weights per task at least.
+  const int64_t tiles = (N + kTileN - 1) / kTileN;
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (kTileN * K * w.element_size()));
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    const int64_t n0 = t0 * kTileN, n1 = std::min(N, t1 * kTileN);
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (fast_bf16) return linear_bf16_range(a, n0, n1);
+#endif
+    if (is_bf16) return linear_bf16_portable_range(a, n0, n1);
+    linear_f32_range(a, n0, n1);
+  });
+  return is_bf16 ? y.to(at::kBFloat16) : y;
+}
+
+at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_float_dtype(x, "x");
+  const int64_t D = x.size(-1);
+  TORCH_CHECK_VALUE(w.dim() == 1 && w.size(0) == D, "weight must be [", D, "], got ", w.sizes());
+  auto xc = x.contiguous();
+  auto wc = w.to(x.scalar_type()).contiguous();
+  auto out = at::empty_like(xc);
+  const int64_t R = D ? xc.numel() / D : 0;
+  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+    if (x.scalar_type() == at::kFloat)
+      rms_rows_f32(xc.data_ptr<float>(), nullptr, wc.data_ptr<float>(), out.data_ptr<float>(),
+                   nullptr, r0, r1, D, static_cast<float>(eps));
+    else
+      rms_rows_bf16(xc.data_ptr<bf16>(), nullptr, wc.data_ptr<bf16>(), out.data_ptr<bf16>(),
+                    nullptr, r0, r1, D, static_cast<float>(eps));
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_cpu(const at::Tensor& x,
+                                                    const at::Tensor& residual,
+                                                    const at::Tensor& w, double eps) {
+  check_float_dtype(x, "x");
+  TORCH_CHECK_VALUE(residual.sizes() == x.sizes(), "residual shape ", residual.sizes(),
+                    " differs from x shape ", x.sizes());
+  TORCH_CHECK_TYPE(residual.scalar_type() == x.scalar_type(), "residual dtype differs from x");
+  const int64_t D = x.size(-1);
+  TORCH_CHECK_VALUE(w.dim() == 1 && w.size(0) == D, "weight must be [", D, "], got ", w.sizes());
+  auto xc = x.contiguous();
+  auto rc = residual.contiguous();
+  auto wc = w.to(x.scalar_type()).contiguous();
+  auto out = at::empty_like(xc);
+  auto new_res = at::empty_like(xc);
+  const int64_t R = D ? xc.numel() / D : 0;
+  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+    if (x.scalar_type() == at::kFloat)
+      rms_rows_f32(xc.data_ptr<float>(), rc.data_ptr<float>(), wc.data_ptr<float>(),
+                   out.data_ptr<float>(), new_res.data_ptr<float>(), r0, r1, D,
+                   static_cast<float>(eps));
+    else
+      rms_rows_bf16(xc.data_ptr<bf16>(), rc.data_ptr<bf16>(), wc.data_ptr<bf16>(),
+                    out.data_ptr<bf16>(), new_res.data_ptr<bf16>(), r0, r1, D,
+                    static_cast<float>(eps));
+  });
+  return {out, new_res};
+}
+
+at::Tensor silu_and_mul_cpu(const at::Tensor& x) {
+  check_float_dtype(x, "x");
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) % 2 == 0, "x last dim must be even, got ",
+                    x.sizes());
+  const int64_t d = x.size(-1) / 2;
+  auto xc = x.contiguous();
+  auto sizes = x.sizes().vec();
+  sizes.back() = d;
+  auto out = at::empty(sizes, x.options());
+  const int64_t R = d ? out.numel() / d : 0;
+  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+    if (x.scalar_type() == at::kFloat)
+      silu_mul_rows(xc.data_ptr<float>(), out.data_ptr<float>(), r0, r1, d);
+    else
+      silu_mul_rows(xc.data_ptr<bf16>(), out.data_ptr<bf16>(), r0, r1, d);
+  });
+  return out;
+}
+
+}  // namespace specengine

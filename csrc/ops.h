@@ -1,0 +1,44 @@
+// Declarations of the CPU (and, with SPECENGINE_WITH_CUDA, CUDA) ops bound in bindings.cpp.
+#pragma once
+
+#include <optional>
+#include <tuple>
+
+#include <ATen/ATen.h>
+
+namespace specengine {
+
+// Paged attention; see specengine/attention/base.py for the semantics of every argument.
+// tree_base [T] int32 and tree_mask [T, W] bool (both or neither): query t sees KV position p
+// (< kv_lens[t]) iff p < tree_base[t] or tree_mask[t, p - tree_base[t]].
+at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache,
+                               const at::Tensor& v_cache, const at::Tensor& block_tables,
+                               const at::Tensor& query_seq, const at::Tensor& kv_lens,
+                               double scale, const std::optional<at::Tensor>& tree_base,
+                               const std::optional<at::Tensor>& tree_mask);
+
+// Writes key/value [T, KVH, D] into the caches at slot_mapping [T] (int64).
+void write_kv_cpu(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& key,
+                  const at::Tensor& value, const at::Tensor& slot_mapping);
+
+// x [M, K] @ w[N, K]^T + b; bf16 (AVX-512 BF16) or fp32; batch-invariant rows.
+at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b);
+
+at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& w, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_cpu(const at::Tensor& x,
+                                                    const at::Tensor& residual,
+                                                    const at::Tensor& w, double eps);
+at::Tensor silu_and_mul_cpu(const at::Tensor& x);
+
+// Which CPU code path the kernels take: "avx512_bf16", "avx512" or "generic".
+const char* cpu_isa();
+
+#ifdef SPECENGINE_WITH_CUDA
+at::Tensor paged_attention_cuda(const at::Tensor& query, const at::Tensor& k_cache,
+                                const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                const at::Tensor& query_seq, const at::Tensor& kv_lens,
+                                double scale, const std::optional<at::Tensor>& tree_base,
+                                const std::optional<at::Tensor>& tree_mask);
+#endif
+
+}  // namespace specengine

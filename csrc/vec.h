@@ -1,0 +1,57 @@
+// Portable 16-lane float vectors (GCC/Clang vector extensions). Code written with them is
+// compiled once per ISA by the callers' target_clones (AVX-512 -> zmm, AVX2 -> ymm pairs,
+// baseline -> SSE), so one source serves every CPU; the AVX-512 clone is picked at load time.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include <c10/util/BFloat16.h>
+
+namespace specengine {
+
+#define SE_INLINE inline __attribute__((always_inline))
+// Clones of hot functions for AVX-512, AVX2+FMA and the x86-64 baseline.
+#if defined(__x86_64__) && defined(__GNUC__)
+#define SE_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define SE_CLONES
+#endif
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+SE_INLINE f32x16 splat(float v) { return f32x16{} + v; }
+
+SE_INLINE f32x16 load16(const float* p) {
+  f32x16 r;
+  std::memcpy(&r, p, sizeof(r));
+  return r;
+}
+
+// bf16 is the top half of a float: widen and shift.
+SE_INLINE f32x16 load16(const c10::BFloat16* p) {
+  u16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  f32x16 r;
+  std::memcpy(&r, &w, sizeof(r));
+  return r;
+}
+
+SE_INLINE void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Fixed-order horizontal sum (pairwise halves), identical on every ISA clone.
+SE_INLINE float hsum(f32x16 v) {
+  float a[16];
+  std::memcpy(a, &v, sizeof(a));
+  for (int w = 8; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) a[i] += a[i + w];
+  return a[0];
+}
+
+SE_INLINE float to_float(float v) { return v; }
+SE_INLINE float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
+}  // namespace specengine

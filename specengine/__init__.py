@@ -1,0 +1,14 @@
+"""specengine: lossless adaptive speculative decoding for LLM rollouts.
+
+    from specengine import LLM, SamplingParams
+    llm = LLM("smollm2-135m-instruct")
+    outs = llm.generate(["1+1="], SamplingParams(temperature=0, max_tokens=8))
+"""
+
+from specengine.api import LLM
+from specengine.outputs import CompletionOutput, RequestOutput
+from specengine.sampling import SamplingParams
+from specengine.sequence import Logprob
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__version__ = "0.1.0"

@@ -1,0 +1,5 @@
+import sys
+
+from specengine.cli import main
+
+sys.exit(main())

@@ -1,0 +1,171 @@
+"""``specengine generate``: offline batch generation from a JSONL file.
+
+Each input line is a JSON object with ``prompt`` (text) or ``messages`` (a chat). Each output
+line keeps every input field and adds ``outputs`` (one per sample: ``text``, ``token_ids``,
+``finish_reason``, ``stop_reason``). A bad line is reported, written with an ``error`` field, and
+skipped; the rest completes. Finished lines are streamed to ``<output>.part``; the final file is
+written in input order and moved into place atomically, so a crash never leaves a half-written
+output and never loses what was already generated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from specengine.sampling import SamplingParams
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="specengine", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate completions for a JSONL file of prompts")
+    g.add_argument("--model", default="smollm2-135m-instruct",
+                   help="known alias, Hugging Face directory or .gguf file")
+    g.add_argument("--input", required=True, help="JSONL with 'prompt' or 'messages' per line")
+    g.add_argument("--output", required=True, help="JSONL to write")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--chat", dest="chat", action="store_true", default=None,
+                   help="apply the chat template to 'prompt' lines too")
+    g.add_argument("--no-chat", dest="chat", action="store_false",
+                   help="never apply the chat template ('messages' lines then fail)")
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return ap.parse_args(argv)
+
+
+def read_records(path: str) -> list[tuple[int, dict | None, str | None]]:
+    """(line number, record or None, error or None) for each non-blank line of ``path``."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                out.append((no, None, f"line {no}: invalid JSON ({e.msg} at column {e.colno})"))
+                continue
+            if not isinstance(rec, dict):
+                out.append((no, None, f"line {no}: expected a JSON object, got "
+                                      f"{type(rec).__name__}"))
+                continue
+            out.append((no, rec, None))
+    return out
+
+
+def encode_record(llm, rec: dict, no: int, chat: bool | None) -> dict:
+    """The ``generate`` prompt for one input record. Raises ValueError naming the line."""
+    what = f"line {no}"
+    if "messages" in rec:
+        if chat is False:
+            raise ValueError(f"{what}: has 'messages' but --no-chat was given")
+        text, ids = llm.encode_chat(rec["messages"], f"{what}: 'messages'")
+    elif "prompt" in rec:
+        if not isinstance(rec["prompt"], str):
+            raise ValueError(f"{what}: 'prompt' must be a string")
+        if chat:
+            text, ids = llm.encode_chat([{"role": "user", "content": rec["prompt"]}], what)
+        else:
+            text, ids = rec["prompt"], llm.get_tokenizer()(rec["prompt"]).input_ids
+    else:
+        raise ValueError(f"{what}: needs a 'prompt' or 'messages' field")
+    llm.engine.validate_prompt(ids, what)
+    return {"prompt": text, "prompt_token_ids": ids}
+
+
+def result_record(rec: dict, out) -> dict:
+    return {**rec, "outputs": [
+        {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
+         "stop_reason": o.stop_reason} for o in out.outputs]}
+
+
+def write_jsonl_atomic(path: str, records: list[dict]) -> None:
+    """Write ``records`` as JSONL to a temporary file beside ``path``, then rename it."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def generate(args: argparse.Namespace) -> int:
+    from specengine.api import LLM
+
+    try:
+        params = SamplingParams(
+            n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
+            min_tokens=args.min_tokens, stop=args.stop)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not os.path.isfile(args.input):
+        print(f"error: --input {args.input!r} does not exist", file=sys.stderr)
+        return 2
+    records = read_records(args.input)
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes, seed=args.seed)
+    results: dict[int, dict] = {}
+    errors: dict[int, str] = {}
+    prompts, lines = [], []
+    for no, rec, err in records:
+        if err is None:
+            try:
+                prompts.append(encode_record(llm, rec, no, args.chat))
+                lines.append(no)
+                continue
+            except ValueError as e:
+                err = str(e)
+        errors[no] = err
+        results[no] = {**(rec or {}), "line": no, "error": err}
+        print(f"skipped {err}", file=sys.stderr)
+    t0 = time.perf_counter()
+    part = f"{args.output}.part"
+    by_line = {no: rec for no, rec, _ in records}
+    outs = []
+    with open(part, "w", encoding="utf-8") as f:
+        for i, out in llm.generate_iter(prompts, params, use_tqdm=not args.no_progress):
+            no = lines[i]
+            results[no] = result_record(by_line[no], out)
+            f.write(json.dumps(results[no], ensure_ascii=False) + "\n")
+            f.flush()
+            outs.append(out)
+    wall = time.perf_counter() - t0
+    write_jsonl_atomic(args.output, [results[no] for no, _, _ in records])
+    os.remove(part)
+    n_prompt = sum(len(p["prompt_token_ids"]) for p in prompts)
+    n_gen = sum(len(o.token_ids) for out in outs for o in out.outputs)
+    print(f"requests: {len(prompts)} ok, {len(errors)} failed | prompt tokens: {n_prompt} | "
+          f"generated tokens: {n_gen} | {n_gen / max(wall, 1e-9):.1f} tokens/s | "
+          f"wall time: {wall:.1f} s")
+    for err in (errors[no] for no in sorted(errors)):
+        print(f"  failed {err}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``specengine`` command."""
+    args = parse_args(argv)
+    if args.command == "generate":
+        return generate(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

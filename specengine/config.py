@@ -1,0 +1,43 @@
+"""Engine configuration: sizes and limits chosen once when the engine starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"bfloat16"``/``"float32"``/``"float16"`` or a torch dtype -> torch dtype.
+
+    Raises:
+        ValueError: an unknown dtype name.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use one of {list(DTYPES)}")
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of {list(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@dataclass
+class EngineConfig:
+    """Engine limits.
+
+    Attributes:
+        max_model_len: longest sequence, prompt plus output (tokens).
+        block_size: tokens per KV block.
+        num_kv_blocks: KV pool size (blocks), derived from ``kv_cache_memory_bytes``.
+        max_num_seqs: most sequences in one step.
+        max_num_batched_tokens: most tokens in one forward (prefill budget).
+    """
+
+    max_model_len: int
+    block_size: int = 16
+    num_kv_blocks: int = 0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096

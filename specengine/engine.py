@@ -1,0 +1,228 @@
+"""The step loop: schedule -> run the model -> sample -> append tokens and check stops.
+
+One ``Engine.step()`` advances every running sequence by one token and admits waiting
+requests; finished requests come back as ``RequestOutput``s.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specengine.config import EngineConfig
+from specengine.kv.block_manager import BlockManager
+from specengine.model_runner import ModelRunner
+from specengine.output_processor import OutputProcessor
+from specengine.outputs import CompletionOutput, RequestOutput
+from specengine.sampling import SamplingParams, process_logits, request_generator, sample
+from specengine.scheduler import Scheduler
+from specengine.sequence import Logprob, Sequence
+
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    arrival_time: float
+    first_token_time: float | None = None
+
+
+@dataclass
+class EngineMetrics:
+    """Counters since the engine started (tokens, steps, seconds)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    prefill_tokens: int = 0
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+    sample_time: float = 0.0
+    preemptions: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        d.update(self.extra)
+        return d
+
+
+class Engine:
+    """Continuous-batching engine over one model.
+
+    Args:
+        model: ``LlamaForCausalLM`` with loaded weights.
+        tokenizer: transformers tokenizer or None.
+        config: sizes (``num_kv_blocks`` must be set).
+        seed: seeds the generator that draws seeds for requests without one.
+        logprobs_mode: ``"raw_logprobs"`` (log-softmax of the model's logits, before
+            temperature/top-k/top-p/min-p; vLLM's default) or ``"processed_logprobs"`` (of the
+            distribution actually sampled from, after them).
+        eos_token_ids: ids that end a sample (default: from the model config and tokenizer).
+    """
+
+    def __init__(self, model, tokenizer, config: EngineConfig, seed: int = 0,
+                 logprobs_mode: str = "raw_logprobs", eos_token_ids: set[int] | None = None):
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode={logprobs_mode!r}: use one of {LOGPROBS_MODES}")
+        self.config = config
+        self.tokenizer = tokenizer
+        self.logprobs_mode = logprobs_mode
+        self.runner = ModelRunner(model, config.num_kv_blocks, config.block_size)
+        self.blocks = BlockManager(config.num_kv_blocks, config.block_size,
+                                   self.runner.copy_block)
+        self.scheduler = Scheduler(config, self.blocks)
+        if eos_token_ids is None:
+            eos_token_ids = set(model.config.eos_token_ids)
+            if tokenizer is not None and tokenizer.eos_token_id is not None:
+                eos_token_ids.add(tokenizer.eos_token_id)
+        self.output = OutputProcessor(tokenizer, eos_token_ids, config.max_model_len)
+        self.seed_rng = torch.Generator().manual_seed(seed)
+        self.requests: dict[str, Request] = {}
+        self.metrics = EngineMetrics()
+        self._next_id = 0
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, request_id: str | None = None) -> str:
+        """Queue a prompt; returns its request id.
+
+        Raises:
+            ValueError: empty prompt, prompt not shorter than ``max_model_len``, a token id
+                outside the vocabulary, or a stop string without a tokenizer.
+        """
+        if request_id is None:
+            request_id = str(self._next_id)
+            self._next_id += 1
+        self.validate_prompt(prompt_token_ids, f"request {request_id}")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError(f"request {request_id}: stop strings need a tokenizer")
+        seed = params.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self.seed_rng))
+        seqs = [Sequence(request_id, i, list(prompt_token_ids), params, request_generator(seed, i))
+                for i in range(params.n)]
+        self.requests[request_id] = Request(request_id, prompt, list(prompt_token_ids), params,
+                                            seqs, time.perf_counter())
+        self.scheduler.add(seqs)
+        self.metrics.requests += 1
+        self.metrics.prompt_tokens += len(prompt_token_ids)
+        return request_id
+
+    def validate_prompt(self, ids: list[int], what: str) -> None:
+        """Raise ValueError naming ``what`` if ``ids`` cannot be generated from."""
+        if len(ids) == 0:
+            raise ValueError(f"{what}: the prompt is empty")
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"{what}: the prompt has {len(ids)} tokens; it must be shorter "
+                             f"than max_model_len={limit}")
+        vocab = self.runner.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{what}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+
+    def abort_all(self) -> None:
+        """Drop every unfinished request and return its KV blocks to the pool."""
+        for req in self.requests.values():
+            for s in req.seqs:
+                if not s.is_finished:
+                    self.scheduler.finish(s)
+        self.scheduler.waiting.clear()
+        self.requests.clear()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step loop --------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns the requests that finished in it."""
+        entries = self.scheduler.schedule()
+        t0 = time.perf_counter()
+        logits = self.runner.run(entries, self.blocks)
+        t1 = time.perf_counter()
+        rows = [i for i, e in enumerate(entries) for _ in e.samplers]
+        seqs = [s for e in entries for s in e.samplers]
+        if len(rows) != len(entries):
+            logits = logits[rows]
+        tokens, logprobs = self.sample(logits, seqs)
+        now = time.perf_counter()
+        finished: list[RequestOutput] = []
+        for seq, tok, lp in zip(seqs, tokens, logprobs):
+            req = self.requests[seq.request_id]
+            req.first_token_time = req.first_token_time or now
+            if self.output.append(seq, tok, lp):
+                self.scheduler.finish(seq)
+                if all(s.is_finished for s in req.seqs):
+                    finished.append(self._request_output(req, now))
+        m = self.metrics
+        m.steps += 1
+        m.generated_tokens += len(seqs)
+        num_prefill = sum(e.num_new for e in entries if e.is_prefill)
+        m.prefill_tokens += num_prefill
+        if num_prefill:
+            m.prefill_time += t1 - t0
+        else:
+            m.decode_time += t1 - t0
+        m.sample_time += time.perf_counter() - t1
+        m.preemptions = self.scheduler.num_preemptions
+        return finished
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]):
+        """Next token (and logprobs entry) for each row of ``logits`` ``[B, V]`` float32."""
+        params = [s.params for s in seqs]
+        raw = logits
+        masked = None
+        for i, s in enumerate(seqs):
+            if s.num_output_tokens < s.params.min_tokens and (ids := self.output.stop_ids(s)):
+                masked = raw.clone() if masked is None else masked
+                masked[i, ids] = float("-inf")
+        masked = raw if masked is None else masked
+        if all(p.greedy for p in params):
+            processed = masked
+            tokens = torch.argmax(masked, dim=-1)
+        else:
+            processed = process_logits(masked, params)
+            tokens = sample(processed, params, [s.generator for s in seqs])
+        tokens = tokens.tolist()
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        entries: list[dict[int, Logprob] | None] = [None] * len(seqs)
+        if want:
+            src = raw if self.logprobs_mode == "raw_logprobs" else processed
+            lps = torch.log_softmax(src[want].float(), dim=-1)
+            for j, i in enumerate(want):
+                entries[i] = self._logprob_entry(lps[j], tokens[i], params[i].logprobs)
+        return tokens, entries
+
+    def _logprob_entry(self, lp: torch.Tensor, token: int, k: int) -> dict[int, Logprob]:
+        def decoded(t: int) -> str | None:
+            return self.tokenizer.decode([t]) if self.tokenizer is not None else None
+
+        value = float(lp[token])
+        out = {token: Logprob(value, int((lp > value).sum()) + 1, decoded(token))}
+        if k:
+            top = torch.topk(lp, k)
+            for rank, (v, t) in enumerate(zip(top.values.tolist(), top.indices.tolist()), 1):
+                if t not in out:
+                    out[t] = Logprob(v, rank, decoded(t))
+        return out
+
+    def _request_output(self, req: Request, now: float) -> RequestOutput:
+        del self.requests[req.request_id]
+        outs = [CompletionOutput(
+            index=s.index, text=s.text, token_ids=s.output_token_ids, logprobs=s.logprobs,
+            cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
+            finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in req.seqs]
+        metrics = {
+            "arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
+            "finished_time": now, "num_prompt_tokens": len(req.prompt_token_ids),
+            "num_generated_tokens": sum(len(o.token_ids) for o in outs)}
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, True, metrics)

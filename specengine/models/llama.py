@@ -1,0 +1,246 @@
+"""Llama-family decoder (Llama 2/3, Mistral without sliding window, Qwen2) over a paged KV cache.
+
+Architecture: Touvron et al., "LLaMA" (arXiv 2302.13971): pre-RMSNorm decoder layers with
+rotary position embeddings (RoFormer, arXiv 2104.09864; HF "rotate-half" layout), grouped-query
+attention (Ainslie et al., arXiv 2305.13245) and a SwiGLU MLP (Shazeer, arXiv 2002.05202).
+
+Tokens of all sequences in a step are packed flat into ``T`` rows (no batch dim, no padding);
+the attention backend finds each token's sequence and context through ``AttentionMetadata``.
+q/k/v and gate/up projections are fused into one matrix each (fewer GEMM calls); ``load_weights``
+maps Hugging Face parameter names onto the fused layout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from specengine import ops
+from specengine.attention.base import AttentionBackend, AttentionMetadata
+from specengine.models.config import ModelConfig
+
+
+def _add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    residual = x + residual
+    return ops.rms_norm(residual, weight, eps), residual
+
+
+# Fused residual add + RMSNorm from the C++ extension when the ops module has it.
+add_rms_norm = getattr(ops, "add_rms_norm", _add_rms_norm_ref)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """RoPE inverse frequencies ``[head_dim // 2]`` float32, with Llama 3.1 scaling if set.
+
+    Llama 3.1 scaling (Meta's reference code): wavelengths longer than
+    ``original_max / low_freq_factor`` are divided by ``factor``, shorter than
+    ``original_max / high_freq_factor`` are kept, and the band between is interpolated.
+    """
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = config.rope_scaling
+    if rs is None:
+        return inv_freq
+    factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old_len = rs["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, blended, scaled)
+
+
+def rope_cache(config: ModelConfig) -> torch.Tensor:
+    """``[max_position_embeddings, 2 * head_dim]`` float32: per position, the full-width cos
+    and the signed sin (``[-sin, sin]``) used by ``apply_rope``."""
+    inv_freq = rope_inv_freq(config)
+    t = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)  # [P, D/2]
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat([cos, cos, -sin, sin], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, heads, D]`` by ``cos``/``sin`` ``[T, 1, D]`` (same dtype as x).
+
+    Equals HF's ``x * cos + rotate_half(x) * sin``: ``roll`` swaps the halves and the sign
+    lives in ``sin``. Returns a new tensor.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm decoder layer: attention then SwiGLU MLP, each with a residual add."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        self.q_size = c.num_attention_heads * c.head_dim
+        self.kv_size = c.num_key_value_heads * c.head_dim
+        self.scale = c.head_dim ** -0.5
+        self.eps = c.rms_norm_eps
+
+        def param(*shape):
+            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+        self.input_norm = param(c.hidden_size)
+        self.qkv_proj = param(self.q_size + 2 * self.kv_size, c.hidden_size)
+        self.qkv_bias = param(self.q_size + 2 * self.kv_size) if c.attention_bias else None
+        self.o_proj = param(c.hidden_size, self.q_size)
+        self.o_bias = param(c.hidden_size) if c.o_proj_bias else None
+        self.post_attn_norm = param(c.hidden_size)
+        self.gate_up_proj = param(2 * c.intermediate_size, c.hidden_size)
+        self.down_proj = param(c.hidden_size, c.intermediate_size)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, backend: AttentionBackend
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``hidden``/``residual`` ``[T, hidden]`` -> (layer output, residual); the caller adds
+        them (fused into the next norm). ``residual`` is None for the first layer."""
+        if residual is None:
+            residual = hidden
+            hidden = ops.rms_norm(hidden, self.input_norm, self.eps)
+        else:
+            hidden, residual = add_rms_norm(hidden, residual, self.input_norm, self.eps)
+
+        T, nq, nkv = hidden.shape[0], self.num_heads, self.num_kv_heads
+        qkv = ops.linear(hidden, self.qkv_proj, self.qkv_bias).view(T, nq + 2 * nkv, -1)
+        qk = apply_rope(qkv[:, :nq + nkv], cos, sin)
+        q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:]
+        k_cache, v_cache = kv_cache
+        backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        attn = backend.forward(q, k_cache, v_cache, meta, self.scale)
+        hidden = ops.linear(attn.reshape(T, self.q_size), self.o_proj, self.o_bias)
+
+        hidden, residual = add_rms_norm(hidden, residual, self.post_attn_norm, self.eps)
+        hidden = ops.linear(ops.silu_and_mul(ops.linear(hidden, self.gate_up_proj)),
+                            self.down_proj)
+        return hidden, residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / Qwen2 causal LM over packed tokens and a paged KV cache.
+
+    Parameters are created uninitialised (``torch.empty``) in ``dtype``; fill them with
+    ``load_weights`` (the loader does) before use. Inference only (no autograd).
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.config = c = config
+        dtype = dtype or torch.get_default_dtype()
+        self.embed_tokens = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, dtype=dtype),
+                                         requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(c, dtype) for _ in range(c.num_hidden_layers))
+        self.norm = nn.Parameter(torch.empty(c.hidden_size, dtype=dtype), requires_grad=False)
+        self.lm_head = (self.embed_tokens if c.tie_word_embeddings else
+                        nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, dtype=dtype),
+                                     requires_grad=False))
+        # Built in float32, kept in the model dtype (HF casts cos/sin to it too).
+        self.register_buffer("rope_cache", rope_cache(c).to(dtype), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:
+        """Run the decoder over ``T`` packed tokens, writing their K/V into the caches.
+
+        Args:
+            input_ids: ``[T]`` int64 token ids.
+            positions: ``[T]`` int64 position of each token in its sequence
+                (< ``max_position_embeddings``).
+            kv_caches: one ``(k_cache, v_cache)`` per layer, each
+                ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the model dtype.
+            meta: slots for the new K/V and what each token attends to.
+            backend: paged attention implementation. It receives ``q`` ``[T, heads, D]``
+                that may be a non-contiguous view when ``T > 1``.
+
+        Returns:
+            ``[T, hidden_size]`` hidden states after the final norm, model dtype.
+        """
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"kv_caches has {len(kv_caches)} entries, the model has "
+                             f"{len(self.layers)} layers")
+        cs = self.rope_cache[positions].unsqueeze(1)  # [T, 1, 2D]
+        cos, sin = cs.chunk(2, dim=-1)
+        hidden, residual = self.embed_tokens[input_ids], None
+        for layer, kv in zip(self.layers, kv_caches):
+            hidden, residual = layer.forward(hidden, residual, cos, sin, kv, meta, backend)
+        hidden, _ = add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)
+        return hidden
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` hidden states -> ``[N, vocab_size]`` float32 logits."""
+        return ops.linear(hidden, self.lm_head).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors (``model.layers.N.self_attn.q_proj.weight``, ...)
+        into the fused parameters, casting to the model dtype.
+
+        ``lm_head.weight`` is ignored when embeddings are tied; ``rotary_emb.inv_freq`` always.
+
+        Raises:
+            ValueError: a name is unknown, a shape differs, or a parameter was not provided.
+        """
+        c = self.config
+        q, kv, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, \
+            c.intermediate_size
+        # HF suffix -> (our attribute, row offset, rows) within a layer; rows None = whole.
+        layer_map = {
+            "input_layernorm.weight": ("input_norm", 0, None),
+            "post_attention_layernorm.weight": ("post_attn_norm", 0, None),
+            "self_attn.q_proj.weight": ("qkv_proj", 0, q),
+            "self_attn.k_proj.weight": ("qkv_proj", q, kv),
+            "self_attn.v_proj.weight": ("qkv_proj", q + kv, kv),
+            "self_attn.q_proj.bias": ("qkv_bias", 0, q),
+            "self_attn.k_proj.bias": ("qkv_bias", q, kv),
+            "self_attn.v_proj.bias": ("qkv_bias", q + kv, kv),
+            "self_attn.o_proj.weight": ("o_proj", 0, None),
+            "self_attn.o_proj.bias": ("o_bias", 0, None),
+            "mlp.gate_proj.weight": ("gate_up_proj", 0, inter),
+            "mlp.up_proj.weight": ("gate_up_proj", inter, inter),
+            "mlp.down_proj.weight": ("down_proj", 0, None),
+        }
+        needed = {f"model.layers.{i}.{k}" for i, layer in enumerate(self.layers)
+                  for k, (attr, _, _) in layer_map.items() if getattr(layer, attr) is not None}
+        needed |= {"model.embed_tokens.weight", "model.norm.weight"}
+        if not c.tie_word_embeddings:
+            needed.add("lm_head.weight")
+        seen = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq") or (
+                    name == "lm_head.weight" and c.tie_word_embeddings):
+                continue
+            if name not in needed:
+                raise ValueError(f"unexpected weight {name!r} for {c.architecture} "
+                                 f"(attention_bias={c.attention_bias})")
+            if name.startswith("model.layers."):
+                idx, suffix = name[len("model.layers."):].split(".", 1)
+                attr, start, rows = layer_map[suffix]
+                dest = getattr(self.layers[int(idx)], attr)
+                if rows is not None:
+                    dest = dest[start:start + rows]
+            else:
+                dest = {"model.embed_tokens.weight": self.embed_tokens,
+                        "model.norm.weight": self.norm, "lm_head.weight": self.lm_head}[name]
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            seen.add(name)
+        if missing := needed - seen:
+            raise ValueError(f"{len(missing)} weights missing, e.g. {sorted(missing)[:3]}")

@@ -1,0 +1,43 @@
+"""Results of ``LLM.generate`` with vLLM's names: ``RequestOutput`` holds ``CompletionOutput``s."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specengine.sequence import Logprob
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request.
+
+    Attributes:
+        index: sample index in ``0 .. n-1``.
+        text: generated text (stop strings cut as vLLM does).
+        token_ids: generated token ids (a stop token or EOS that ended the sample is included).
+        logprobs: per generated token, ``{token_id: Logprob}`` with the sampled token and the
+            top-``logprobs`` tokens; None when ``SamplingParams.logprobs`` is None.
+        cumulative_logprob: sum of the sampled tokens' log-probabilities (None without logprobs).
+        finish_reason: ``"stop"`` (EOS, stop token or stop string) or ``"length"``.
+        stop_reason: the stop string or stop token id that ended it; None for EOS or length.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """All samples of one prompt, plus the request's timing metrics (seconds, tokens)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    metrics: dict = field(default_factory=dict)

@@ -1,0 +1,164 @@
+"""Sampling parameters (vLLM's names) and the sampler that turns logits into tokens.
+
+The sampler applies, in this order and exactly as plain (non-speculative) generation does:
+``min_tokens`` masking of stop tokens, temperature, top-k, top-p (nucleus, Holtzman et al. 2019),
+min-p; then greedy argmax (temperature 0) or a draw from the request's own ``torch.Generator``,
+so a seeded request gives the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+GREEDY_EPS = 1e-5  # temperatures below this are greedy (vLLM's convention)
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request (vLLM-compatible names).
+
+    Attributes:
+        n: samples per prompt (>= 1); they share the prompt's KV blocks.
+        temperature: 0 means greedy; otherwise logits are divided by it (>= 0).
+        top_p: nucleus mass in (0, 1]; 1 disables.
+        top_k: keep the k most likely tokens; 0 or -1 disables.
+        min_p: drop tokens with probability < min_p * max probability; in [0, 1].
+        seed: per-request seed; None draws one from the engine's seeded generator.
+        stop: stop strings; the text is cut before the first match (vLLM semantics).
+        stop_token_ids: token ids that end the request (kept in ``token_ids``).
+        include_stop_str_in_output: keep the stop string / stop token's text in ``text``.
+        max_tokens: maximum generated tokens (>= 1).
+        min_tokens: EOS and stop tokens are masked out until this many tokens were generated.
+        ignore_eos: keep generating after EOS.
+        logprobs: number of top log-probabilities to return per token (the sampled token's is
+            always included); None returns none.
+        skip_special_tokens: drop special tokens from ``text``.
+
+    Raises:
+        ValueError: a value outside its range, naming the parameter.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    _stop: list[str] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if self.temperature < 0:
+            raise bad("temperature", "must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", "must be an integer: -1 or 0 to disable, or >= 1")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", "must be in [0, 1]")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}]")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise bad("logprobs", "must be None or an integer >= 0")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "must be an integer or None")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise bad("stop", "must be a non-empty string or a list of non-empty strings")
+        self._stop = stop
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return self._stop
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SamplingParams:
+        """Build from a dict, rejecting unknown keys with a ValueError that names them."""
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+
+def request_generator(seed: int, sample_index: int) -> torch.Generator:
+    """The RNG of sample ``sample_index`` of a request seeded with ``seed`` (CPU generator)."""
+    g = torch.Generator()
+    g.manual_seed(hash((seed, sample_index)) & ((1 << 63) - 1))
+    return g
+
+
+def process_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Apply temperature, top-k, top-p and min-p per row.
+
+    Args:
+        logits: ``[B, V]`` float32 (already masked for ``min_tokens``); not modified.
+        params: one SamplingParams per row.
+
+    Returns:
+        ``[B, V]`` float32 logits where filtered tokens are ``-inf``. Greedy rows are returned
+        unchanged (temperature is not applied to them).
+    """
+    out = logits.clone()
+    for i, p in enumerate(params):
+        if p.greedy:
+            continue
+        row = out[i]
+        if p.temperature != 1.0:
+            row.div_(p.temperature)
+        top_k = p.top_k if p.top_k > 0 else 0
+        if top_k and top_k < row.numel():
+            kth = torch.topk(row, top_k).values[-1]
+            row.masked_fill_(row < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_logits, idx = torch.sort(row, descending=True)
+            cum = torch.softmax(sorted_logits, -1).cumsum(-1)
+            # drop a token when the mass before it already reaches top_p; always keep the first
+            drop = (cum - torch.softmax(sorted_logits, -1)) >= p.top_p
+            drop[0] = False
+            row[idx[drop]] = float("-inf")
+        if p.min_p > 0.0:
+            probs = torch.softmax(row, -1)
+            row.masked_fill_(probs < p.min_p * probs.max(), float("-inf"))
+    return out
+
+
+def sample(processed: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator]) -> torch.Tensor:
+    """Pick one token per row: argmax for greedy rows, else a draw from ``softmax(row)``.
+
+    Args:
+        processed: ``[B, V]`` float32 output of ``process_logits``.
+        params: one per row. generators: one ``torch.Generator`` per row (the request's own).
+
+    Returns:
+        ``[B]`` int64 token ids.
+    """
+    tokens = torch.argmax(processed, dim=-1)
+    for i, p in enumerate(params):
+        if not p.greedy:
+            probs = torch.softmax(processed[i], -1)
+            tokens[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
+    return tokens

@@ -1,0 +1,120 @@
+"""Continuous batching: which sequences run this step, and who gets KV blocks.
+
+Every step runs one decode token for each running sequence and, inside the token budget,
+admits waiting requests (whole prompts, all ``n`` samples of a prompt together sharing the
+prompt's blocks). When the KV pool cannot hold the next decode tokens, the most recently
+admitted sequence is preempted: its blocks are freed and it is recomputed later from its
+tokens so far (vLLM's recompute preemption). Outputs do not change; nothing crashes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from specengine.config import EngineConfig
+from specengine.kv.block_manager import BlockManager, cdiv
+from specengine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class BatchEntry:
+    """Tokens of one sequence that go through the model this step.
+
+    ``seq`` owns the KV written at positions ``seq.num_cached ..`` for ``num_new`` tokens;
+    each sequence in ``samplers`` draws its next token from the logits of the last of them
+    (one sequence at decode; all samples of a prompt at its prefill).
+    """
+
+    seq: Sequence
+    num_new: int
+    samplers: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_new > 1 or self.seq.num_cached == 0
+
+
+class Scheduler:
+    """Queues of waiting and running sequences over a ``BlockManager``."""
+
+    def __init__(self, config: EngineConfig, blocks: BlockManager):
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[list[Sequence]] = deque()  # groups: samples of one prompt
+        self.running: list[Sequence] = []  # in admission order
+        self.num_preemptions = 0
+
+    def add(self, group: list[Sequence]) -> None:
+        self.waiting.append(group)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[BatchEntry]:
+        """Pick this step's work; reserves KV blocks for it.
+
+        Raises:
+            RuntimeError: a single sequence does not fit the whole KV pool.
+        """
+        entries = self._schedule_decodes()
+        budget = self.config.max_num_batched_tokens - len(entries)
+        while self.waiting and len(self.running) + len(self.waiting[0]) <= self.config.max_num_seqs:
+            group = self.waiting[0]
+            leader = group[0]
+            need = cdiv(len(leader), self.blocks.block_size)
+            if need > self.blocks.num_blocks:
+                raise RuntimeError(
+                    f"request {leader.request_id} needs {need} KV blocks for {len(leader)} tokens "
+                    f"but the pool has only {self.blocks.num_blocks}; raise kv_cache_memory_bytes")
+            # keep one free block per running sequence so admitted work can keep decoding
+            if len(leader) > budget and entries:
+                break
+            if self.blocks.num_free - need < len(self.running) and self.running:
+                break
+            if self.blocks.num_free < need:
+                break
+            self.waiting.popleft()
+            self.blocks.allocate_shared(group)
+            for s in group:
+                s.status = SequenceStatus.RUNNING
+                self.running.append(s)
+            entries.append(BatchEntry(leader, len(leader), list(group)))
+            budget -= len(leader)
+        if not entries and self.waiting:
+            leader = self.waiting[0][0]
+            raise RuntimeError(f"request {leader.request_id} ({len(leader)} tokens) cannot be "
+                               "scheduled: raise max_num_batched_tokens or kv_cache_memory_bytes")
+        return entries
+
+    def _schedule_decodes(self) -> list[BatchEntry]:
+        """One decode token per running sequence, in admission order; preempts from the back
+        (most recently admitted first) while the pool cannot hold the next token."""
+        entries: list[BatchEntry] = []
+        for seq in list(self.running):
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted while making room for an earlier sequence
+            while self.blocks.blocks_to_grow(seq, 1) > self.blocks.num_free:
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status == SequenceStatus.RUNNING:
+                self.blocks.grow(seq, 1)
+                entries.append(BatchEntry(seq, 1, [seq]))
+        return entries
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and queue it (first) for recomputation."""
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft([seq])
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished sequence and free its blocks."""
+        seq.status = SequenceStatus.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+        self.blocks.free(seq)

@@ -1,0 +1,79 @@
+"""One generated sample: its tokens, KV block table, RNG, stop state and outputs so far."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from specengine.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token (vLLM's ``Logprob``): value, 1-based rank, decoded text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    """Sample ``index`` of request ``request_id``.
+
+    ``num_cached`` counts the leading tokens whose K/V are in the cache; the tokens after it
+    go through the model at the next step (the whole prompt at prefill, the last sampled token
+    at decode). ``block_table`` lists KV block ids in position order.
+    """
+
+    def __init__(self, request_id: str, index: int, prompt_token_ids: list[int],
+                 params: SamplingParams, generator: torch.Generator):
+        self.seq_id = next(_seq_ids)
+        self.request_id = request_id
+        self.index = index
+        self.prompt_token_ids = prompt_token_ids
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.params = params
+        self.generator = generator
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_cached = 0
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, req={self.request_id}#{self.index}, "
+                f"len={len(self)}, cached={self.num_cached}, {self.status.value})")

