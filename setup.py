@@ -23,7 +23,7 @@ def extension_modules():
     from torch.utils.cpp_extension import CppExtension, CUDAExtension
 
     sources = sorted(glob.glob("csrc/*.cpp"))
-    cxx = ["-O3", "-std=c++17", "-fopenmp"]
+    cxx = ["-O3", "-fopenmp", "-Wno-psabi"]
     link = ["-fopenmp"]
     with_cuda = (torch.version.cuda is not None and shutil.which("nvcc") is not None
                  and not os.environ.get("SPECENGINE_NO_CUDA"))
@@ -31,7 +31,7 @@ def extension_modules():
         sources += sorted(glob.glob("csrc/cuda/*.cu"))
         return [CUDAExtension(
             "specengine._C", sources, define_macros=[("SPECENGINE_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17", "--use_fast_math"]},
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "--use_fast_math"]},
             extra_link_args=link)]
     return [CppExtension("specengine._C", sources, extra_compile_args={"cxx": cxx},
                          extra_link_args=link)]

@@ -130,11 +130,11 @@ void check_index(const at::Tensor& x, const char* name, int64_t dim) {
 
 }  // namespace
 
-at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache,
-                               const at::Tensor& v_cache, const at::Tensor& block_tables,
-                               const at::Tensor& query_seq, const at::Tensor& kv_lens,
-                               double scale, const std::optional<at::Tensor>& tree_base,
-                               const std::optional<at::Tensor>& tree_mask) {
+void check_paged_attention_args(const at::Tensor& query, const at::Tensor& k_cache,
+                                const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                const at::Tensor& query_seq, const at::Tensor& kv_lens,
+                                const std::optional<at::Tensor>& tree_base,
+                                const std::optional<at::Tensor>& tree_mask) {
   TORCH_CHECK_VALUE(query.dim() == 3, "query must be [T, H, D], got shape ", query.sizes());
   TORCH_CHECK_VALUE(k_cache.dim() == 4, "k_cache must be [num_blocks, block_size, KVH, D], got ",
                     k_cache.sizes());
@@ -144,13 +144,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
                     "k_cache and v_cache must be contiguous");
   TORCH_CHECK_TYPE(k_cache.scalar_type() == v_cache.scalar_type(),
                    "k_cache and v_cache dtypes differ");
-  const auto kdt = k_cache.scalar_type();
-  TORCH_CHECK_TYPE(kdt == at::kFloat || kdt == at::kBFloat16,
-                   "k_cache must be float32 or bfloat16, got ", kdt);
-  TORCH_CHECK_VALUE(query.device().is_cpu() && k_cache.device().is_cpu(),
-                    "paged_attention_cpu needs CPU tensors");
   const int64_t T = query.size(0), H = query.size(1), D = query.size(2);
-  const int64_t NB = k_cache.size(0), BS = k_cache.size(1), KVH = k_cache.size(2);
+  const int64_t KVH = k_cache.size(2);
   TORCH_CHECK_VALUE(k_cache.size(3) == D, "head_dim of k_cache (", k_cache.size(3),
                     ") != head_dim of query (", D, ")");
   TORCH_CHECK_VALUE(KVH > 0 && H % KVH == 0, "num_heads (", H,
@@ -162,6 +157,32 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
                     "query_seq and kv_lens must have T=", T, " entries");
   TORCH_CHECK_VALUE(tree_base.has_value() == tree_mask.has_value(),
                     "tree_base and tree_mask must be given together");
+  if (tree_mask.has_value()) {
+    check_index(*tree_base, "tree_base", 1);
+    TORCH_CHECK_VALUE(tree_base->size(0) == T, "tree_base must have T=", T, " entries");
+    TORCH_CHECK_TYPE(tree_mask->scalar_type() == at::kBool, "tree_mask must be bool, got ",
+                     tree_mask->scalar_type());
+    TORCH_CHECK_VALUE(tree_mask->dim() == 2 && tree_mask->size(0) == T, "tree_mask must be [T=",
+                      T, ", W], got ", tree_mask->sizes());
+  }
+  for (const at::Tensor* x : {&k_cache, &v_cache, &block_tables, &query_seq, &kv_lens})
+    TORCH_CHECK_VALUE(x->device() == query.device(), "all attention inputs must be on ",
+                      query.device(), ", got one on ", x->device());
+}
+
+at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cache,
+                               const at::Tensor& v_cache, const at::Tensor& block_tables,
+                               const at::Tensor& query_seq, const at::Tensor& kv_lens,
+                               double scale, const std::optional<at::Tensor>& tree_base,
+                               const std::optional<at::Tensor>& tree_mask) {
+  check_paged_attention_args(query, k_cache, v_cache, block_tables, query_seq, kv_lens,
+                             tree_base, tree_mask);
+  TORCH_CHECK_VALUE(query.device().is_cpu(), "paged_attention_cpu needs CPU tensors");
+  const auto kdt = k_cache.scalar_type();
+  TORCH_CHECK_TYPE(kdt == at::kFloat || kdt == at::kBFloat16,
+                   "k_cache must be float32 or bfloat16, got ", kdt);
+  const int64_t T = query.size(0), H = query.size(1), D = query.size(2);
+  const int64_t NB = k_cache.size(0), BS = k_cache.size(1), KVH = k_cache.size(2);
   const auto bt = block_tables.contiguous();
   const auto qs = query_seq.contiguous();
   const auto kl = kv_lens.contiguous();
@@ -188,13 +209,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
   int64_t W = 0;
   if (tree_mask.has_value()) {
     tb = tree_base->contiguous();
-    check_index(tb, "tree_base", 1);
-    TORCH_CHECK_VALUE(tb.size(0) == T, "tree_base must have T=", T, " entries");
     tm = tree_mask->contiguous();
-    TORCH_CHECK_TYPE(tm.scalar_type() == at::kBool, "tree_mask must be bool, got ",
-                     tm.scalar_type());
-    TORCH_CHECK_VALUE(tm.dim() == 2 && tm.size(0) == T, "tree_mask must be [T=", T,
-                      ", W], got ", tm.sizes());
     W = tm.size(1);
   }
   auto q = (query.to(at::kFloat) * scale).contiguous();

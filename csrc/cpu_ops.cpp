@@ -44,29 +44,32 @@ bool has_avx512_bf16() {
 
 template <int MB, int NB>
 SE_BF16_TARGET inline void bf16_tile(const LinearArgs& a, int64_t m0, int64_t n0) {
-  const auto* x = static_cast<const uint16_t*>(a.x) + m0 * a.K;
-  const auto* w = static_cast<const uint16_t*>(a.w) + n0 * a.K;
+  const int64_t K = a.K;
+  const auto* x = static_cast<const uint16_t*>(a.x) + m0 * K;
+  const auto* w = static_cast<const uint16_t*>(a.w) + n0 * K;
   __m512 acc[MB][NB];
+#pragma GCC unroll 4
   for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < a.K; k += 32) {
-    const __mmask32 mk = a.K - k >= 32 ? ~__mmask32(0) : (__mmask32(1) << (a.K - k)) - 1;
+  for (int64_t k = 0; k < K; k += 32) {
+    const __mmask32 mk = K - k >= 32 ? ~__mmask32(0) : (__mmask32(1) << (K - k)) - 1;
     __m512i wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = _mm512_maskz_loadu_epi16(mk, w + j * a.K + k);
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_maskz_loadu_epi16(mk, w + j * K + k);
+#pragma GCC unroll 4
     for (int i = 0; i < MB; ++i) {
-      const __m512i xv = _mm512_maskz_loadu_epi16(mk, x + i * a.K + k);
+      const __m512i xv = _mm512_maskz_loadu_epi16(mk, x + i * K + k);
+#pragma GCC unroll 4
       for (int j = 0; j < NB; ++j)
         acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xv, (__m512bh)wv[j]);
     }
   }
+#pragma GCC unroll 4
   for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) {
-      float s;
-      alignas(64) float lanes[16];
-      _mm512_store_ps(lanes, acc[i][j]);
-      for (int h = 8; h >= 1; h /= 2)  // same fixed order as hsum() in vec.h
-        for (int l = 0; l < h; ++l) lanes[l] += lanes[l + h];
-      s = lanes[0];
+      const float s = _mm512_reduce_add_ps(acc[i][j]);  // fixed tree order
       a.y[(m0 + i) * a.N + n0 + j] = a.b ? s + a.b[n0 + j] : s;
     }
 }

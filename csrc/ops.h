@@ -8,6 +8,13 @@
 
 namespace specengine {
 
+// Shape/dtype/device checks shared by the CPU and CUDA paged attention (reads no data).
+void check_paged_attention_args(const at::Tensor& query, const at::Tensor& k_cache,
+                                const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                const at::Tensor& query_seq, const at::Tensor& kv_lens,
+                                const std::optional<at::Tensor>& tree_base,
+                                const std::optional<at::Tensor>& tree_mask);
+
 // Paged attention; see specengine/attention/base.py for the semantics of every argument.
 // tree_base [T] int32 and tree_mask [T, W] bool (both or neither): query t sees KV position p
 // (< kv_lens[t]) iff p < tree_base[t] or tree_mask[t, p - tree_base[t]].

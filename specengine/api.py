@@ -12,6 +12,8 @@ from specengine.engine import Engine
 from specengine.model_runner import kv_bytes_per_block
 from specengine.outputs import RequestOutput
 from specengine.sampling import SamplingParams
+from specengine.spec.config import SpeculativeConfig
+from specengine.spec.factory import make_proposer
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_KV_BYTES = 1 << 30
@@ -33,6 +35,9 @@ class LLM:
         max_num_batched_tokens: most tokens in one forward (default ``max(4096, max_model_len)``).
         logprobs_mode: ``"raw_logprobs"`` (before temperature and filtering, vLLM's default) or
             ``"processed_logprobs"`` (of the distribution sampled from).
+        speculative_config: e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``; see
+            ``specengine.spec.config.SpeculativeConfig``. Outputs are unchanged by it: greedy
+            output is identical, sampled output has the same distribution.
 
     Raises:
         ValueError: unknown alias or dtype, ``max_model_len`` above the model's limit, a KV
@@ -43,7 +48,7 @@ class LLM:
                  max_model_len: int | None = None, kv_cache_memory_bytes: int | None = None,
                  seed: int = 0, block_size: int = 16, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None,
-                 logprobs_mode: str = "raw_logprobs"):
+                 logprobs_mode: str = "raw_logprobs", speculative_config: dict | None = None):
         from specengine.models.loader import load_model
 
         torch_dtype = parse_dtype(dtype)
@@ -70,8 +75,11 @@ class LLM:
             max_model_len=max_model_len, block_size=block_size, num_kv_blocks=num_blocks,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or max(4096, max_model_len))
+        self.speculative_config = SpeculativeConfig.from_dict(speculative_config)
+        proposer = make_proposer(self.speculative_config, loaded, num_blocks, block_size) \
+            if self.speculative_config else None
         self.engine = Engine(loaded.model, self.tokenizer, self.engine_config, seed=seed,
-                             logprobs_mode=logprobs_mode)
+                             logprobs_mode=logprobs_mode, proposer=proposer)
         self._wall_time = 0.0
 
     def get_tokenizer(self):

@@ -17,8 +17,11 @@ from specengine.model_runner import ModelRunner
 from specengine.output_processor import OutputProcessor
 from specengine.outputs import CompletionOutput, RequestOutput
 from specengine.sampling import SamplingParams, process_logits, request_generator, sample
-from specengine.scheduler import Scheduler
+from specengine.scheduler import BatchEntry, Scheduler
 from specengine.sequence import Logprob, Sequence
+from specengine.spec.proposer import Proposer, prune_tree
+from specengine.spec.strategy import Strategy
+from specengine.spec.verify import verify
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
@@ -47,10 +50,23 @@ class EngineMetrics:
     decode_time: float = 0.0
     sample_time: float = 0.0
     preemptions: int = 0
+    decode_steps: int = 0
+    draft_time: float = 0.0
+    spec_steps: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_depth: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
+        """Counters plus derived ``acceptance_length`` (tau: tokens committed per verify
+        forward, the bonus token included) and ``acceptance_rate_per_depth``."""
         d = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        if self.spec_steps:
+            d["acceptance_length"] = (self.accepted_tokens + self.spec_steps) / self.spec_steps
+            d["acceptance_rate_per_depth"] = [
+                self.accepted_per_depth.get(i, 0) / self.spec_steps
+                for i in range(max(self.accepted_per_depth, default=-1) + 1)]
         d.update(self.extra)
         return d
 
@@ -67,10 +83,12 @@ class Engine:
             temperature/top-k/top-p/min-p; vLLM's default) or ``"processed_logprobs"`` (of the
             distribution actually sampled from, after them).
         eos_token_ids: ids that end a sample (default: from the model config and tokenizer).
+        proposer: drafter for speculative decoding (None: plain decoding).
     """
 
     def __init__(self, model, tokenizer, config: EngineConfig, seed: int = 0,
-                 logprobs_mode: str = "raw_logprobs", eos_token_ids: set[int] | None = None):
+                 logprobs_mode: str = "raw_logprobs", eos_token_ids: set[int] | None = None,
+                 proposer: Proposer | None = None):
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode={logprobs_mode!r}: use one of {LOGPROBS_MODES}")
         self.config = config
@@ -88,6 +106,7 @@ class Engine:
         self.seed_rng = torch.Generator().manual_seed(seed)
         self.requests: dict[str, Request] = {}
         self.metrics = EngineMetrics()
+        self.proposer = proposer
         self._next_id = 0
 
     # ---- requests -------------------------------------------------------------------------
@@ -144,37 +163,122 @@ class Engine:
 
     # ---- the step loop --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns the requests that finished in it."""
-        entries = self.scheduler.schedule()
+        """Run one step; returns the requests that finished in it.
+
+        schedule -> draft (speculation) -> one target forward -> sample / verify -> KV commit
+        -> append tokens one at a time with the stop rules.
+        """
+        m = self.metrics
+        strategy = self.proposer.strategy if self.proposer is not None else None
+        entries = self.scheduler.schedule(lookahead=strategy.budget if strategy else 0)
         t0 = time.perf_counter()
-        logits = self.runner.run(entries, self.blocks)
+        if strategy is not None:
+            self._draft(entries, strategy)
         t1 = time.perf_counter()
-        rows = [i for i, e in enumerate(entries) for _ in e.samplers]
-        seqs = [s for e in entries for s in e.samplers]
-        if len(rows) != len(entries):
-            logits = logits[rows]
-        tokens, logprobs = self.sample(logits, seqs)
-        now = time.perf_counter()
+        logits, hidden = self.runner.run(entries, self.blocks)
+        t2 = time.perf_counter()
+        if self.proposer is not None:
+            self.proposer.observe(entries, hidden)
+
+        plain, trees, row = [], [], 0
+        for e in entries:
+            n = 1 + (e.tree.num_nodes if e.tree is not None else 0)
+            (plain if e.tree is None else trees).append((e, row))
+            row += n
+        commits: list[tuple[Sequence, list[int], list]] = []
+        seqs = [s for e, _ in plain for s in e.samplers]
+        if seqs:
+            rows = [r for e, r in plain for _ in e.samplers]
+            tokens, lps = self.sample(logits[rows], seqs)
+            commits += [(s, [t], [lp]) for s, t, lp in zip(seqs, tokens, lps)]
+            for e, _ in plain:
+                cached = e.seq.num_cached + e.num_new
+                for s in e.samplers:
+                    s.num_cached = cached
+        for e, r in trees:
+            commits.append(self._verify(e, logits[r:r + 1 + e.tree.num_nodes]))
+        t3 = time.perf_counter()
+
         finished: list[RequestOutput] = []
-        for seq, tok, lp in zip(seqs, tokens, logprobs):
+        now = time.perf_counter()
+        for seq, toks, lps in commits:
             req = self.requests[seq.request_id]
             req.first_token_time = req.first_token_time or now
-            if self.output.append(seq, tok, lp):
-                self.scheduler.finish(seq)
-                if all(s.is_finished for s in req.seqs):
-                    finished.append(self._request_output(req, now))
-        m = self.metrics
+            for tok, lp in zip(toks, lps):
+                m.generated_tokens += 1
+                if self.output.append(seq, tok, lp):
+                    self.scheduler.finish(seq)
+                    if self.proposer is not None:
+                        self.proposer.release(seq)
+                    if all(s.is_finished for s in req.seqs):
+                        finished.append(self._request_output(req, now))
+                    break
+        for e in entries:  # give back the slots reserved for draft tokens
+            if not e.is_prefill and not e.seq.is_finished:
+                self.blocks.shrink(e.seq, e.seq.num_cached)
         m.steps += 1
-        m.generated_tokens += len(seqs)
         num_prefill = sum(e.num_new for e in entries if e.is_prefill)
         m.prefill_tokens += num_prefill
         if num_prefill:
-            m.prefill_time += t1 - t0
+            m.prefill_time += t2 - t1
         else:
-            m.decode_time += t1 - t0
-        m.sample_time += time.perf_counter() - t1
+            m.decode_time += t2 - t1
+            m.decode_steps += 1
+        m.draft_time += t1 - t0
+        m.sample_time += t3 - t2
         m.preemptions = self.scheduler.num_preemptions
         return finished
+
+    def _draft(self, entries: list[BatchEntry], strategy: Strategy) -> None:
+        """Attach a draft tree to each decode entry, pruned to what the sequence may still
+        commit (``max_tokens``, ``max_model_len``)."""
+        decodes = [e for e in entries if not e.is_prefill]
+        if not decodes:
+            return
+        trees = self.proposer.propose([e.seq for e in decodes], strategy)
+        for e, tree in zip(decodes, trees):
+            s = e.seq
+            room = min(s.params.max_tokens - s.num_output_tokens,
+                       self.config.max_model_len - len(s)) - 1
+            e.tree = prune_tree(tree, max_depth=room, max_nodes=self.config.max_model_len -
+                                len(s)) if tree is not None else None
+
+    def _verify(self, e: BatchEntry, logits: torch.Tensor):
+        """Verify ``e.tree`` against the target's ``logits`` ``[1 + m, V]`` (root first), commit
+        the accepted path's KV and return ``(seq, tokens, logprob entries)`` to append."""
+        seq, tree, p = e.seq, e.tree, e.seq.params
+        n_out = seq.num_output_tokens
+        masked = logits
+        if n_out < p.min_tokens and (ids := self.output.stop_ids(seq)):
+            masked = logits.clone()
+            for j, d in enumerate([0] + tree.depths):
+                if n_out + d < p.min_tokens:
+                    masked[j, ids] = float("-inf")
+        accepted, bonus = verify(tree, masked, p, seq.generator)
+        tokens = [tree.tokens[a] for a in accepted] + [bonus]
+        # KV commit: the accepted nodes move to contiguous positions after the root
+        ctx = seq.num_cached + 1  # committed tokens including the root
+        src = [ctx + a for a in accepted]
+        dst = [ctx + j for j in range(len(accepted))]
+        if src != dst:
+            self.runner.move_kv(self.blocks, seq, src, dst)
+        seq.num_cached = ctx + len(accepted)
+        # statistics
+        m = self.metrics
+        m.spec_steps += 1
+        m.drafted_tokens += tree.num_nodes
+        m.accepted_tokens += len(accepted)
+        for d in range(len(accepted)):
+            m.accepted_per_depth[d] = m.accepted_per_depth.get(d, 0) + 1
+        seq.spec_stats(tree.num_nodes, len(accepted))
+        lps: list = [None] * len(tokens)
+        if p.logprobs is not None:
+            rows = [0] + [1 + a for a in accepted]
+            src_rows = logits if self.logprobs_mode == "raw_logprobs" else (
+                masked if p.greedy else process_logits(masked, [p] * masked.shape[0]))
+            lp = torch.log_softmax(src_rows[rows].float(), dim=-1)
+            lps = [self._logprob_entry(lp[j], t, p.logprobs) for j, t in enumerate(tokens)]
+        return seq, tokens, lps
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]):
         """Next token (and logprobs entry) for each row of ``logits`` ``[B, V]`` float32."""

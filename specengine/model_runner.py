@@ -57,22 +57,46 @@ class ModelRunner:
     def prepare(self, entries: list[BatchEntry], blocks: BlockManager):
         """Flat inputs for ``entries``.
 
+        A prefill entry feeds its uncached tokens; a decode entry its last token (the root) and,
+        with a draft tree of m nodes, the nodes too: node i at position ``L-1+depth_i`` and cache
+        position ``L+i``, attending to the committed context and its ancestors (tree mask).
+
         Returns:
             input_ids ``[T]`` int64, positions ``[T]`` int64, AttentionMetadata, and
-            ``last_rows``: ``[len(entries)]`` int64 index of each entry's last token in ``T``.
+            ``rows``: ``[R]`` int64 indices into ``T`` of the tokens whose logits are needed
+            (the last token of a prefill; the root and every node of a decode entry).
         """
-        ids, pos, slots, qseq, kv_lens, last = [], [], [], [], [], []
+        ids, pos, slots, qseq, kv_lens, rows = [], [], [], [], [], []
+        base, masks = [], []
+        width = max((e.tree.num_nodes for e in entries if e.tree is not None), default=0)
         for row, e in enumerate(entries):
-            s = e.seq
-            start, end = s.num_cached, s.num_cached + e.num_new
-            ids.extend(s.token_ids[start:end])
-            pos.extend(range(start, end))
-            slots.extend(blocks.slots(s, start, end))
-            qseq.extend([row] * e.num_new)
-            kv_lens.extend(range(start + 1, end + 1))
-            last.append(len(ids) - 1)
-        width = max(len(e.seq.block_table) for e in entries)
-        tables = [e.seq.block_table + [0] * (width - len(e.seq.block_table)) for e in entries]
+            s, t = e.seq, e.tree
+            start = s.num_cached
+            n = e.num_new + (t.num_nodes if t is not None else 0)
+            slots.extend(blocks.slots(s, start, start + n))
+            qseq.extend([row] * n)
+            ids.extend(s.token_ids[start:start + e.num_new])
+            if t is None:
+                pos.extend(range(start, start + n))
+                kv_lens.extend(range(start + 1, start + n + 1))
+                base.extend(range(start + 1, start + n + 1))
+                masks.extend([None] * n)
+                rows.append(len(ids) - 1)
+                continue
+            ctx = start + 1  # L: committed tokens including the root
+            ids.extend(t.tokens)
+            pos.append(start)
+            pos.extend(start + d for d in t.depths)
+            kv_lens.append(ctx)
+            kv_lens.extend(range(ctx + 1, ctx + t.num_nodes + 1))
+            base.extend([ctx] * n)
+            tm = t.tree_mask()
+            masks.append(None)
+            masks.extend(tm[i] for i in range(t.num_nodes))
+            rows.extend(range(len(ids) - n, len(ids)))
+        width_tables = max(len(e.seq.block_table) for e in entries)
+        tables = [e.seq.block_table + [0] * (width_tables - len(e.seq.block_table))
+                  for e in entries]
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
@@ -80,23 +104,35 @@ class ModelRunner:
             query_seq=torch.tensor(qseq, dtype=torch.int32, device=dev),
             kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=dev),
             max_kv_len=max(kv_lens))
+        if width:
+            mask = torch.zeros(len(ids), width, dtype=torch.bool)
+            for i, m in enumerate(masks):
+                if m is not None:
+                    mask[i, :len(m)] = m
+            meta.tree_base = torch.tensor(base, dtype=torch.int32, device=dev)
+            meta.tree_mask = mask.to(dev)
         return (torch.tensor(ids, dtype=torch.int64, device=dev),
                 torch.tensor(pos, dtype=torch.int64, device=dev), meta,
-                torch.tensor(last, dtype=torch.int64, device=dev))
+                torch.tensor(rows, dtype=torch.int64, device=dev))
 
     @torch.inference_mode()
-    def run(self, entries: list[BatchEntry], blocks: BlockManager) -> torch.Tensor:
-        """Forward ``entries``; writes their K/V and advances ``num_cached`` of every sequence
-        that shares the entry's blocks.
+    def run(self, entries: list[BatchEntry], blocks: BlockManager):
+        """Forward ``entries``, writing their K/V into the cache.
 
         Returns:
-            ``[len(entries), vocab]`` float32 logits of each entry's last token.
+            ``(logits [R, vocab] float32, hidden [R, hidden_size])`` for the rows described in
+            ``prepare`` (in entry order); ``hidden`` is the target's last hidden state (after
+            the final norm), the feature EAGLE drafters read.
         """
-        input_ids, positions, meta, last = self.prepare(entries, blocks)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
-        logits = self.model.compute_logits(hidden[last])
-        for e in entries:
-            n = e.seq.num_cached + e.num_new
-            for s in {id(x): x for x in [e.seq, *e.samplers]}.values():
-                s.num_cached = n
-        return logits
+        input_ids, positions, meta, rows = self.prepare(entries, blocks)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)[rows]
+        return self.model.compute_logits(hidden), hidden
+
+    def move_kv(self, blocks: BlockManager, seq, src_positions: list[int],
+                dst_positions: list[int]) -> None:
+        """Copy K/V of ``seq`` from cache positions ``src`` to ``dst`` in every layer (KV
+        commit of an accepted tree path)."""
+        src = torch.tensor([blocks.slots(seq, p, p + 1)[0] for p in src_positions])
+        dst = torch.tensor([blocks.slots(seq, p, p + 1)[0] for p in dst_positions])
+        flat = self.kv_cache.view(self.kv_cache.shape[0], 2, -1, *self.kv_cache.shape[4:])
+        flat[:, :, dst] = flat[:, :, src]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from specengine.config import EngineConfig
 from specengine.kv.block_manager import BlockManager, cdiv
 from specengine.sequence import Sequence, SequenceStatus
+from specengine.spec.tree import DraftTree
 
 
 @dataclass
@@ -29,10 +30,8 @@ class BatchEntry:
     seq: Sequence
     num_new: int
     samplers: list[Sequence] = field(default_factory=list)
-
-    @property
-    def is_prefill(self) -> bool:
-        return self.num_new > 1 or self.seq.num_cached == 0
+    is_prefill: bool = False
+    tree: DraftTree | None = None  # draft tokens verified after the decode token (speculation)
 
 
 class Scheduler:
@@ -51,13 +50,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[BatchEntry]:
-        """Pick this step's work; reserves KV blocks for it.
+    def schedule(self, lookahead: int = 0) -> list[BatchEntry]:
+        """Pick this step's work; reserves KV blocks for it, with room for ``lookahead`` draft
+        tokens after each decode token (released again after verification).
 
         Raises:
             RuntimeError: a single sequence does not fit the whole KV pool.
         """
-        entries = self._schedule_decodes()
+        entries = self._schedule_decodes(1 + lookahead)
         budget = self.config.max_num_batched_tokens - len(entries)
         while self.waiting and len(self.running) + len(self.waiting[0]) <= self.config.max_num_seqs:
             group = self.waiting[0]
@@ -79,7 +79,7 @@ class Scheduler:
             for s in group:
                 s.status = SequenceStatus.RUNNING
                 self.running.append(s)
-            entries.append(BatchEntry(leader, len(leader), list(group)))
+            entries.append(BatchEntry(leader, len(leader), list(group), is_prefill=True))
             budget -= len(leader)
         if not entries and self.waiting:
             leader = self.waiting[0][0]
@@ -87,20 +87,21 @@ class Scheduler:
                                "scheduled: raise max_num_batched_tokens or kv_cache_memory_bytes")
         return entries
 
-    def _schedule_decodes(self) -> list[BatchEntry]:
+    def _schedule_decodes(self, num_slots: int) -> list[BatchEntry]:
         """One decode token per running sequence, in admission order; preempts from the back
         (most recently admitted first) while the pool cannot hold the next token."""
         entries: list[BatchEntry] = []
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted while making room for an earlier sequence
-            while self.blocks.blocks_to_grow(seq, 1) > self.blocks.num_free:
+            n = min(num_slots, self.config.max_model_len - seq.num_cached)
+            while self.blocks.blocks_to_grow(seq, n) > self.blocks.num_free:
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is seq:
                     break
             if seq.status == SequenceStatus.RUNNING:
-                self.blocks.grow(seq, 1)
+                self.blocks.grow(seq, n)
                 entries.append(BatchEntry(seq, 1, [seq]))
         return entries
 

@@ -54,6 +54,16 @@ class Sequence:
         self.text = ""
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        # speculation statistics: verify forwards, drafted and accepted draft tokens
+        self.num_spec_steps = 0
+        self.num_drafted = 0
+        self.num_accepted = 0
+
+    def spec_stats(self, drafted: int, accepted: int) -> None:
+        """Record one verify step of this sequence."""
+        self.num_spec_steps += 1
+        self.num_drafted += drafted
+        self.num_accepted += accepted
 
     @property
     def num_prompt_tokens(self) -> int:

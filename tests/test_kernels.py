@@ -104,11 +104,12 @@ def test_tree_mask(dtype):
     out = CpuAttention().forward(q, kc, vc, meta, 0.125)
     ref = paged_attention_masked_ref(q, kc, vc, meta, 0.125)
     torch.testing.assert_close(out, ref, **TOL[dtype])
-    # The root and a chain-shaped path see exactly a causal prefix: compare with plain attention.
+    # Nodes 0 and 1 see a causal prefix (ctx + {0} / {0, 1}): same as plain attention, bit for
+    # bit; node 5 (path 0 -> 2 -> 5) must not see nodes 1, 3, 4 that causal attention sees.
     causal = paged_batch([(ctx, n), (70, 1)], 16, 2, 3, 64, dtype, seed=7)[3]
-    assert torch.equal(out[0], CpuAttention().forward(q, kc, vc, causal, 0.125)[0])
-    # Node 5 (parent 2, parent 0) differs from causal attention over positions 0..ctx+5.
-    assert not torch.allclose(out[5].float(), ref.new_zeros(1).float() + out[4].float())
+    plain = CpuAttention().forward(q, kc, vc, causal, 0.125)
+    assert torch.equal(out[:2], plain[:2]) and torch.equal(out[n], plain[n])
+    assert not torch.allclose(out[5], plain[5], **TOL[dtype])
 
 
 def test_masked_reference_with_chain_equals_causal():
@@ -165,8 +166,8 @@ def test_linear_matches_fp32_math(dtype, M, N, K, bias):
     assert y.dtype == dtype and y.shape == (M, N)
     if dtype == torch.float32:
         torch.testing.assert_close(y.double(), ref, atol=1e-5, rtol=1e-5)
-    else:  # one rounding to bf16 of a float32 sum: within half an ulp (+ fp32 sum error)
-        assert ((y.double() - ref).abs() <= ref.abs() * 2 ** -9 + 1e-4).all()
+    else:  # one rounding to bf16 of a float32 sum: within half an ulp = 2^-8 relative
+        assert ((y.double() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-4).all()
 
 
 @needs_ext

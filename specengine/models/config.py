@@ -98,7 +98,7 @@ class ModelConfig:
 
         rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
         rope_theta = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope type {rope_type!r} is not supported; supported: "
                              f"{', '.join(SUPPORTED_ROPE_TYPES)}")

@@ -105,8 +105,9 @@ def gguf_hf_config(reader) -> dict:
         "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
         "hidden_act": "silu",
         "max_position_embeddings": int(need("context_length")),
-        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        # stored as float32: round back to the decimal the model was published with
+        "rms_norm_eps": float(f'{need("attention.layer_norm_rms_epsilon"):.7g}'),
+        "rope_theta": float(f'{_field(reader, f"{arch}.rope.freq_base", 10000.0):.7g}'),
         "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
         "torch_dtype": "float32",
     }
@@ -212,6 +213,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         if tokenizer and "tokenizer.ggml.model" in reader.fields:
             _save_tokenizer(gguf_path, reader, tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
         try:
             os.rename(tmp, out_dir)
         except OSError:

@@ -41,8 +41,19 @@ def _uniform(generator: torch.Generator) -> float:
     return torch.rand((), generator=generator, dtype=torch.float64).item()
 
 
-def _draw(p: torch.Tensor, generator: torch.Generator) -> int:
-    return int(torch.multinomial(p, 1, generator=generator))
+def _draw(p: torch.Tensor, generator: torch.Generator,
+          fallback: torch.Tensor | None = None) -> int:
+    """One token from unnormalised float64 ``p`` by inverse CDF (zero-mass tokens are never
+    drawn; cheaper than ``torch.multinomial`` for one draw); from ``fallback`` when ``p`` has
+    no mass (a residual that rounded to zero)."""
+    cdf = p.cumsum(0)
+    total = cdf[-1].item()
+    if not total > 0:
+        if fallback is not None:
+            return _draw(fallback, generator)
+        raise RuntimeError("cannot sample from a distribution with no mass")
+    i = int(torch.searchsorted(cdf, _uniform(generator) * total, right=True))
+    return i if i < p.numel() else int(p.nonzero().max())  # u * total rounded up to total
 
 
 def _without(p: torch.Tensor, x: int) -> torch.Tensor:
@@ -54,7 +65,8 @@ def _without(p: torch.Tensor, x: int) -> torch.Tensor:
 
 
 def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """``norm(max(0, p - q))``; ``p`` itself when that is all zero (only by rounding)."""
+    """``norm(max(0, p - q))`` for float64 p, q summing to 1; ``p`` itself when that is all zero
+    (only by rounding: a rejection needs p(x) < q(x), hence mass of p - q elsewhere)."""
     r = (p - q).clamp_min_(0.0)
     total = r.sum()
     return r / total if total > 0 else p
@@ -95,8 +107,8 @@ def verify_sampling(tree: DraftTree, target_probs: torch.Tensor,
         tree: the draft tree; ``tree.sampled`` picks rejection against q (``tree.draft_probs``)
             or in-order trial of deterministic children.
         target_probs: ``[m + 1, V]`` float32 probabilities, already processed exactly as plain
-            sampling would (temperature, top-k, top-p, min-p, then softmax); rows are
-            renormalised here in float64.
+            sampling would (temperature, top-k, top-p, min-p, then softmax); each row must
+            sum to 1 (as softmax output does, up to rounding). ``draft_probs`` rows likewise.
         generator: the request's own ``torch.Generator`` (CPU); every draw comes from it.
 
     Returns:
@@ -105,7 +117,7 @@ def verify_sampling(tree: DraftTree, target_probs: torch.Tensor,
     Raises:
         ValueError: wrong row count, a draft token outside the vocabulary, or ``draft_probs``
             whose vocabulary differs from ``target_probs``'s.
-        RuntimeError: a target row with no mass (from ``torch.multinomial``).
+        RuntimeError: a target row with no mass.
 
     Edge cases: q(x) = 0 for a drafted x accepts it iff p(x) > 0; a residual that rounds to
     all zeros falls back to the row it came from.
@@ -118,34 +130,33 @@ def verify_sampling(tree: DraftTree, target_probs: torch.Tensor,
     node = -1
     while True:
         p = target_probs[node + 1].double()
-        p = p / p.sum()
         kids = tree.children(node)
+        if not kids:
+            return accepted, _draw(p, generator)
+        us = torch.rand(len(kids), generator=generator, dtype=torch.float64).tolist()
         nxt = None
-        if tree.sampled and kids:
+        if tree.sampled:
             q = tree.draft_probs[kids[0]].double()
-            q = q / q.sum()
-            for c in kids:
+            for c, u in zip(kids, us):
                 x = tree.tokens[c]
-                if _uniform(generator) * q[x].item() < p[x].item():
+                if u * q[x].item() < p[x].item():
                     nxt = c
                     break
                 p = _residual(p, q)
                 if not tree.replacement:
                     q = _without(q, x)
-        else:
-            row = p
-            for c in kids:
-                x = tree.tokens[c]
-                px = p[x].item()
-                if _uniform(generator) < px:
+            bonus_row = p
+        else:  # siblings are distinct: the residual after rejecting x_1..x_j is p without them
+            toks = [tree.tokens[c] for c in kids]
+            left = 1.0
+            for c, u, px in zip(kids, us, p[toks].tolist()):
+                if u * left < px:
                     nxt = c
                     break
-                if px > 0:
-                    p = _without(p, x)
-                    if not p.any():
-                        p = row
+                left -= px
+            bonus_row = p.index_fill(0, torch.tensor(toks), 0.0)
         if nxt is None:
-            return accepted, _draw(p, generator)
+            return accepted, _draw(bonus_row, generator, fallback=p)
         accepted.append(nxt)
         node = nxt
 

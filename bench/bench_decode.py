@@ -1,0 +1,256 @@
+"""Decode throughput of specengine vs HF transformers ``generate`` vs the memory floor, one run.
+
+Greedy decoding of raw HumanEval prompts with a fixed number of new tokens (EOS ignored), on the
+default model in bfloat16 and float32, at several batch sizes. Per row:
+
+- decode tok/s: tokens from decode steps only / time in decode steps. Engine: ``get_metrics()``
+  deltas (model forward of decode steps; the first token of each request comes from prefill).
+  HF: ``generate(N)`` minus ``generate(1)`` time, for ``N - 1`` tokens per sequence.
+- e2e tok/s: all generated tokens / wall time of the whole ``generate`` call.
+- ms/step: decode time per decode step (engine: forward only); full ms/step adds everything
+  else in the engine's step loop (scheduling, sampling, detokenizing, stop checks).
+- vs HF: decode tok/s over HF's at the same dtype and batch; vs floor: ms/step over the floor,
+  weight bytes read per step / measured memory read bandwidth.
+
+    python bench/bench_decode.py [--quick] [--out results.json] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import json
+import pstats
+import sys
+import time
+import warnings
+
+import torch
+from common import best_time, decode_weight_bytes, machine_info, markdown_table, memory_bandwidth
+
+from specengine import LLM, SamplingParams
+from specengine.data import humaneval_prompts
+from specengine.models.loader import resolve_model
+
+MODEL = "smollm2-135m-instruct"
+BLOCK = 16
+
+
+def engine_llm(dtype: str, prompts: list[list[int]], max_tokens: int) -> LLM:
+    """An LLM sized so the largest batch is admitted in one prefill step with no preemption."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(resolve_model(MODEL))
+    elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
+    blocks = sum(-(-(len(p) + max_tokens + 1) // BLOCK) + 1 for p in prompts) + 16
+    return LLM(MODEL, dtype=dtype, block_size=BLOCK, max_num_seqs=len(prompts),
+               kv_cache_memory_bytes=blocks * BLOCK * per_token,
+               max_num_batched_tokens=sum(len(p) for p in prompts) + len(prompts) + 64)
+
+
+def run_engine(llm: LLM, prompts: list[list[int]], max_tokens: int, repeats: int) -> dict:
+    """Best (least decode time) of ``repeats`` generate calls; metrics from ``get_metrics()``."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    best = None
+    for _ in range(repeats):
+        m0 = llm.get_metrics()
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        m1 = llm.get_metrics()
+        d = {k: m1[k] - m0[k] for k in ("requests", "generated_tokens", "steps", "prefill_time",
+                                        "decode_time", "preemptions")}
+        steps = m1.get("decode_steps", 0) - m0.get("decode_steps", 0) or d["steps"] - 1
+        tokens = d["generated_tokens"] - d["requests"]  # first tokens come from prefill
+        r = {"decode_tok_s": tokens / d["decode_time"], "e2e_tok_s": d["generated_tokens"] / wall,
+             "ms_step": 1e3 * d["decode_time"] / steps,
+             "full_ms_step": 1e3 * (wall - d["prefill_time"]) / steps,
+             "prefill_s": d["prefill_time"], "decode_s": d["decode_time"], "wall_s": wall,
+             "decode_steps": steps, "steps": d["steps"], "generated_tokens": d["generated_tokens"],
+             "preemptions": d["preemptions"],
+             "clean": d["preemptions"] == 0 and d["steps"] == steps + 1
+             and all(len(o.outputs[0].token_ids) == max_tokens for o in outs),
+             "first_output": outs[0].outputs[0].token_ids}
+        if best is None or r["decode_s"] < best["decode_s"]:
+            best = r
+    return best
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def run_hf(model, prompts: list[list[int]], max_tokens: int, pad_id: int, repeats: int) -> dict:
+    """HF ``generate`` (greedy, exactly ``max_tokens`` new tokens, left padding for batch > 1);
+    decode time = best ``generate(max_tokens)`` - best ``generate(1)``."""
+    ids, mask = left_pad(prompts, pad_id)
+    out = {}
+
+    def gen(n: int):
+        with torch.inference_mode():
+            out[n] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
+                                    min_new_tokens=n, do_sample=False, pad_token_id=pad_id)
+
+    t_n = best_time(lambda: gen(max_tokens), repeats)
+    t_1 = best_time(lambda: gen(1), repeats)
+    b = len(prompts)
+    decode = max(t_n - t_1, 1e-9)
+    return {"decode_tok_s": b * (max_tokens - 1) / decode, "e2e_tok_s": b * max_tokens / t_n,
+            "ms_step": 1e3 * decode / (max_tokens - 1), "full_ms_step": None,
+            "prefill_s": t_1, "decode_s": decode, "wall_s": t_n,
+            "padded_tokens": int((mask == 0).sum()), "prompt_width": ids.shape[1],
+            "first_output": out[max_tokens][0, ids.shape[1]:].tolist()}
+
+
+def profile_decode_step(llm: LLM, prompt: list[int]) -> str:
+    """torch.profiler (top ops by self CPU time) and cProfile (top functions) of one batch-1
+    decode step of the engine."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    eng.add_request(list(prompt), params)
+    eng.step()  # prefill
+    for _ in range(3):
+        eng.step()  # warm decode steps
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        eng.step()
+    text = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    pr = cProfile.Profile()
+    pr.enable()
+    eng.step()
+    pr.disable()
+    eng.abort_all()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(20)
+    return text + "\n" + s.getvalue()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke test: batches 1,8, 16 tokens, HF batch 1 only, one repeat")
+    ap.add_argument("--out", help="write results as JSON here")
+    ap.add_argument("--max-tokens", type=int, help="new tokens per sequence (default 128)")
+    ap.add_argument("--batches", help="engine batch sizes, comma-separated (default 1,8,64)")
+    ap.add_argument("--hf-batches", help="HF batch sizes (default 1,8)")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--repeats", type=int, help="runs per row, best kept (default 2)")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile one batch-1 decode step (also done when slower than HF)")
+    args = ap.parse_args()
+    q = args.quick
+    max_tokens = args.max_tokens or (16 if q else 128)
+    batches = [int(b) for b in (args.batches or ("1,8" if q else "1,8,64")).split(",")]
+    hf_batches = [int(b) for b in (args.hf_batches or ("1" if q else "1,8")).split(",")]
+    dtypes = args.dtypes.split(",")
+    repeats = args.repeats or (1 if q else 2)
+    warnings.filterwarnings("ignore")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+
+    info = machine_info()
+    print(f"# decode benchmark: {MODEL}, {max_tokens} new tokens, greedy, HumanEval prompts",
+          file=sys.stderr)
+    print(f"# torch {info['torch']} threads={info['torch_threads']} cpu: {info['cpu']}",
+          file=sys.stderr)
+    bw = memory_bandwidth(gib=1.0, repeats=3 if q else 5)
+    print(f"# memory read {bw['read_gbs']:.1f} GB/s, copy {bw['copy_gbs']:.1f} GB/s",
+          file=sys.stderr)
+
+    model_dir = resolve_model(MODEL)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    texts = [p["prompt"] for p in humaneval_prompts(max(batches + hf_batches))]
+    all_ids = [tok(t).input_ids for t in texts]
+
+    rows, results, floors, profile_text = [], [], {}, None
+    for dtype in dtypes:
+        llm = engine_llm(dtype, all_ids[:max(batches)], max_tokens)
+        run_engine(llm, all_ids[:min(8, max(batches))], 8, 1)  # warm up
+        eng = {}
+        for b in batches:
+            eng[b] = run_engine(llm, all_ids[:b], max_tokens, repeats)
+            print(f"# engine {dtype} b={b}: {eng[b]['decode_tok_s']:.1f} tok/s", file=sys.stderr)
+        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+        hf_model.eval()
+        wbytes = decode_weight_bytes(hf_model, getattr(torch, dtype))
+        floor_ms = 1e3 * wbytes / (bw["read_gbs"] * 1e9)
+        floors[dtype] = {"weight_bytes": wbytes, "floor_ms": floor_ms}
+        run_hf(hf_model, all_ids[:1], 4, pad_id, 1)  # warm up
+        hf = {}
+        for b in hf_batches:
+            hf[b] = run_hf(hf_model, all_ids[:b], max_tokens, pad_id, repeats)
+            print(f"# hf {dtype} b={b}: {hf[b]['decode_tok_s']:.1f} tok/s", file=sys.stderr)
+        del hf_model
+        gc.collect()
+        # same greedy tokens? (expected in float32; bfloat16 may drift after a near-tie)
+        a, h = eng[batches[0]]["first_output"], hf[hf_batches[0]]["first_output"]
+        same = next((i for i, (x, y) in enumerate(zip(a, h)) if x != y), min(len(a), len(h)))
+        floors[dtype]["agree_prefix_with_hf"] = same
+        slower = 1 in eng and 1 in hf and eng[1]["decode_tok_s"] < hf[1]["decode_tok_s"]
+        if dtype == "bfloat16" and 1 in eng and (args.profile or slower) and profile_text is None:
+            profile_text = profile_decode_step(llm, all_ids[0])
+        del llm
+        gc.collect()
+        for name, res in (("specengine", eng), ("hf", hf)):
+            for b, r in res.items():
+                vs_hf = r["decode_tok_s"] / hf[b]["decode_tok_s"] if b in hf else None
+                r.update(engine=name, dtype=dtype, batch=b, vs_hf=vs_hf,
+                         vs_floor=r["ms_step"] / floor_ms)
+                results.append(r)
+                rows.append([name, dtype, b, r["decode_tok_s"], r["e2e_tok_s"], r["ms_step"],
+                             r["full_ms_step"], vs_hf if name == "specengine" else None,
+                             r["vs_floor"]])
+
+    print(markdown_table(["engine", "dtype", "batch", "decode tok/s", "e2e tok/s", "ms/step",
+                          "full ms/step", "vs HF", "vs floor"], rows))
+    for dtype, f in floors.items():
+        print(f"\nfloor {dtype}: {f['weight_bytes'] / 1e6:.0f} MB / {bw['read_gbs']:.1f} GB/s = "
+              f"{f['floor_ms']:.2f} ms/step; greedy tokens equal to HF for the first "
+              f"{f['agree_prefix_with_hf']} of {max_tokens}")
+    for r in results:
+        if r["engine"] == "specengine" and not r["clean"]:
+            print(f"WARNING: {r['dtype']} b={r['batch']}: preemptions or mixed prefill/decode "
+                  "steps; decode numbers are approximate")
+    by = {(r["engine"], r["dtype"], r["batch"]): r for r in results}
+    targets = {}
+    e1, h1 = by.get(("specengine", "bfloat16", 1)), by.get(("hf", "bfloat16", 1))
+    if e1 and h1:
+        targets["b1_bf16_vs_hf>=2"] = (e1["vs_hf"], e1["vs_hf"] >= 2)
+    if e1:
+        targets["b1_bf16_step/floor<=2"] = (e1["vs_floor"], e1["vs_floor"] <= 2)
+        targets["b1_bf16_full_step/floor<=2"] = (e1["full_ms_step"] / floors["bfloat16"]
+                                                 ["floor_ms"], e1["full_ms_step"]
+                                                 / floors["bfloat16"]["floor_ms"] <= 2)
+    e64 = by.get(("specengine", "bfloat16", 64))
+    if e1 and e64:
+        ratio = e64["decode_tok_s"] / e1["decode_tok_s"]
+        targets["b64/b1_bf16_throughput>=8"] = (ratio, ratio >= 8)
+    print("\ntargets:")
+    for name, (value, ok) in targets.items():
+        print(f"  {'PASS' if ok else 'FAIL'}  {name}: {value:.2f}")
+    if profile_text:
+        print("\nprofile of one batch-1 bfloat16 decode step:\n" + profile_text)
+    if args.out:
+        for r in results:
+            r.pop("first_output", None)
+        doc = {"machine": info, "bandwidth": bw, "model": MODEL, "max_tokens": max_tokens,
+               "prompt_tokens": [len(p) for p in all_ids], "floors": floors,
+               "results": results,
+               "targets": {k: {"value": v, "pass": ok} for k, (v, ok) in targets.items()},
+               "profile": profile_text}
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"\nwrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

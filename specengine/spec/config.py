@@ -1,0 +1,74 @@
+"""``speculative_config``: which drafter, and the draft tree shape (vLLM-style keys)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from specengine.spec.strategy import Strategy
+
+METHODS = ("ngram", "draft_model", "eagle")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding settings.
+
+    Attributes:
+        method: ``"ngram"`` (prompt lookup), ``"draft_model"`` (an independent small model with
+            the target's tokenizer) or ``"eagle"`` (EAGLE-style feature drafter).
+        model: the draft model (alias, directory or .gguf) for ``draft_model``; the drafter
+            checkpoint directory for ``eagle`` (None: random weights, for tests).
+        num_speculative_tokens: draft depth d (>= 1).
+        topk: branching k per node (1 = chain).
+        num_verify_tokens: verify budget m, the most draft nodes per sequence (>= d; default
+            d * k).
+        prompt_lookup_min, prompt_lookup_max: n-gram sizes matched by ``ngram``.
+        draft_dtype: dtype of the draft model (default: the target's).
+
+    Raises:
+        ValueError: unknown method or key, out-of-range sizes (message names the key).
+    """
+
+    method: str
+    model: str | None = None
+    num_speculative_tokens: int = 4
+    topk: int = 1
+    num_verify_tokens: int | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    draft_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config method={self.method!r}: use one of {METHODS}")
+        try:
+            self.strategy = Strategy(self.num_speculative_tokens, self.topk,
+                                     self.num_verify_tokens)
+        except ValueError as e:
+            names = {"depth": "num_speculative_tokens", "topk": "topk",
+                     "budget": "num_verify_tokens"}
+            msg = str(e)
+            for k, v in names.items():
+                msg = msg.replace(f"Strategy.{k}", f"speculative_config {v}")
+            raise ValueError(msg.replace("depth=", "num_speculative_tokens=")) from None
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min={self.prompt_lookup_min} and "
+                             f"prompt_lookup_max={self.prompt_lookup_max}: need 1 <= min <= max")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config method='draft_model' needs 'model'")
+
+    @classmethod
+    def from_dict(cls, d: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """Parse a user dict; unknown keys raise ValueError naming them."""
+        if d is None or isinstance(d, SpeculativeConfig):
+            return d
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s) {unknown}; known: "
+                             f"{sorted(known)}")
+        if "method" not in d:
+            raise ValueError(f"speculative_config needs 'method' (one of {METHODS})")
+        return cls(**d)

@@ -1,0 +1,136 @@
+"""Independent draft model (Leviathan et al. 2023; Chen et al. 2023): a smaller model with the
+target's tokenizer drafts with its own paged KV cache.
+
+Per sequence the drafter keeps a shadow sequence whose cached prefix is the longest common
+prefix of what it last saw and the target sequence's committed tokens, so accepted draft tokens
+keep their draft KV and rejected ones are simply overwritten: the draft state always advances by
+exactly the accepted tokens. Trees: the draft's greedy chain, with the top-k alternatives at
+each depth as extra leaves, the best ``budget`` nodes by cumulative draft probability kept.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specengine.kv.block_manager import BlockManager
+from specengine.model_runner import ModelRunner
+from specengine.scheduler import BatchEntry
+from specengine.sequence import Sequence
+from specengine.spec.proposer import Proposer
+from specengine.spec.strategy import Strategy
+from specengine.spec.tree import DraftTree
+
+
+def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: str) -> None:
+    """Raise ValueError unless both tokenizers map the same strings to the same ids."""
+    if target_tok is None or draft_tok is None:
+        return
+    if target_tok.get_vocab() != draft_tok.get_vocab():
+        raise ValueError(f"draft model {draft_name!r} has a different tokenizer than the target "
+                         f"{target_name!r} (vocabularies differ); a draft must share the "
+                         "target's tokenizer")
+
+
+class DraftModelDrafter(Proposer):
+    """Drafts with ``model`` (a ``LlamaForCausalLM``) over its own KV pool.
+
+    Args:
+        strategy: default tree shape.
+        model: the draft model.
+        num_blocks, block_size: its KV pool.
+        vocab_size: the target's vocabulary size (draft logits beyond it are dropped).
+    """
+
+    name = "draft_model"
+
+    def __init__(self, strategy: Strategy, model, num_blocks: int, block_size: int,
+                 vocab_size: int):
+        super().__init__(strategy)
+        self.runner = ModelRunner(model, num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, self.runner.copy_block)
+        self.max_len = model.config.max_position_embeddings
+        self.vocab_size = vocab_size
+        self.shadows: dict[int, Sequence] = {}
+
+    def _shadow(self, seq: Sequence) -> Sequence:
+        sh = self.shadows.get(seq.seq_id)
+        if sh is None:
+            sh = self.shadows[seq.seq_id] = Sequence(seq.request_id, seq.index, [], seq.params,
+                                                     seq.generator)
+        return sh
+
+    def release(self, seq: Sequence) -> None:
+        sh = self.shadows.pop(seq.seq_id, None)
+        if sh is not None:
+            self.blocks.free(sh)
+
+    def _sync(self, seq: Sequence, depth: int) -> Sequence | None:
+        """Point the shadow at ``seq``'s tokens and reserve room for ``depth`` draft tokens;
+        None if the draft cannot serve it (context too long, KV pool full)."""
+        if len(seq) + depth > self.max_len:
+            return None
+        sh = self._shadow(seq)
+        n, cached = 0, min(sh.num_cached, len(seq) - 1)
+        while n < cached and sh.token_ids[n] == seq.token_ids[n]:
+            n += 1
+        sh.num_cached = n
+        sh.token_ids = list(seq.token_ids)
+        self.blocks.shrink(sh, n)
+        need = len(seq) + depth - 1 - n
+        if self.blocks.blocks_to_grow(sh, need) > self.blocks.num_free:
+            self.release(seq)
+            return None
+        self.blocks.grow(sh, need)
+        return sh
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], strategy: Strategy) -> list[DraftTree | None]:
+        d, k = strategy.depth, strategy.topk
+        shadows = [self._sync(s, d) for s in seqs]
+        live = [i for i, sh in enumerate(shadows) if sh is not None]
+        out: list[DraftTree | None] = [None] * len(seqs)
+        if not live:
+            return out
+        # per live sequence: chain tokens, and per depth the top-k (token, logprob) candidates
+        chains = {i: [] for i in live}
+        cands = {i: [] for i in live}
+        entries = [BatchEntry(shadows[i], len(shadows[i]) - shadows[i].num_cached, [],
+                              is_prefill=True) for i in live]
+        for step in range(d):
+            logits, _ = self.runner.run(entries, self.blocks)
+            logp = torch.log_softmax(logits[:, :self.vocab_size].float(), dim=-1)
+            top = torch.topk(logp, k, dim=-1)
+            for row, i in enumerate(live):
+                sh = shadows[i]
+                sh.num_cached = len(sh)
+                toks, vals = top.indices[row].tolist(), top.values[row].tolist()
+                cands[i].append(list(zip(toks, vals)))
+                chains[i].append(toks[0])
+                sh.token_ids.append(toks[0])
+            if step + 1 < d:
+                entries = [BatchEntry(shadows[i], 1, [], is_prefill=True) for i in live]
+        for i in live:
+            out[i] = self._tree(cands[i], strategy)
+            sh = shadows[i]  # KV of the last drafted token was never written
+            del sh.token_ids[sh.num_cached:]
+        return out
+
+    @staticmethod
+    def _tree(cands: list[list[tuple[int, float]]], strategy: Strategy) -> DraftTree:
+        """The greedy chain plus, at each depth, the top-k alternatives as leaves; the best
+        ``budget`` nodes by cumulative draft log-probability. A node never outscores its parent,
+        so the best nodes (ties broken by depth) always include their ancestors."""
+        nodes = []  # (cumulative logprob, depth, token, on the chain, logprob)
+        cum = 0.0
+        for depth, options in enumerate(cands):
+            nodes += [(cum + lp, depth, tok, j == 0, lp) for j, (tok, lp) in enumerate(options)]
+            cum += options[0][1]
+        kept = sorted(nodes, key=lambda n: (-n[0], n[1]))[:strategy.budget]
+        tokens, parents, logps, chain_at = [], [], [], {-1: -1}
+        for _, depth, tok, on_chain, lp in sorted(kept, key=lambda n: (n[1], not n[3])):
+            parents.append(chain_at[depth - 1])
+            if on_chain:
+                chain_at[depth] = len(tokens)
+            tokens.append(tok)
+            logps.append(lp)
+        return DraftTree(tokens, parents, logps)

@@ -1,0 +1,32 @@
+"""Builds the drafter named by a ``SpeculativeConfig``."""
+
+from __future__ import annotations
+
+from specengine.spec.config import SpeculativeConfig
+from specengine.spec.proposer import NgramDrafter, Proposer
+
+
+def make_proposer(cfg: SpeculativeConfig, target, num_blocks: int, block_size: int) -> Proposer:
+    """The drafter for ``cfg`` serving ``target`` (a ``LoadedModel``); a draft model gets a KV
+    pool of ``num_blocks`` blocks of ``block_size`` tokens.
+
+    Raises:
+        ValueError: a draft model whose tokenizer or vocabulary differs from the target's.
+    """
+    if cfg.method == "ngram":
+        return NgramDrafter(cfg.strategy, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+    if cfg.method == "draft_model":
+        from specengine.config import parse_dtype
+        from specengine.models.loader import load_model
+        from specengine.spec.draft_model import DraftModelDrafter, check_same_tokenizer
+
+        dtype = parse_dtype(cfg.draft_dtype) if cfg.draft_dtype else target.model.dtype
+        draft = load_model(cfg.model, dtype=dtype)
+        check_same_tokenizer(target.tokenizer, draft.tokenizer, str(target.model_dir), cfg.model)
+        if draft.config.vocab_size < target.config.vocab_size:
+            raise ValueError(f"draft model {cfg.model!r} has vocab_size "
+                             f"{draft.config.vocab_size} < the target's "
+                             f"{target.config.vocab_size}")
+        return DraftModelDrafter(cfg.strategy, draft.model, num_blocks, block_size,
+                                 target.config.vocab_size)
+    raise ValueError(f"speculative_config method={cfg.method!r} is not available yet")

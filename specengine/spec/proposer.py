@@ -1,0 +1,63 @@
+"""Drafters behind one interface: given the decoding sequences and a strategy, a token tree each.
+
+The engine calls ``propose`` before the target forward, ``observe`` after it (EAGLE reads the
+target's hidden states there) and ``release`` when a sequence finishes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specengine.sequence import Sequence
+from specengine.spec.strategy import Strategy
+from specengine.spec.tree import DraftTree
+
+
+class Proposer:
+    """Base drafter. ``strategy`` is the tree shape used when no policy chooses one."""
+
+    name = "base"
+
+    def __init__(self, strategy: Strategy):
+        self.strategy = strategy
+
+    def propose(self, seqs: list[Sequence], strategy: Strategy) -> list[DraftTree | None]:
+        """One tree per sequence (None: nothing to draft), at most ``strategy.budget`` nodes
+        and ``strategy.depth`` deep; the root is each sequence's last token."""
+        raise NotImplementedError
+
+    def observe(self, entries, hidden: torch.Tensor) -> None:
+        """Called after each target forward with the hidden states of the sampled rows."""
+
+    def release(self, seq: Sequence) -> None:
+        """``seq`` finished: drop any state kept for it."""
+
+
+def prune_tree(tree: DraftTree | None, max_depth: int, max_nodes: int) -> DraftTree | None:
+    """``tree`` without nodes deeper than ``max_depth`` and with at most ``max_nodes`` nodes
+    (parents precede children, so the kept nodes still form a tree); None if nothing is left."""
+    if tree is None or max_depth < 1 or max_nodes < 1:
+        return None
+    keep = [i for i, d in enumerate(tree.depths) if d <= max_depth][:max_nodes]
+    if len(keep) == tree.num_nodes:
+        return tree
+    new = {old: j for j, old in enumerate(keep)}
+    return DraftTree(
+        [tree.tokens[i] for i in keep], [new.get(tree.parents[i], -1) for i in keep],
+        [tree.draft_logprobs[i] for i in keep], sampled=tree.sampled,
+        draft_probs=tree.draft_probs[keep] if tree.draft_probs is not None else None,
+        replacement=tree.replacement)
+
+
+class NgramDrafter(Proposer):
+    """Prompt-lookup drafting (n-gram matching over prompt + output; no model cost)."""
+
+    name = "ngram"
+
+    def __init__(self, strategy: Strategy, min_n: int = 1, max_n: int = 4):
+        super().__init__(strategy)
+        from specengine.spec.ngram import NgramProposer
+        self.ngram = NgramProposer(min_n=min_n, max_n=max_n)
+
+    def propose(self, seqs: list[Sequence], strategy: Strategy) -> list[DraftTree | None]:
+        return [self.ngram.propose(s.token_ids, strategy) for s in seqs]

@@ -1,0 +1,127 @@
+"""Speculative decoding in the engine on tiny random models: lossless, KV accounting, metrics."""
+
+import pytest
+import torch
+
+from specengine import LLM, SamplingParams
+from specengine.models.loader import save_random_model
+
+
+def rand_prompts(n, lo=4, hi=40, vocab=512, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(torch.randint(lo, hi, (1,), generator=g)),),
+                          generator=g).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return save_random_model(tmp_path_factory.mktemp("t"), {"num_hidden_layers": 2}, seed=1)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    return save_random_model(tmp_path_factory.mktemp("d"), {"num_hidden_layers": 1}, seed=2)
+
+
+def make(target_dir, spec=None, **kw):
+    kw.setdefault("kv_cache_memory_bytes", 8 << 20)
+    return LLM(str(target_dir), dtype="float32", block_size=8, speculative_config=spec, **kw)
+
+
+@pytest.fixture(scope="module")
+def plain(target_dir):
+    return make(target_dir)
+
+
+def greedy(n=32, **kw):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def test_self_draft_accepts_everything(target_dir, plain):
+    prompts = rand_prompts(3)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy(), use_tqdm=False)]
+    d = 4
+    llm = make(target_dir, {"method": "draft_model", "model": str(target_dir),
+                            "num_speculative_tokens": d})
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)]
+    assert got == want
+    m = llm.get_metrics()
+    assert m["acceptance_length"] == d + 1
+    assert m["acceptance_rate_per_depth"] == [1.0] * d
+    assert m["kv_blocks_free"] == m["kv_blocks_total"]
+
+
+@pytest.mark.parametrize("topk,budget", [(1, None), (3, 8)])
+def test_draft_model_greedy_equals_plain(target_dir, draft_dir, plain, topk, budget):
+    prompts = rand_prompts(6, seed=4)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy(), use_tqdm=False)]
+    llm = make(target_dir, {"method": "draft_model", "model": str(draft_dir),
+                            "num_speculative_tokens": 3, "topk": topk,
+                            "num_verify_tokens": budget})
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)]
+    assert got == want
+    m = llm.get_metrics()
+    assert m["spec_steps"] > 0 and m["drafted_tokens"] > 0
+    assert m["kv_blocks_free"] == m["kv_blocks_total"]
+    drafter = llm.engine.proposer
+    assert drafter.blocks.num_free == drafter.blocks.num_blocks  # draft KV released too
+
+
+def test_stops_inside_an_accepted_block_match_plain(target_dir, plain):
+    prompt = rand_prompts(1, seed=7)[0]
+    full = plain.generate([prompt], greedy(40), use_tqdm=False)[0].outputs[0].token_ids
+    llm = make(target_dir, {"method": "draft_model", "model": str(target_dir),
+                            "num_speculative_tokens": 5})
+    for k in range(1, 12):  # every offset inside the first accepted blocks
+        tok = full[k]
+        for sp in (greedy(40, stop_token_ids=[tok]), greedy(k), greedy(40, stop_token_ids=[tok],
+                                                                      min_tokens=k + 1)):
+            a = plain.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+            b = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+            assert (b.token_ids, b.finish_reason, b.stop_reason) == \
+                (a.token_ids, a.finish_reason, a.stop_reason)
+    assert llm.get_metrics()["kv_blocks_free"] == llm.get_metrics()["kv_blocks_total"]
+
+
+def test_logprobs_are_the_targets(target_dir, plain):
+    prompt = rand_prompts(1, seed=8)[0]
+    sp = greedy(20, logprobs=2)
+    a = plain.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+    llm = make(target_dir, {"method": "draft_model", "model": str(target_dir),
+                            "num_speculative_tokens": 4})
+    b = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+    assert a.token_ids == b.token_ids and len(b.logprobs) == 20
+    for x, y in zip(a.logprobs, b.logprobs):
+        assert x.keys() == y.keys()
+        for t in x:
+            assert abs(x[t].logprob - y[t].logprob) < 1e-4 and x[t].rank == y[t].rank
+
+
+def test_sampling_seeds_reproduce_alone_and_in_a_batch(target_dir, draft_dir):
+    llm = make(target_dir, {"method": "draft_model", "model": str(draft_dir),
+                            "num_speculative_tokens": 3, "topk": 2})
+    prompts = rand_prompts(8, seed=9)
+    sp = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=24, ignore_eos=True)
+          for i in range(8)]
+    batch = llm.generate(prompts, sp, use_tqdm=False)
+    for i in (0, 5):
+        alone = llm.generate([prompts[i]], sp[i], use_tqdm=False)[0]
+        assert alone.outputs[0].token_ids == batch[i].outputs[0].token_ids
+    n8 = llm.generate([prompts[0]], SamplingParams(n=8, temperature=1.0, seed=3, max_tokens=16,
+                                                   ignore_eos=True), use_tqdm=False)[0]
+    assert len({tuple(o.token_ids) for o in n8.outputs}) == 8
+    assert llm.get_metrics()["kv_blocks_free"] == llm.get_metrics()["kv_blocks_total"]
+
+
+def test_bad_speculative_configs(target_dir, tmp_path):
+    for cfg, msg in [({"method": "magic"}, "method"), ({"method": "ngram", "bogus": 1}, "bogus"),
+                     ({"method": "ngram", "num_speculative_tokens": -1},
+                      "num_speculative_tokens"),
+                     ({"method": "ngram", "num_speculative_tokens": 4, "num_verify_tokens": 2},
+                      "num_verify_tokens"),
+                     ({"method": "draft_model"}, "needs 'model'")]:
+        with pytest.raises(ValueError, match=msg):
+            make(target_dir, cfg)
+    other = save_random_model(tmp_path / "o", {"vocab_size": 256}, seed=3)
+    with pytest.raises(ValueError, match="vocab_size"):
+        make(target_dir, {"method": "draft_model", "model": str(other)})
