@@ -155,6 +155,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
 
     info = machine_info()
     print(f"# decode benchmark: {MODEL}, {max_tokens} new tokens, greedy, HumanEval prompts",
@@ -211,9 +212,9 @@ def main() -> None:
                              r["vs_floor"]])
 
     print(markdown_table(["engine", "dtype", "batch", "decode tok/s", "e2e tok/s", "ms/step",
-                          "full ms/step", "vs HF", "vs floor"], rows))
+                          "full ms/step", "vs HF", "vs floor"], rows) + "\n")
     for dtype, f in floors.items():
-        print(f"\nfloor {dtype}: {f['weight_bytes'] / 1e6:.0f} MB / {bw['read_gbs']:.1f} GB/s = "
+        print(f"floor {dtype}: {f['weight_bytes'] / 1e6:.0f} MB / {bw['read_gbs']:.1f} GB/s = "
               f"{f['floor_ms']:.2f} ms/step; greedy tokens equal to HF for the first "
               f"{f['agree_prefix_with_hf']} of {max_tokens}")
     for r in results:

@@ -58,8 +58,8 @@ def main() -> None:
         nbytes = w.numel() * w.element_size()
         for m in ms:
             x = torch.randn(m, k).to(dtype)
-            t_torch = time_call(lambda: F.linear(x, w))
-            t_ours = time_call(lambda: mod.linear(x, w, None))
+            t_torch = time_call(lambda x=x, w=w: F.linear(x, w))
+            t_ours = time_call(lambda x=x, w=w: mod.linear(x, w, None))
             step[m][0] += count * t_torch
             step[m][1] += count * t_ours
             print(f"{name:>8} {n:>5} x {k:<5} {m:>3} {t_torch * 1e6:>9.1f} {t_ours * 1e6:>9.1f} "

@@ -44,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    from specengine.spec.train import add_cli
+    add_cli(sub)
     return ap.parse_args(argv)
 
 
@@ -164,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "generate":
         return generate(args)
+    if args.command == "train-drafter":
+        from specengine.spec.train import train_drafter_main
+        return train_drafter_main(args)
     return 2
 
 

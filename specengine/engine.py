@@ -19,6 +19,7 @@ from specengine.outputs import CompletionOutput, RequestOutput
 from specengine.sampling import SamplingParams, process_logits, request_generator, sample
 from specengine.scheduler import BatchEntry, Scheduler
 from specengine.sequence import Logprob, Sequence
+from specengine.spec.policy import StaticPolicy, StepRecord
 from specengine.spec.proposer import Proposer, prune_tree
 from specengine.spec.strategy import Strategy
 from specengine.spec.verify import verify
@@ -84,11 +85,12 @@ class Engine:
             distribution actually sampled from, after them).
         eos_token_ids: ids that end a sample (default: from the model config and tokenizer).
         proposer: drafter for speculative decoding (None: plain decoding).
+        policy: picks the strategy per step (default: the proposer's strategy, always).
     """
 
     def __init__(self, model, tokenizer, config: EngineConfig, seed: int = 0,
                  logprobs_mode: str = "raw_logprobs", eos_token_ids: set[int] | None = None,
-                 proposer: Proposer | None = None):
+                 proposer: Proposer | None = None, policy=None):
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode={logprobs_mode!r}: use one of {LOGPROBS_MODES}")
         self.config = config
@@ -107,6 +109,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.metrics = EngineMetrics()
         self.proposer = proposer
+        self.policy = policy or StaticPolicy(proposer.strategy if proposer else None)
         self._next_id = 0
 
     # ---- requests -------------------------------------------------------------------------
@@ -169,7 +172,9 @@ class Engine:
         -> append tokens one at a time with the stop rules.
         """
         m = self.metrics
-        strategy = self.proposer.strategy if self.proposer is not None else None
+        strategy = None
+        if self.proposer is not None:
+            strategy = self.policy.choose(len(self.scheduler.running))
         entries = self.scheduler.schedule(lookahead=strategy.budget if strategy else 0)
         t0 = time.perf_counter()
         if strategy is not None:
@@ -177,14 +182,15 @@ class Engine:
         t1 = time.perf_counter()
         logits, hidden = self.runner.run(entries, self.blocks)
         t2 = time.perf_counter()
-        if self.proposer is not None:
-            self.proposer.observe(entries, hidden)
 
-        plain, trees, row = [], [], 0
+        plain, trees, row, tok = [], [], 0, 0
+        offsets = []  # first token of each entry in the forward's layout
         for e in entries:
             n = 1 + (e.tree.num_nodes if e.tree is not None else 0)
             (plain if e.tree is None else trees).append((e, row))
+            offsets.append(tok)
             row += n
+            tok += e.num_new + n - 1
         commits: list[tuple[Sequence, list[int], list]] = []
         seqs = [s for e, _ in plain for s in e.samplers]
         if seqs:
@@ -195,8 +201,12 @@ class Engine:
                 cached = e.seq.num_cached + e.num_new
                 for s in e.samplers:
                     s.num_cached = cached
+        accepted = {}
         for e, r in trees:
-            commits.append(self._verify(e, logits[r:r + 1 + e.tree.num_nodes]))
+            seq, toks, lps, accepted[id(e)] = self._verify(e, logits[r:r + 1 + e.tree.num_nodes])
+            commits.append((seq, toks, lps))
+        if self.proposer is not None and self.proposer.wants_hidden:
+            self._observe(entries, offsets, hidden, accepted)
         t3 = time.perf_counter()
 
         finished: list[RequestOutput] = []
@@ -227,7 +237,30 @@ class Engine:
         m.draft_time += t1 - t0
         m.sample_time += t3 - t2
         m.preemptions = self.scheduler.num_preemptions
+        if self.proposer is not None:
+            decodes = [e for e in entries if not e.is_prefill]
+            self.policy.record(StepRecord(
+                strategy=strategy, num_decode=len(decodes), num_prefill_tokens=num_prefill,
+                num_forward_tokens=len(hidden),
+                context_tokens=sum(e.seq.num_cached for e in decodes),
+                num_drafted=sum(e.tree.num_nodes for e in decodes if e.tree is not None),
+                num_committed=len(decodes) + sum(len(a) for a in accepted.values()),
+                accepted_per_seq=[len(a) for a in accepted.values()],
+                draft_time=t1 - t0, forward_time=t2 - t1,
+                other_time=time.perf_counter() - t2))
         return finished
+
+    def _observe(self, entries, offsets, hidden, accepted) -> None:
+        """Hand the drafter the target's hidden states of the positions committed this step:
+        a prefill's tokens, a decode's root, and the accepted tree nodes after it."""
+        for e, off in zip(entries, offsets):
+            if e.tree is None:
+                rows = list(range(off, off + e.num_new))
+            else:
+                rows = [off] + [off + 1 + a for a in accepted[id(e)]]
+            feats = hidden[rows]
+            for s in e.samplers or [e.seq]:
+                self.proposer.observe(s, s.num_cached - len(rows), feats)
 
     def _draft(self, entries: list[BatchEntry], strategy: Strategy) -> None:
         """Attach a draft tree to each decode entry, pruned to what the sequence may still
@@ -278,7 +311,7 @@ class Engine:
                 masked if p.greedy else process_logits(masked, [p] * masked.shape[0]))
             lp = torch.log_softmax(src_rows[rows].float(), dim=-1)
             lps = [self._logprob_entry(lp[j], t, p.logprobs) for j, t in enumerate(tokens)]
-        return seq, tokens, lps
+        return seq, tokens, lps, accepted
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]):
         """Next token (and logprobs entry) for each row of ``logits`` ``[B, V]`` float32."""

@@ -120,13 +120,13 @@ class ModelRunner:
         """Forward ``entries``, writing their K/V into the cache.
 
         Returns:
-            ``(logits [R, vocab] float32, hidden [R, hidden_size])`` for the rows described in
-            ``prepare`` (in entry order); ``hidden`` is the target's last hidden state (after
-            the final norm), the feature EAGLE drafters read.
+            ``(logits [R, vocab] float32, hidden [T, hidden_size])``: logits of the rows
+            described in ``prepare`` (in entry order) and the last hidden state (after the final
+            norm; the feature EAGLE drafters read) of every token fed, in ``prepare``'s order.
         """
         input_ids, positions, meta, rows = self.prepare(entries, blocks)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)[rows]
-        return self.model.compute_logits(hidden), hidden
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        return self.model.compute_logits(hidden[rows]), hidden
 
     def move_kv(self, blocks: BlockManager, seq, src_positions: list[int],
                 dst_positions: list[int]) -> None:

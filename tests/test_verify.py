@@ -141,20 +141,22 @@ def test_sampling_is_lossless(case, temperature):
     assert stat < crit, (stat, crit)
 
 
-# Each broken verifier must fail the very test above (same statistic, threshold and sizes).
+# Each broken verifier must fail the very test above (same statistic and threshold, at most the
+# same number of draws; at 10k draws the statistics were 2412, 174, 2121 and 1772 against
+# critical values 91, 91, 51 and 51, so the cheap ones run 3k draws).
 BROKEN = [
     # rejection without the residual: resample from p instead of norm(max(0, p - q))
-    ("_residual", lambda p, q: p, (3, 1, 3, "sample")),
+    ("_residual", lambda p, q: p, (3, 1, 3, "sample"), 3_000),
     # children drawn without replacement, verified as if q were unchanged
-    ("_without", lambda p, x: p, (2, 4, 6, "sample")),
+    ("_without", lambda p, x: p, (2, 4, 6, "sample"), 10_000),
 ]
 
 
-@pytest.mark.parametrize("name,broken,case", BROKEN, ids=["no-residual", "no-q-update"])
-def test_broken_verifier_fails_the_test(monkeypatch, name, broken, case):
+@pytest.mark.parametrize("name,broken,case,n", BROKEN, ids=["no-residual", "no-q-update"])
+def test_broken_verifier_fails_the_test(monkeypatch, name, broken, case, n):
     monkeypatch.setattr(verify_mod, name, broken)
     P = target_probs(1.0)
-    counts = speculative_counts(P, *case, n=10_000, seed=7)
+    counts = speculative_counts(P, *case, n=n, seed=7)
     stat, crit = chi_square(counts, exact_joint(P))
     assert stat > crit, (stat, crit)
 
@@ -197,7 +199,7 @@ def no_renormalisation(tree, p, kids, g):
 def test_broken_rule_fails_the_test(step, case):
     P = target_probs(0.6)
     broken = lambda tree, probs, g: walk(tree, probs, g, step)
-    stat, crit = chi_square(speculative_counts(P, *case, 10_000, 3, broken), exact_joint(P))
+    stat, crit = chi_square(speculative_counts(P, *case, 3_000, 3, broken), exact_joint(P))
     assert stat > crit, (stat, crit)
 
 

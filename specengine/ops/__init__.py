@@ -12,9 +12,11 @@ import torch.nn.functional as F
 
 from specengine._ext import ext
 
-# linear() uses the C++ kernel up to this many rows (tokens); above it torch's GEMM (oneDNN,
-# AMX) is faster. Rows computed by the C++ kernel are batch-invariant.
-LINEAR_MAX_M = 16
+# linear() uses the C++ kernel up to this many rows (tokens) per dtype; above it torch's GEMM
+# (oneDNN, AMX for bf16) is faster (measured with bench/bench_kernels.py on 2 cores). Rows that
+# the C++ kernel computes are batch-invariant; raise these to 16 to get bit-exact rows for any
+# M <= 16 at some cost in speed.
+LINEAR_MAX_M = {torch.bfloat16: 4, torch.float32: 8}
 
 _FLOATS = (torch.float32, torch.bfloat16)
 
@@ -38,13 +40,13 @@ def linear_torch(x: torch.Tensor, weight: torch.Tensor,
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``; x ``[..., K]``, weight ``[N, K]``, bias ``[N]`` -> ``[..., N]``.
 
-    On CPU with at most ``LINEAR_MAX_M`` rows the C++ kernel reads the weights once for all rows
-    (AVX-512 BF16 dot products for bfloat16), accumulates in float32 and rounds once; row ``i``
-    of the result equals ``linear(x[i:i+1])`` bit for bit.
+    On CPU with at most ``LINEAR_MAX_M[dtype]`` rows the C++ kernel reads the weights once for
+    all rows (AVX-512 BF16 dot products for bfloat16), accumulates in float32 and rounds once;
+    row ``i`` of its result equals ``linear(x[i:i+1])`` bit for bit.
     """
     mod = _cpp(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (mod is None or rows == 0 or rows > LINEAR_MAX_M or weight.dtype != x.dtype
+    if (mod is None or rows == 0 or rows > LINEAR_MAX_M[x.dtype] or weight.dtype != x.dtype
             or not weight.is_contiguous()):
         return F.linear(x, weight, bias)
     y = mod.linear(x.reshape(rows, x.shape[-1]), weight, bias)

@@ -17,7 +17,8 @@ class SpeculativeConfig:
         method: ``"ngram"`` (prompt lookup), ``"draft_model"`` (an independent small model with
             the target's tokenizer) or ``"eagle"`` (EAGLE-style feature drafter).
         model: the draft model (alias, directory or .gguf) for ``draft_model``; the drafter
-            checkpoint directory for ``eagle`` (None: random weights, for tests).
+            checkpoint directory for ``eagle`` (None: the drafter shipped for the target;
+            ``"random"``: random weights, for tests).
         num_speculative_tokens: draft depth d (>= 1).
         topk: branching k per node (1 = chain).
         num_verify_tokens: verify budget m, the most draft nodes per sequence (>= d; default

@@ -29,4 +29,7 @@ def make_proposer(cfg: SpeculativeConfig, target, num_blocks: int, block_size: i
                              f"{target.config.vocab_size}")
         return DraftModelDrafter(cfg.strategy, draft.model, num_blocks, block_size,
                                  target.config.vocab_size)
+    if cfg.method == "eagle":
+        from specengine.spec.eagle import make_eagle
+        return make_eagle(cfg, target, num_blocks, block_size)
     raise ValueError(f"speculative_config method={cfg.method!r} is not available yet")

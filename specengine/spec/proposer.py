@@ -17,6 +17,7 @@ class Proposer:
     """Base drafter. ``strategy`` is the tree shape used when no policy chooses one."""
 
     name = "base"
+    wants_hidden = False  # True: the engine calls ``observe`` with target hidden states
 
     def __init__(self, strategy: Strategy):
         self.strategy = strategy
@@ -26,8 +27,12 @@ class Proposer:
         and ``strategy.depth`` deep; the root is each sequence's last token."""
         raise NotImplementedError
 
-    def observe(self, entries, hidden: torch.Tensor) -> None:
-        """Called after each target forward with the hidden states of the sampled rows."""
+    def observe(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
+        """After a target forward (only if ``wants_hidden``): ``hidden`` ``[r, hidden_size]``
+        holds the target's last hidden states (after the final norm) of positions
+        ``start .. start+r-1`` of ``seq``, which became committed in this step: the prompt at
+        prefill (``start`` 0; also when a preempted sequence is recomputed), then the root and
+        the accepted draft nodes of each verify step."""
 
     def release(self, seq: Sequence) -> None:
         """``seq`` finished: drop any state kept for it."""
@@ -60,4 +65,7 @@ class NgramDrafter(Proposer):
         self.ngram = NgramProposer(min_n=min_n, max_n=max_n)
 
     def propose(self, seqs: list[Sequence], strategy: Strategy) -> list[DraftTree | None]:
-        return [self.ngram.propose(s.token_ids, strategy) for s in seqs]
+        return [self.ngram.propose(s.token_ids, strategy, key=s.seq_id) for s in seqs]
+
+    def release(self, seq: Sequence) -> None:
+        self.ngram.forget(seq.seq_id)

@@ -107,8 +107,8 @@ def verify_sampling(tree: DraftTree, target_probs: torch.Tensor,
         tree: the draft tree; ``tree.sampled`` picks rejection against q (``tree.draft_probs``)
             or in-order trial of deterministic children.
         target_probs: ``[m + 1, V]`` float32 probabilities, already processed exactly as plain
-            sampling would (temperature, top-k, top-p, min-p, then softmax); each row must
-            sum to 1 (as softmax output does, up to rounding). ``draft_probs`` rows likewise.
+            sampling would (temperature, top-k, top-p, min-p, then softmax). Rows (and
+            ``draft_probs`` rows) are renormalised in float64, so rounding does not bias.
         generator: the request's own ``torch.Generator`` (CPU); every draw comes from it.
 
     Returns:
@@ -136,7 +136,9 @@ def verify_sampling(tree: DraftTree, target_probs: torch.Tensor,
         us = torch.rand(len(kids), generator=generator, dtype=torch.float64).tolist()
         nxt = None
         if tree.sampled:
+            p = p / p.sum()
             q = tree.draft_probs[kids[0]].double()
+            q = q / q.sum()
             for c, u in zip(kids, us):
                 x = tree.tokens[c]
                 if u * q[x].item() < p[x].item():
@@ -148,7 +150,7 @@ def verify_sampling(tree: DraftTree, target_probs: torch.Tensor,
             bonus_row = p
         else:  # siblings are distinct: the residual after rejecting x_1..x_j is p without them
             toks = [tree.tokens[c] for c in kids]
-            left = 1.0
+            left = p.sum().item()
             for c, u, px in zip(kids, us, p[toks].tolist()):
                 if u * left < px:
                     nxt = c

@@ -1,0 +1,134 @@
+"""Integration tests on the real default model (smollm2-135m-instruct), float32.
+
+Reference: Hugging Face transformers on the same weights (the converted HF directory).
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specengine import LLM, SamplingParams
+from specengine.data import gsm_questions, humaneval_prompts
+
+pytestmark = pytest.mark.integration
+
+NEW_TOKENS = 64
+TIE_GAP = 1e-3  # a top-2 logit gap below this is a near-tie: either token is correct
+
+
+@pytest.fixture(scope="module")
+def llm(default_model_dir):
+    return LLM(str(default_model_dir), dtype="float32", max_model_len=2048)
+
+
+@pytest.fixture(scope="module")
+def prompts(llm):
+    """20 real prompts: 10 GSM-style questions (chat template) and 10 HumanEval prompts."""
+    tok = llm.get_tokenizer()
+    chats = [tok.apply_chat_template([{"role": "user", "content": q["question"]}],
+                                     tokenize=False, add_generation_prompt=True)
+             for q in gsm_questions(10, seed=1)]
+    ids = [tok(c, add_special_tokens=False).input_ids for c in chats]
+    ids += [tok(p["prompt"]).input_ids for p in humaneval_prompts(10)]
+    return ids
+
+
+@pytest.fixture(scope="module")
+def hf_model(default_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def greedy_outputs(llm, prompts):
+    sp = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def test_greedy_equals_transformers_generate(hf_model, prompts, greedy_outputs):
+    exact = 0
+    for p, out in zip(prompts, greedy_outputs):
+        ours = out.outputs[0].token_ids
+        with torch.inference_mode():
+            ref = hf_model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS,
+                                    min_new_tokens=NEW_TOKENS, do_sample=False,
+                                    pad_token_id=0)[0, len(p):].tolist()
+        i = first_divergence(ours, ref)
+        if i is None:
+            exact += 1
+            continue
+        with torch.inference_mode():
+            logits = hf_model(torch.tensor([p + ref[:i]])).logits[0, -1]
+        top2 = torch.topk(logits, 2).values
+        gap = float(top2[0] - top2[1])
+        print(f"divergence at token {i}: top-2 logit gap {gap:.2e}")
+        assert gap < TIE_GAP, f"mismatch at token {i} without a near-tie (gap {gap})"
+    assert exact >= len(prompts) - 2
+
+
+def test_logprobs_equal_transformers_log_softmax(hf_model, prompts, greedy_outputs):
+    worst = 0.0
+    for p, out in zip(prompts[:6], greedy_outputs[:6]):
+        o = out.outputs[0]
+        with torch.inference_mode():
+            logits = hf_model(torch.tensor([p + o.token_ids])).logits[0].float()
+        ref = torch.log_softmax(logits, -1)[len(p) - 1:-1]
+        for j, (t, lp) in enumerate(zip(o.token_ids, o.logprobs)):
+            worst = max(worst, abs(lp[t].logprob - ref[j, t].item()))
+    print(f"largest logprob difference: {worst:.2e}")
+    assert worst < 1e-3
+
+
+def truncated_draft(src, dst, num_layers: int):
+    """A real draft model sharing the target's tokenizer: its first ``num_layers`` layers plus
+    embedding, final norm and LM head (layer-skip self-drafting)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_hidden_layers"] = num_layers
+    (dst / "config.json").write_text(json.dumps(cfg))
+    state = {}
+    for f in src.glob("*.safetensors"):
+        for k, v in load_file(f).items():
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers:
+                state[k] = v
+    save_file(state, dst / "model.safetensors")
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation_config", "vocab",
+                              "merges", "chat_template")):
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 4},
+    {"method": "ngram", "num_speculative_tokens": 4, "topk": 3, "num_verify_tokens": 10},
+    {"method": "draft_model", "model": "TRUNCATED", "num_speculative_tokens": 3},
+    {"method": "draft_model", "model": "TRUNCATED", "num_speculative_tokens": 3, "topk": 2,
+     "num_verify_tokens": 6},
+], ids=["ngram-chain", "ngram-tree", "draft-chain", "draft-tree"])
+def test_speculative_greedy_equals_plain(default_model_dir, tmp_path_factory, llm, prompts,
+                                         spec):
+    spec = dict(spec)
+    if spec.get("model") == "TRUNCATED":
+        spec["model"] = str(truncated_draft(default_model_dir,
+                                            tmp_path_factory.mktemp("draft"), 8))
+    sp = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    want = [o.outputs[0].token_ids for o in llm.generate(batch, sp, use_tqdm=False)]
+    spec_llm = LLM(str(default_model_dir), dtype="float32", max_model_len=2048,
+                   speculative_config=spec)
+    got = [o.outputs[0].token_ids for o in spec_llm.generate(batch, sp, use_tqdm=False)]
+    m = spec_llm.get_metrics()
+    print(f"{spec['method']}: tau={m.get('acceptance_length', 1):.2f}")
+    mism = [i for i, (a, b) in enumerate(zip(want, got)) if a != b]
+    assert not mism, f"prompts {mism} differ"
+    assert m["accepted_tokens"] > 0
+    assert m["kv_blocks_free"] == m["kv_blocks_total"]
