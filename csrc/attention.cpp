@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "pool.h"
 #include "vec.h"
 
 namespace specengine {
@@ -219,7 +220,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
              tm.defined() ? tm.data_ptr<bool>() : nullptr, out.data_ptr<float>(),
              T, H, KVH, D, NB, BS, MB, W};
   const int64_t group = H / KVH;
-  at::parallel_for(0, T * KVH, 1, [&](int64_t begin, int64_t end) {
+  parallel_ranges(T * KVH, 1, 4, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(group * (D + BS + 2));
     if (kdt == at::kFloat)
       attend_f32(a, begin, end, scratch.data());

@@ -37,6 +37,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("key"), py::arg("value"), py::arg("slot_mapping"));
   m.def("linear", &specengine::linear_cpu, py::arg("x"), py::arg("weight"),
         py::arg("bias") = py::none(), "x @ weight.T + bias with batch-invariant rows.");
+  m.def("amx_available", &specengine::amx_available,
+        "True when AMX-BF16 tiles are usable (CPU support and Linux permission granted).");
+  m.def("pack_weight_amx", &specengine::amx_pack_weight, py::arg("weight"),
+        py::arg("glu") = false, "[N, K] bf16 weight -> AMX tile layout for linear_amx.");
+  m.def("linear_amx", &specengine::amx_linear, py::arg("x"), py::arg("packed"), py::arg("n"),
+        py::arg("bias") = py::none(), py::arg("glu") = false,
+        "x [M, K] bf16 @ packed weight -> [M, N] bf16 (glu: silu(gate) * up, [M, N/2]); "
+        "rows are batch-invariant.");
+  m.def("rope_", &specengine::rope_inplace_cpu, py::arg("x"), py::arg("cos"), py::arg("sin"),
+        "In-place rotate-half RoPE of x [T, H, D] with float32 cos/sin [T, D] (sin signed).");
   m.def("rms_norm", &specengine::rms_norm_cpu, py::arg("x"), py::arg("weight"), py::arg("eps"));
   m.def("add_rms_norm", &specengine::add_rms_norm_cpu, py::arg("x"), py::arg("residual"),
         py::arg("weight"), py::arg("eps"));

@@ -13,6 +13,7 @@
 #include <cmath>
 
 #include "ops.h"
+#include "pool.h"
 #include "vec.h"
 
 namespace specengine {
@@ -194,6 +195,46 @@ SE_INLINE void silu_mul_rows(const T* x, T* out, int64_t r0, int64_t r1, int64_t
     }
 }
 
+// In-place rotate-half RoPE of rows x[t, h, :] (D contiguous) with cos/sin [T, D] float32
+// (sin signed: [-sin, sin]), in float32 with one rounding to T.
+template <class T>
+SE_INLINE void rope_rows(T* x, const float* cos, const float* sin, int64_t t0, int64_t t1,
+                         int64_t H, int64_t D, int64_t sx_t, int64_t sx_h, int64_t sc, int64_t ss) {
+  const int64_t half = D / 2;
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* c = cos + t * sc;
+    const float* s = sin + t * ss;
+    for (int64_t h = 0; h < H; ++h) {
+      T* r = x + t * sx_t + h * sx_h;
+      int64_t i = 0;
+      for (; i + 16 <= half; i += 16) {
+        const f32x16 a = load16(r + i), b = load16(r + half + i);
+        const f32x16 lo = a * load16(c + i) + b * load16(s + i);
+        const f32x16 hi = b * load16(c + half + i) + a * load16(s + half + i);
+        for (int j = 0; j < 16; ++j) {
+          r[i + j] = static_cast<T>(lo[j]);
+          r[half + i + j] = static_cast<T>(hi[j]);
+        }
+      }
+      for (; i < half; ++i) {
+        const float a = to_float(r[i]), b = to_float(r[half + i]);
+        r[i] = static_cast<T>(a * c[i] + b * s[i]);
+        r[half + i] = static_cast<T>(b * c[half + i] + a * s[half + i]);
+      }
+    }
+  }
+}
+
+SE_CLONES void rope_rows_f32(float* x, const float* c, const float* s, int64_t t0, int64_t t1,
+                             int64_t H, int64_t D, int64_t a, int64_t b, int64_t sc, int64_t ss) {
+  rope_rows(x, c, s, t0, t1, H, D, a, b, sc, ss);
+}
+SE_CLONES void rope_rows_bf16(bf16* x, const float* c, const float* s, int64_t t0, int64_t t1,
+                              int64_t H, int64_t D, int64_t a, int64_t b, int64_t sc,
+                              int64_t ss) {
+  rope_rows(x, c, s, t0, t1, H, D, a, b, sc, ss);
+}
+
 void check_float_dtype(const at::Tensor& t, const char* name) {
   TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
                    " must be float32 or bfloat16, got ", t.scalar_type());
@@ -237,7 +278,7 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& w,
   // Ranges of whole 4-feature tiles per thread; ~64 KiB of weights per task at least.
   const int64_t tiles = (N + kTileN - 1) / kTileN;
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / (kTileN * K * w.element_size()));
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+  parallel_ranges(tiles, grain, 4, [&](int64_t t0, int64_t t1) {
     const int64_t n0 = t0 * kTileN, n1 = std::min(N, t1 * kTileN);
 #if defined(__x86_64__) && defined(__GNUC__)
     if (fast_bf16) return linear_bf16_range(a, n0, n1);
@@ -248,6 +289,34 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& w,
   return is_bf16 ? y.to(at::kBFloat16) : y;
 }
 
+void rope_inplace_cpu(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  check_float_dtype(x, "x");
+  TORCH_CHECK_VALUE(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+                    "x must be [T, H, D] with contiguous even D, got ", x.sizes(), " strides ",
+                    x.strides());
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
+  for (const at::Tensor* c : {&cos, &sin}) {
+    TORCH_CHECK_TYPE(c->scalar_type() == at::kFloat, "cos/sin must be float32, got ",
+                     c->scalar_type());
+    TORCH_CHECK_VALUE(c->dim() == 2 && c->size(0) == T && c->size(1) == D && c->stride(1) == 1,
+                      "cos/sin must be [T=", T, ", D=", D, "] with contiguous rows, got ",
+                      c->sizes());
+  }
+  if (T == 0 || H == 0) return;
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  auto run = [&](int64_t t0, int64_t t1) {
+    if (x.scalar_type() == at::kFloat)
+      rope_rows_f32(x.data_ptr<float>(), cp, sp, t0, t1, H, D, x.stride(0), x.stride(1),
+                    cos.stride(0), sin.stride(0));
+    else
+      rope_rows_bf16(x.data_ptr<bf16>(), cp, sp, t0, t1, H, D, x.stride(0), x.stride(1),
+                     cos.stride(0), sin.stride(0));
+  };
+  if (T * H * D < (1 << 16)) return run(0, T);
+  parallel_ranges(T, 8, 2, run);
+}
+
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& w, double eps) {
   check_float_dtype(x, "x");
   const int64_t D = x.size(-1);
@@ -256,7 +325,7 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& w, double eps) {
   auto wc = w.to(x.scalar_type()).contiguous();
   auto out = at::empty_like(xc);
   const int64_t R = D ? xc.numel() / D : 0;
-  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+  parallel_ranges(R, 16, 1, [&](int64_t r0, int64_t r1) {
     if (x.scalar_type() == at::kFloat)
       rms_rows_f32(xc.data_ptr<float>(), nullptr, wc.data_ptr<float>(), out.data_ptr<float>(),
                    nullptr, r0, r1, D, static_cast<float>(eps));
@@ -282,7 +351,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_cpu(const at::Tensor& x,
   auto out = at::empty_like(xc);
   auto new_res = at::empty_like(xc);
   const int64_t R = D ? xc.numel() / D : 0;
-  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+  parallel_ranges(R, 16, 1, [&](int64_t r0, int64_t r1) {
     if (x.scalar_type() == at::kFloat)
       rms_rows_f32(xc.data_ptr<float>(), rc.data_ptr<float>(), wc.data_ptr<float>(),
                    out.data_ptr<float>(), new_res.data_ptr<float>(), r0, r1, D,
@@ -305,7 +374,7 @@ at::Tensor silu_and_mul_cpu(const at::Tensor& x) {
   sizes.back() = d;
   auto out = at::empty(sizes, x.options());
   const int64_t R = d ? out.numel() / d : 0;
-  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+  parallel_ranges(R, 16, 1, [&](int64_t r0, int64_t r1) {
     if (x.scalar_type() == at::kFloat)
       silu_mul_rows(xc.data_ptr<float>(), out.data_ptr<float>(), r0, r1, d);
     else

@@ -31,6 +31,16 @@ void write_kv_cpu(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& ke
 // x [M, K] @ w[N, K]^T + b; bf16 (AVX-512 BF16) or fp32; batch-invariant rows.
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b);
 
+// AMX-BF16 linear over weights packed once by amx_pack_weight ([N, K] bf16 -> tiles; glu:
+// fused gate_up [2I, K] whose linear_amx output is silu(gate) * up [M, I]).
+bool amx_available();
+at::Tensor amx_pack_weight(const at::Tensor& w, bool glu);
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                      const std::optional<at::Tensor>& bias, bool glu);
+
+// In-place rotate-half RoPE of x [T, H, D] (any T/H strides) with float32 cos/sin [T, D].
+void rope_inplace_cpu(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& w, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_cpu(const at::Tensor& x,
                                                     const at::Tensor& residual,

@@ -14,6 +14,7 @@ from specengine.outputs import RequestOutput
 from specengine.sampling import SamplingParams
 from specengine.spec.config import SpeculativeConfig
 from specengine.spec.factory import make_proposer
+from specengine.spec.policy import make_policy
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_KV_BYTES = 1 << 30
@@ -78,8 +79,11 @@ class LLM:
         self.speculative_config = SpeculativeConfig.from_dict(speculative_config)
         proposer = make_proposer(self.speculative_config, loaded, num_blocks, block_size) \
             if self.speculative_config else None
+        policy = make_policy(self.speculative_config, seed) if proposer else None
         self.engine = Engine(loaded.model, self.tokenizer, self.engine_config, seed=seed,
-                             logprobs_mode=logprobs_mode, proposer=proposer)
+                             logprobs_mode=logprobs_mode, proposer=proposer, policy=policy)
+        if policy is not None:
+            policy.warm_start(self.engine)
         self._wall_time = 0.0
 
     def get_tokenizer(self):
@@ -89,10 +93,13 @@ class LLM:
     def get_metrics(self) -> dict:
         """Engine counters since start: requests, prompt/generated tokens, steps, prefill and
         decode time (seconds), preemptions, KV blocks (total and free), wall time in
-        ``generate`` (seconds)."""
+        ``generate`` (seconds); with speculation, the policy's ``stats()`` (strategies run,
+        steps, predicted and observed tokens/s, decision time)."""
         d = self.engine.metrics.as_dict()
         d.update(kv_blocks_total=self.engine.blocks.num_blocks,
                  kv_blocks_free=self.engine.blocks.num_free, generate_time=self._wall_time)
+        if self.engine.proposer is not None:
+            d.update(self.engine.policy.stats())
         return d
 
     def _to_token_ids(self, prompt, i: int) -> tuple[str | None, list[int]]:

@@ -158,6 +158,8 @@ class Engine:
             for s in req.seqs:
                 if not s.is_finished:
                     self.scheduler.finish(s)
+                    if self.proposer is not None:
+                        self.proposer.release(s)
         self.scheduler.waiting.clear()
         self.requests.clear()
 
@@ -182,6 +184,9 @@ class Engine:
         t1 = time.perf_counter()
         logits, hidden = self.runner.run(entries, self.blocks)
         t2 = time.perf_counter()
+        for e in entries:
+            for s in e.samplers:
+                s.num_forwards += 1
 
         plain, trees, row, tok = [], [], 0, 0
         offsets = []  # first token of each entry in the forward's layout
@@ -223,8 +228,8 @@ class Engine:
                     if all(s.is_finished for s in req.seqs):
                         finished.append(self._request_output(req, now))
                     break
-        for e in entries:  # give back the slots reserved for draft tokens
-            if not e.is_prefill and not e.seq.is_finished:
+        for e in entries:
+            if not e.is_prefill and not e.seq.is_finished:  # give back the draft slots
                 self.blocks.shrink(e.seq, e.seq.num_cached)
         m.steps += 1
         num_prefill = sum(e.num_new for e in entries if e.is_prefill)
@@ -358,8 +363,20 @@ class Engine:
             index=s.index, text=s.text, token_ids=s.output_token_ids, logprobs=s.logprobs,
             cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
             finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in req.seqs]
+        seqs = req.seqs
+        spec_steps = sum(s.num_spec_steps for s in seqs)
+        depth = max((len(s.accepted_per_depth) for s in seqs), default=0)
         metrics = {
             "arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
             "finished_time": now, "num_prompt_tokens": len(req.prompt_token_ids),
-            "num_generated_tokens": sum(len(o.token_ids) for o in outs)}
+            "num_generated_tokens": sum(len(o.token_ids) for o in outs),
+            "target_forwards": sum(s.num_forwards for s in seqs),
+            "spec_steps": spec_steps,
+            "drafted_tokens": sum(s.num_drafted for s in seqs),
+            "accepted_tokens": sum(s.num_accepted for s in seqs)}
+        if spec_steps:
+            metrics["acceptance_length"] = (metrics["accepted_tokens"] + spec_steps) / spec_steps
+            metrics["acceptance_rate_per_depth"] = [
+                sum(s.accepted_per_depth[d] for s in seqs if d < len(s.accepted_per_depth))
+                / spec_steps for d in range(depth)]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, True, metrics)

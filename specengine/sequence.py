@@ -54,16 +54,21 @@ class Sequence:
         self.text = ""
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        # speculation statistics: verify forwards, drafted and accepted draft tokens
+        # statistics: target forwards, and per verify step drafted / accepted draft tokens
+        self.num_forwards = 0
         self.num_spec_steps = 0
         self.num_drafted = 0
         self.num_accepted = 0
+        self.accepted_per_depth: list[int] = []  # [d]: verify steps that accepted depth d+1
 
     def spec_stats(self, drafted: int, accepted: int) -> None:
         """Record one verify step of this sequence."""
         self.num_spec_steps += 1
         self.num_drafted += drafted
         self.num_accepted += accepted
+        self.accepted_per_depth += [0] * (accepted - len(self.accepted_per_depth))
+        for d in range(accepted):
+            self.accepted_per_depth[d] += 1
 
     @property
     def num_prompt_tokens(self) -> int:

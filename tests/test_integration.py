@@ -116,7 +116,7 @@ def truncated_draft(src, dst, num_layers: int):
 ], ids=["ngram-chain", "ngram-tree", "draft-chain", "draft-tree"])
 def test_speculative_greedy_equals_plain(default_model_dir, tmp_path_factory, llm, prompts,
                                          spec):
-    spec = dict(spec)
+    spec = {"policy": "static", **spec}
     if spec.get("model") == "TRUNCATED":
         spec["model"] = str(truncated_draft(default_model_dir,
                                             tmp_path_factory.mktemp("draft"), 8))

@@ -24,7 +24,11 @@ def draft_dir(tmp_path_factory):
 
 
 def make(target_dir, spec=None, **kw):
+    """An engine on ``target_dir``; speculation runs every step (static policy) so the tests
+    exercise it whatever the cost model would choose."""
     kw.setdefault("kv_cache_memory_bytes", 8 << 20)
+    if spec is not None and spec.get("method") in ("ngram", "draft_model", "eagle"):
+        spec = {"policy": "static", **spec}
     return LLM(str(target_dir), dtype="float32", block_size=8, speculative_config=spec, **kw)
 
 
@@ -125,3 +129,18 @@ def test_bad_speculative_configs(target_dir, tmp_path):
     other = save_random_model(tmp_path / "o", {"vocab_size": 256}, seed=3)
     with pytest.raises(ValueError, match="vocab_size"):
         make(target_dir, {"method": "draft_model", "model": str(other)})
+
+
+def test_request_metrics_count_forwards_and_acceptance(target_dir):
+    d = 3
+    llm = make(target_dir, {"method": "draft_model", "model": str(target_dir),
+                            "num_speculative_tokens": d})
+    out = llm.generate([rand_prompts(1, seed=12)[0]],
+                       SamplingParams(n=2, temperature=0, max_tokens=17, ignore_eos=True),
+                       use_tqdm=False)[0]
+    m = out.metrics
+    # per sample: 1 prefill forward (1 token) + 4 verify forwards committing 4 tokens each
+    assert m["num_generated_tokens"] == 34
+    assert m["target_forwards"] == 2 * 5 and m["spec_steps"] == 8
+    assert m["accepted_tokens"] == 8 * d and m["acceptance_length"] == d + 1
+    assert m["acceptance_rate_per_depth"] == [1.0] * d

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from specengine.spec.strategy import Strategy
 
 METHODS = ("ngram", "draft_model", "eagle")
+POLICIES = ("auto", "static", "bandit")
 
 
 @dataclass
@@ -25,6 +26,12 @@ class SpeculativeConfig:
             d * k).
         prompt_lookup_min, prompt_lookup_max: n-gram sizes matched by ``ngram``.
         draft_dtype: dtype of the draft model (default: the target's).
+        policy: how each step's strategy is chosen: ``"auto"`` (cost model fitted online; the
+            default), ``"static"`` (always the configured tree) or ``"bandit"`` (TLT's
+            BEG-MAB); ``auto`` and ``bandit`` choose among no speculation, chains of depth
+            1..``num_speculative_tokens`` and ``candidate_trees`` (``spec/policy.py``).
+        candidate_trees: trees for ``auto``/``bandit`` as ``[depth, topk, budget]`` lists
+            (None: defaults, see ``spec.policy.candidate_strategies``).
 
     Raises:
         ValueError: unknown method or key, out-of-range sizes (message names the key).
@@ -38,6 +45,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     draft_dtype: str | None = None
+    policy: str = "auto"
+    candidate_trees: list | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -55,6 +64,14 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"speculative_config prompt_lookup_min={self.prompt_lookup_min} and "
                              f"prompt_lookup_max={self.prompt_lookup_max}: need 1 <= min <= max")
+        if self.policy not in POLICIES:
+            raise ValueError(f"speculative_config policy={self.policy!r}: use one of {POLICIES}")
+        if self.candidate_trees is not None:
+            try:
+                self.candidate_trees = [t if isinstance(t, Strategy) else Strategy(*t)
+                                        for t in self.candidate_trees]
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"speculative_config candidate_trees: {e}") from None
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config method='draft_model' needs 'model'")
 

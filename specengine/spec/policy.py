@@ -1,13 +1,27 @@
 """Speculation policy: which strategy (tree shape, or none) each step uses.
 
-``StaticPolicy`` always uses the configured strategy. Adaptive policies (cost model, bandit)
-implement the same two calls: ``choose`` before the step, ``record`` after it.
+Every policy implements ``choose(num_running)`` before the step and ``record(StepRecord)`` after
+it, and ``stats()`` for the metrics (which strategies ran, for how many steps, predicted and
+observed committed tokens per second).
+
+- ``StaticPolicy``: always the configured strategy.
+- ``AutoPolicy``: RLHFSpec's criterion (arXiv 2512.04752): each step, the strategy with the most
+  expected committed tokens per second for the whole batch, from an online latency model
+  (``latency.py``) and an online acceptance model (``acceptance.py``), with hysteresis.
+- ``BanditPolicy``: TLT's BEG-MAB (arXiv 2511.16665): bucketed epsilon-greedy over strategies
+  by batch size, reward = committed tokens per second; the baseline to beat.
 """
 
 from __future__ import annotations
 
+import random
+import time
+from collections import deque
 from dataclasses import dataclass
 
+from specengine.spec.acceptance import AcceptanceModel
+from specengine.spec.config import POLICIES
+from specengine.spec.latency import LatencyModel, profile_forward
 from specengine.spec.strategy import Strategy
 
 
@@ -40,18 +54,289 @@ class StepRecord:
     forward_time: float
     other_time: float
 
+    @property
+    def step_time(self) -> float:
+        """Seconds of the whole step."""
+        return self.draft_time + self.forward_time + self.other_time
 
-class StaticPolicy:
+    @property
+    def is_decode_only(self) -> bool:
+        """True for a step with decode sequences and no prompt tokens (a clean measurement)."""
+        return self.num_decode > 0 and self.num_prefill_tokens == 0
+
+
+def batch_bucket(num_seqs: int) -> int:
+    """Batch-size bucket: ``b`` holds ``2**(b-1) <= num_seqs < 2**b`` (0 holds 0)."""
+    return int(num_seqs).bit_length()
+
+
+def bucket_label(bucket: int) -> str:
+    """``"4-7"`` for bucket 3."""
+    if bucket <= 1:
+        return str(bucket)
+    return f"{2 ** (bucket - 1)}-{2 ** bucket - 1}"
+
+
+def strategy_name(s: Strategy | None) -> str:
+    return "off" if s is None else str(s)
+
+
+class Policy:
+    """Base: counts steps, committed tokens and seconds per strategy, and the time spent
+    deciding (``choose``); subclasses call ``_tally`` from ``record``."""
+
+    name = "base"
+
+    def __init__(self) -> None:
+        self.per_strategy: dict[str, dict] = {}
+        self.decision_time = 0.0  # seconds inside choose()
+        self.step_time = 0.0  # seconds of all recorded steps
+        self.trace: list[tuple[int, str, float]] = []  # (batch, strategy, committed tok/s)
+        self.keep_trace = False
+        self._predicted: float | None = None  # tok/s predicted for the step being run
+
+    def choose(self, num_running: int) -> Strategy | None:
+        """Strategy for the next step, given the number of running sequences."""
+        raise NotImplementedError
+
+    def record(self, rec: StepRecord) -> None:
+        """Learn from the step just run."""
+        self._tally(rec)
+
+    def warm_start(self, engine) -> None:
+        """Called once after the engine is built (e.g. to profile it)."""
+
+    def _tally(self, rec: StepRecord) -> None:
+        self.step_time += rec.step_time
+        if not rec.is_decode_only:
+            return
+        observed = rec.num_committed / max(rec.step_time, 1e-9)
+        st = self.per_strategy.setdefault(strategy_name(rec.strategy), {
+            "steps": 0, "tokens": 0, "seconds": 0.0, "predicted_sum": 0.0, "predicted_n": 0})
+        st["steps"] += 1
+        st["tokens"] += rec.num_committed
+        st["seconds"] += rec.step_time
+        if self._predicted is not None:
+            st["predicted_sum"] += self._predicted
+            st["predicted_n"] += 1
+        if self.keep_trace:
+            self.trace.append((rec.num_decode, strategy_name(rec.strategy), observed))
+
+    def stats(self) -> dict:
+        """Metrics: ``policy``, ``policy_decision_s`` and ``policy_decision_frac`` (share of
+        step time spent choosing), ``policy_strategies``: per strategy the decode-only
+        ``steps``, ``observed_tok_s`` (committed tokens / seconds of those steps) and
+        ``predicted_tok_s`` (mean prediction when chosen; None if the policy predicts none)."""
+        table = {}
+        for name, st in self.per_strategy.items():
+            table[name] = {
+                "steps": st["steps"],
+                "observed_tok_s": st["tokens"] / st["seconds"] if st["seconds"] else None,
+                "predicted_tok_s": st["predicted_sum"] / st["predicted_n"]
+                if st["predicted_n"] else None}
+        return {"policy": self.name, "policy_decision_s": self.decision_time,
+                "policy_decision_frac": self.decision_time / self.step_time
+                if self.step_time else 0.0, "policy_strategies": table}
+
+
+class StaticPolicy(Policy):
     """Always the same strategy (``None``: never speculate)."""
 
     name = "static"
 
     def __init__(self, strategy: Strategy | None):
+        super().__init__()
         self.strategy = strategy
 
     def choose(self, num_running: int) -> Strategy | None:
-        """Strategy for the next step, given the number of running sequences."""
         return self.strategy
 
+
+class BucketPolicy(Policy):
+    """A fixed strategy per batch-size bucket (``batch_bucket``); the oracle of the benchmark
+    is this with the best static strategy per bucket found in hindsight."""
+
+    name = "bucket"
+
+    def __init__(self, table: dict[int, Strategy | None], default: Strategy | None = None):
+        super().__init__()
+        self.table, self.default = table, default
+
+    def choose(self, num_running: int) -> Strategy | None:
+        return self.table.get(batch_bucket(num_running), self.default)
+
+
+class AutoPolicy(Policy):
+    """Cost-model policy: maximise expected committed tokens per second for the batch.
+
+    For each candidate s and a batch of B sequences with total context C:
+    ``score(s) = B * E[committed | s] / T(B, C, s)``, with ``E[committed]`` from the
+    ``AcceptanceModel`` and ``T`` from the ``LatencyModel`` (draft + verify forward of
+    ``B * (1 + E[nodes | s])`` tokens + the rest). The current strategy is kept unless another
+    scores ``hysteresis`` better. While speculation is off, one step in ``probe_every`` runs the
+    best speculative strategy so the acceptance statistics stay current.
+
+    Args:
+        candidates: strategies to choose from; ``None`` (no speculation) is always added.
+        hysteresis: relative margin a new strategy must win by (0.05 = 5%).
+        probe_every: steps with speculation off between probes (0: never probe).
+    """
+
+    name = "auto"
+
+    def __init__(self, candidates: list[Strategy | None], hysteresis: float = 0.05,
+                 probe_every: int = 50, latency: LatencyModel | None = None,
+                 acceptance: AcceptanceModel | None = None):
+        super().__init__()
+        self.candidates = [None] + [s for s in dict.fromkeys(candidates) if s is not None]
+        max_depth = max((s.depth for s in self.candidates if s is not None), default=1)
+        self.latency = latency or LatencyModel()
+        self.acceptance = acceptance or AcceptanceModel(max_depth)
+        self.hysteresis, self.probe_every = hysteresis, probe_every
+        self.current: Strategy | None = None
+        self.context_per_seq = 0.0  # context tokens per decode sequence, last step
+        self.steps_off = 0
+        self.last_scores: dict[str, float] = {}
+
+    def warm_start(self, engine) -> None:
+        """Profile the engine's runner (and drafter) for about a second."""
+        profile_forward(engine.runner, engine.blocks, self.latency, proposer=engine.proposer)
+
+    def score(self, s: Strategy | None, batch: int, context: float) -> float:
+        """Predicted committed tokens per second of one step of ``s`` (tokens/s)."""
+        acc = self.acceptance
+        committed = batch * acc.expected_committed(s)
+        nodes = batch * acc.expected_nodes(s)
+        seconds = self.latency.step_time(batch, context, s.depth if s else 0, nodes, committed)
+        return committed / max(seconds, 1e-9)
+
+    def choose(self, num_running: int) -> Strategy | None:
+        t0 = time.perf_counter()
+        batch = max(num_running, 1)
+        context = self.context_per_seq * batch
+        scores = {s: self.score(s, batch, context) for s in self.candidates}
+        best = max(scores, key=scores.get)
+        current = self.current if self.current in scores else None
+        if scores[best] > scores[current] * (1 + self.hysteresis):
+            current = best
+        self.current = current
+        choice = current
+        if current is None:
+            self.steps_off += 1
+            if self.probe_every and self.steps_off % self.probe_every == 0:
+                spec = [s for s in self.candidates if s is not None]
+                if spec:
+                    choice = max(spec, key=scores.get)
+        else:
+            self.steps_off = 0
+        self._predicted = scores[choice]
+        self.last_scores = scores
+        self.decision_time += time.perf_counter() - t0
+        return choice
+
     def record(self, rec: StepRecord) -> None:
-        """Learn from the step just run (nothing for a static policy)."""
+        self._tally(rec)
+        if rec.num_decode:
+            self.context_per_seq = rec.context_tokens / rec.num_decode
+        if rec.strategy is not None:
+            self.acceptance.observe(rec.strategy, rec.accepted_per_seq, rec.num_decode,
+                                    rec.num_drafted)
+        if not rec.is_decode_only:
+            return
+        lat = self.latency
+        lat.add_forward(rec.num_forward_tokens, rec.context_tokens, rec.num_decode,
+                        rec.forward_time)
+        if rec.strategy is not None:
+            lat.add_draft(rec.num_decode, rec.strategy.depth, rec.num_drafted, rec.draft_time)
+        lat.add_other(rec.num_decode, rec.num_drafted, rec.num_committed, rec.other_time)
+
+    def stats(self) -> dict:
+        d = super().stats()
+        d["policy_latency_knee_tokens"] = self.latency.knee
+        d["policy_expected_committed"] = {
+            strategy_name(s): round(self.acceptance.expected_committed(s), 3)
+            for s in self.candidates}
+        return d
+
+
+class BanditPolicy(Policy):
+    """Bucketed epsilon-greedy bandit (TLT's BEG-MAB, arXiv 2511.16665).
+
+    Batch sizes fall into power-of-two buckets; in each bucket every arm (strategy) keeps its
+    last ``window`` rewards (committed tokens per second of decode-only steps). Untried arms
+    are tried first; then with probability ``epsilon`` a random arm, else the arm with the best
+    mean reward.
+
+    Args:
+        candidates: arms; ``None`` (no speculation) is always added.
+        epsilon: exploration probability.
+        window: rewards kept per arm and bucket.
+        seed: seeds the exploration RNG (decisions are reproducible).
+    """
+
+    name = "bandit"
+
+    def __init__(self, candidates: list[Strategy | None], epsilon: float = 0.1,
+                 window: int = 32, seed: int = 0):
+        super().__init__()
+        self.arms = [None] + [s for s in dict.fromkeys(candidates) if s is not None]
+        self.epsilon, self.window = epsilon, window
+        self.rng = random.Random(seed)
+        self.rewards: dict[tuple[int, Strategy | None], deque] = {}
+        self._chosen: tuple[int, Strategy | None] | None = None
+
+    def mean_reward(self, bucket: int, arm: Strategy | None) -> float | None:
+        r = self.rewards.get((bucket, arm))
+        return sum(r) / len(r) if r else None
+
+    def choose(self, num_running: int) -> Strategy | None:
+        t0 = time.perf_counter()
+        bucket = batch_bucket(num_running)
+        means = {a: self.mean_reward(bucket, a) for a in self.arms}
+        untried = [a for a, m in means.items() if m is None]
+        if untried:
+            arm = untried[0]
+        elif self.rng.random() < self.epsilon:
+            arm = self.rng.choice(self.arms)
+        else:
+            arm = max(self.arms, key=means.get)
+        self._chosen = (bucket, arm)
+        self._predicted = means[arm]
+        self.decision_time += time.perf_counter() - t0
+        return arm
+
+    def record(self, rec: StepRecord) -> None:
+        self._tally(rec)
+        if not rec.is_decode_only or self._chosen is None:
+            return
+        bucket, arm = self._chosen
+        if arm != rec.strategy:
+            return
+        reward = rec.num_committed / max(rec.step_time, 1e-9)
+        self.rewards.setdefault((bucket, arm), deque(maxlen=self.window)).append(reward)
+
+
+def candidate_strategies(cfg) -> list[Strategy]:
+    """Candidates of a ``SpeculativeConfig``: chains of depth 1..``num_speculative_tokens`` and
+    the trees of ``candidate_trees`` (default: the configured tree if ``topk > 1``, plus
+    ``(D, 2, 2D)`` and ``(D, 4, 4D)`` for D = ``num_speculative_tokens``)."""
+    depth = cfg.strategy.depth
+    chains = [Strategy(d) for d in range(1, depth + 1)]
+    trees = cfg.candidate_trees
+    if trees is None:
+        trees = [(depth, 2, 2 * depth), (depth, 4, 4 * depth)]
+        if not cfg.strategy.is_chain:
+            trees = [cfg.strategy, *trees]
+    out = chains + [t if isinstance(t, Strategy) else Strategy(*t) for t in trees]
+    return list(dict.fromkeys(out))
+
+
+def make_policy(cfg, seed: int = 0) -> Policy:
+    """The policy named by ``cfg.policy`` (a ``SpeculativeConfig``)."""
+    if cfg.policy == "static":
+        return StaticPolicy(cfg.strategy)
+    if cfg.policy == "bandit":
+        return BanditPolicy(candidate_strategies(cfg), seed=seed)
+    if cfg.policy == "auto":
+        return AutoPolicy(candidate_strategies(cfg))
+    raise ValueError(f"speculative_config policy={cfg.policy!r}: use one of {POLICIES}")

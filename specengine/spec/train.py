@@ -353,8 +353,11 @@ def drafter_loss(model: EagleModel, tokens, feats, valid, cfg: TrainConfig,
             stats["top1"].append(0.0)
             continue
         logq = torch.log_softmax(o @ head.T, dim=-1)
-        with torch.no_grad():
-            tl = t @ head.T
+        with torch.no_grad():  # target logits of feature j+1+s: shift the all-position ones
+            if s == 0:
+                all_logits = feats @ head.T  # [B, L, Vd]
+            tl = all_logits.gather(1, idx.clamp(max=tokens.shape[1] - 1)[None, :, None].expand(
+                tokens.shape[0], -1, all_logits.shape[2])).reshape(-1, all_logits.shape[2])[sel]
             p = torch.softmax(tl, dim=-1)
         ce = -(p * logq).sum(-1).mean()
         reg = F.smooth_l1_loss(o, t)
@@ -446,17 +449,19 @@ class Fitter:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
         self.step_no += 1
-        st["loss"] = float(st["loss"])
+        st["loss"] = float(st["loss"].detach())
         return st
 
 
 def fit(model: EagleModel, train: list[Rollout], val: list[Rollout], cfg: TrainConfig,
         out_dir: str | Path | None = None, save_every: int = 200, progress: bool = True,
-        save_dtype: torch.dtype = torch.bfloat16, log=None) -> dict:
-    """Train ``model`` (a trainable copy, see ``trainable_copy``) on ``train``; resumable from
-    ``out_dir/train_state.pt`` (weights, optimizer, step, RNG states); deterministic for
-    ``cfg.seed`` given the same data. Saves the drafter into ``out_dir`` every ``save_every``
-    steps and at the end. Returns the final validation summary."""
+        save_dtype: torch.dtype = torch.bfloat16, log=None, until: int | None = None) -> dict:
+    """Train ``model`` (a trainable copy, see ``trainable_copy``) on ``train`` for ``cfg.steps``
+    steps (or stop at step ``until``); resumable from ``out_dir/train_state.pt`` (weights,
+    optimizer, step, noise RNG; the batch order is replayed from ``cfg.seed``), so an
+    interrupted run ends where an uninterrupted one would; deterministic for ``cfg.seed`` given
+    the same data. Saves the drafter into ``out_dir`` every ``save_every`` steps and at the end.
+    Returns the validation summary (empty without ``val``)."""
     from tqdm.auto import tqdm
 
     torch.manual_seed(cfg.seed)
@@ -468,7 +473,6 @@ def fit(model: EagleModel, train: list[Rollout], val: list[Rollout], cfg: TrainC
         load_state(model, st["model"], str(state_path))
         fitter.opt.load_state_dict(st["opt"])
         fitter.step_no = st["step"]
-        rng.setstate(st["rng"])
         fitter.gen.set_state(st["gen"])
     batches = _batches(train, cfg.batch_tokens, rng, cfg.max_len)
     # the stream is a pure function of rng: replaying it is how resuming stays deterministic
@@ -490,7 +494,9 @@ def fit(model: EagleModel, train: list[Rollout], val: list[Rollout], cfg: TrainC
             save_drafter(model, out_dir, save_dtype)
             torch.save({"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
                         "opt": fitter.opt.state_dict(), "step": fitter.step_no,
-                        "rng": rng.getstate(), "gen": fitter.gen.get_state()}, state_path)
+                        "gen": fitter.gen.get_state()}, state_path)
+        if until is not None and fitter.step_no >= until:
+            break
     bar.close()
     return evaluate(model, val, cfg) if val else {}
 
@@ -519,6 +525,7 @@ def add_cli(sub) -> None:
     t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="target dtype for generation and features")
     t.add_argument("--init", default=None, help="start from this drafter checkpoint")
+    t.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps")
     t.add_argument("--no-progress", action="store_true")
 
 
@@ -534,7 +541,7 @@ def collect(llm, recs: list[dict], max_tokens: int, temperatures: list[float], s
         ids = encode_prompt(tok, rec)
         if "response" in rec:
             given.append(ids + tok(rec["response"], add_special_tokens=False).input_ids)
-        else:
+        elif len(ids) < llm.engine_config.max_model_len - 1:
             gen_ids.append(ids)
             gen_params.append(SamplingParams(temperature=temperatures[i % len(temperatures)],
                                              max_tokens=max_tokens, seed=seed + i))
@@ -618,7 +625,8 @@ def train_drafter_main(args) -> int:
         "val_sequences": len(val), "train_tokens": sum(len(r.token_ids) for r in train),
         "draft_vocab_coverage": round(covered / max(1, sum(counts.values())), 4),
         "temperatures": temps, "max_tokens": args.max_tokens, **asdict(cfg)}
-    summary = fit(model, train, val, cfg, out, progress=not args.no_progress, log=log)
+    summary = fit(model, train, val, cfg, out, save_every=args.save_every,
+                  progress=not args.no_progress, log=log)
     model.config.training["val"] = summary
     save_drafter(model, out)
     log(f"done: {summary}")

@@ -1,0 +1,263 @@
+// bf16 linear on Intel AMX tiles (TDPBF16PS) with weights packed once into the tile layout.
+//
+// Packed layout: output features in blocks of 16, processed in pairs; per pair and per
+// 32-wide K step, two 1 KiB B tiles [16 K-pairs][16 features][2] (VNNI), so a thread streams
+// its pairs' weights contiguously. K and N are zero-padded to whole tiles. In `glu` mode (fused
+// gate_up [2I, K]) pair p is (gate block p, up block p) and the epilogue writes
+// silu(gate) * up -> [M, I], rounding as silu_and_mul does (gate, up, silu(gate), product each
+// to bf16), so the fusion does not change results.
+//
+// Per call: up to 32 rows of x per pass (two A tiles, four C tiles, two B tiles = 8 tiles).
+// Each C element is one row of A times one column of B accumulated over K in a fixed order, and
+// the tile unit computes rows independently, so row i of the result does not depend on M or on
+// the other rows (batch invariance), nor on the thread that ran its chunk.
+#include <ATen/ATen.h>
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "ops.h"
+#include "pool.h"
+
+namespace specengine {
+namespace {
+
+constexpr int64_t kPairElems = 2 * 16 * 32;  // two B tiles of bf16 per K step of a pair
+
+struct TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+struct AmxArgs {
+  const uint16_t* x;      // [M, xs] bf16 bits, K padded to Kb*32 (zeros) unless K % 32 == 0
+  int64_t xs;             // row stride of x in elements
+  const uint16_t* w;      // packed [P, Kb, 2, 16, 32]
+  const float* bias;      // [N] or nullptr (not in glu mode)
+  uint16_t* y;            // [M, ldy] bf16 bits
+  int64_t ldy, M, N, Kb;  // N: valid output features (glu: I)
+  bool glu;
+};
+
+#define SE_AMX_TARGET \
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+SE_AMX_TARGET inline uint16_t f2bf(float f) {
+  // round to nearest even, as c10::BFloat16 (NaN kept quiet)
+  if (std::isnan(f)) return 0x7fc0;
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7fff + ((u >> 16) & 1);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+SE_AMX_TARGET inline float bf2f(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+SE_AMX_TARGET inline void configure(int m0, int m1) {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t : {0, 1, 4}) cfg.rows[t] = static_cast<uint8_t>(m0), cfg.colsb[t] = 64;
+  if (m1)
+    for (int t : {2, 3, 5}) cfg.rows[t] = static_cast<uint8_t>(m1), cfg.colsb[t] = 64;
+  for (int t : {6, 7}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  asm volatile("" : : "r"(&cfg) : "memory");  // the whole struct is read by ldtilecfg
+  _tile_loadconfig(&cfg);
+}
+
+// Output of one pair for rows [r0, r0 + rows) from c[rows][32] float.
+SE_AMX_TARGET inline void epilogue(const AmxArgs& a, int64_t p, int64_t r0, int rows,
+                                   const float (*c)[32]) {
+  if (a.glu) {
+    const int64_t col = p * 16;
+    for (int r = 0; r < rows; ++r) {
+      uint16_t* out = a.y + (r0 + r) * a.ldy + col;
+      for (int j = 0; j < 16; ++j) {
+        const float g = bf2f(f2bf(c[r][j]));
+        const float act = bf2f(f2bf(g / (1.f + std::exp(-g))));
+        out[j] = f2bf(act * bf2f(f2bf(c[r][16 + j])));
+      }
+    }
+    return;
+  }
+  for (int h = 0; h < 2; ++h) {
+    const int64_t col = p * 32 + h * 16;
+    if (col >= a.N) break;
+    const int valid = static_cast<int>(std::min<int64_t>(16, a.N - col));
+    const __mmask16 mk = static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 b = a.bias ? _mm512_maskz_loadu_ps(mk, a.bias + col) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; ++r) {
+      const __m512 v = _mm512_add_ps(_mm512_loadu_ps(&c[r][h * 16]), b);
+      const __m256i o = (__m256i)_mm512_cvtneps_pbh(v);
+      _mm256_mask_storeu_epi16(a.y + (r0 + r) * a.ldy + col, mk, o);
+    }
+  }
+}
+
+template <bool kTwo>
+SE_AMX_TARGET void amx_block(const AmxArgs& a, int64_t p0, int64_t p1, int64_t r0, int m0,
+                             int m1) {
+  alignas(64) float c[32][32];
+  const int64_t xs_bytes = a.xs * 2;
+  const uint16_t* x0 = a.x + r0 * a.xs;
+  const uint16_t* x1 = x0 + 16 * a.xs;
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint16_t* wp = a.w + p * a.Kb * kPairElems;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (kTwo) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    for (int64_t kb = 0; kb < a.Kb; ++kb) {
+      const uint16_t* wk = wp + kb * kPairElems;
+      _mm_prefetch(reinterpret_cast<const char*>(wk + 4 * kPairElems), _MM_HINT_T0);
+      _tile_loadd(4, x0 + kb * 32, xs_bytes);
+      _tile_loadd(6, wk, 64);
+      _tile_loadd(7, wk + 512, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if (kTwo) {
+        _tile_loadd(5, x1 + kb * 32, xs_bytes);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, &c[0][0], 128);
+    _tile_stored(1, &c[0][16], 128);
+    if (kTwo) {
+      _tile_stored(2, &c[16][0], 128);
+      _tile_stored(3, &c[16][16], 128);
+    }
+    epilogue(a, p, r0, m0 + m1, c);
+  }
+}
+
+SE_AMX_TARGET void amx_pairs(const AmxArgs& a, int64_t p0, int64_t p1) {
+  for (int64_t r0 = 0; r0 < a.M; r0 += 32) {
+    const int rows = static_cast<int>(std::min<int64_t>(32, a.M - r0));
+    const int m0 = std::min(rows, 16), m1 = rows - m0;
+    configure(m0, m1);
+    if (m1)
+      amx_block<true>(a, p0, p1, r0, m0, m1);
+    else
+      amx_block<false>(a, p0, p1, r0, m0, 0);
+  }
+  _tile_release();
+}
+
+bool detect_amx() {
+  if (const char* s = std::getenv("SPECENGINE_NO_AMX"); s && *s && std::strcmp(s, "0") != 0)
+    return false;
+#if defined(__x86_64__) && defined(__GNUC__)
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  const bool amx_bf16 = edx & (1u << 22), amx_tile = edx & (1u << 24);
+  if (!amx_bf16 || !amx_tile || !__builtin_cpu_supports("avx512bf16")) return false;
+#if defined(__linux__)
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+bool amx_available() {
+  static const bool ok = detect_amx();
+  return ok;
+}
+
+at::Tensor amx_pack_weight(const at::Tensor& w, bool glu) {
+  TORCH_CHECK_VALUE(amx_available(), "AMX-BF16 is not available on this machine");
+  TORCH_CHECK_TYPE(w.scalar_type() == at::kBFloat16, "weight must be bfloat16, got ",
+                   w.scalar_type());
+  TORCH_CHECK_VALUE(w.dim() == 2 && w.device().is_cpu(), "weight must be a 2-D CPU tensor");
+  const int64_t N = w.size(0), K = w.size(1), Kb = (K + 31) / 32;
+  TORCH_CHECK_VALUE(!glu || N % 32 == 0, "glu packing needs 2*I rows with I % 16 == 0, got ",
+                    N);
+  const int64_t P = glu ? N / 32 : (N + 31) / 32;
+  auto wc = w.contiguous();
+  auto packed = at::zeros({P, Kb, 2, 16, 32}, w.options());
+  const auto* src = reinterpret_cast<const uint16_t*>(wc.data_ptr());
+  auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
+  const int64_t I = N / 2;
+  for (int64_t p = 0; p < P; ++p)
+    for (int t = 0; t < 2; ++t)
+      for (int n = 0; n < 16; ++n) {
+        const int64_t row = glu ? t * I + p * 16 + n : p * 32 + t * 16 + n;
+        if (row >= N) continue;
+        const uint16_t* s = src + row * K;
+        for (int64_t k = 0; k < K; ++k) {
+          const int64_t kb = k / 32, kp = (k % 32) / 2, e = k % 2;
+          dst[((p * Kb + kb) * 2 + t) * 512 + kp * 32 + n * 2 + e] = s[k];
+        }
+      }
+  return packed;
+}
+
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                      const std::optional<at::Tensor>& bias, bool glu) {
+  TORCH_CHECK_VALUE(amx_available(), "AMX-BF16 is not available on this machine");
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
+                   "x and packed weight must be bfloat16");
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.device().is_cpu(), "x must be [M, K] on the CPU");
+  TORCH_CHECK_VALUE(packed.dim() == 5 && packed.size(2) == 2 && packed.size(3) == 16 &&
+                        packed.size(4) == 32 && packed.is_contiguous(),
+                    "packed weight must come from pack_weight_amx, got ", packed.sizes());
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0), Kb = packed.size(1);
+  TORCH_CHECK_VALUE((K + 31) / 32 == Kb, "x has K=", K, " but the packed weight has ", Kb * 32,
+                    " (padded) input features");
+  const int64_t out_n = glu ? N / 2 : N;
+  TORCH_CHECK_VALUE(glu ? (N % 32 == 0 && P == N / 32) : (P == (N + 31) / 32),
+                    "N=", N, " does not match the packed weight (", P, " pairs)");
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK_VALUE(!glu, "glu mode takes no bias");
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N, "bias must be [N=", N, "]");
+    b = bias->scalar_type() == at::kFloat && bias->is_contiguous() ? *bias
+                                                                    : bias->to(at::kFloat).contiguous();
+  }
+  auto y = at::empty({M, out_n}, x.options());
+  if (M == 0 || out_n == 0) return y;
+  at::Tensor xp;
+  const uint16_t* xptr;
+  int64_t xs;
+  if (K % 32 == 0 && x.stride(1) == 1 && x.stride(0) >= K) {
+    xptr = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    xs = x.stride(0);
+  } else {
+    xp = at::zeros({M, Kb * 32}, x.options());
+    xp.narrow(1, 0, K).copy_(x);
+    xptr = reinterpret_cast<const uint16_t*>(xp.data_ptr());
+    xs = Kb * 32;
+  }
+  AmxArgs a{xptr, xs, reinterpret_cast<const uint16_t*>(packed.data_ptr()),
+            b.defined() ? b.data_ptr<float>() : nullptr,
+            reinterpret_cast<uint16_t*>(y.data_ptr()), out_n, M, out_n, Kb, glu};
+  const int64_t pair_bytes = Kb * kPairElems * 2;
+  parallel_ranges(P, std::max<int64_t>(1, (48 << 10) / pair_bytes), 4,
+                  [&](int64_t p0, int64_t p1) { amx_pairs(a, p0, p1); });
+  return y;
+}
+
+}  // namespace specengine

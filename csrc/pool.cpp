@@ -1,0 +1,150 @@
+// Work-claiming thread pool; see pool.h for why and how.
+#include "pool.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <pthread.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace specengine {
+namespace {
+
+// Claim word: generation (32 bits) | chunk count (16 bits) | next chunk (16 bits). A claim is a
+// CAS that succeeds only for the current generation and an unclaimed chunk, so a late helper
+// can never run a chunk of a job that has moved on.
+constexpr uint64_t kMask16 = 0xffff;
+inline uint64_t pack(uint64_t gen, uint64_t n, uint64_t next) {
+  return (gen << 32) | (n << 16) | next;
+}
+
+int spin_us() {
+  static const int us = [] {
+    const char* s = std::getenv("SPECENGINE_SPIN_US");
+    return s ? std::atoi(s) : 200;
+  }();
+  return us;
+}
+
+thread_local bool in_pool_job = false;
+
+struct Pool {
+  std::atomic<uint64_t> word{0};
+  std::atomic<uint32_t> gen{0};
+  std::atomic<int64_t> done{0};
+  std::atomic<int> sleepers{0};
+  std::atomic<int> active{0};  // helpers with index < active take part in the current job
+  ChunkFn fn = nullptr;
+  void* ctx = nullptr;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::mutex call_mu;  // one job at a time (callers from several Python threads queue here)
+  std::vector<std::thread> helpers;
+
+  // Runs chunks of generation g while there are any; returns how many it ran.
+  int64_t work(uint32_t g) {
+    int64_t ran = 0;
+    uint64_t w = word.load(std::memory_order_acquire);
+    for (;;) {
+      if ((w >> 32) != g || (w & kMask16) >= ((w >> 16) & kMask16)) break;
+      if (!word.compare_exchange_weak(w, w + 1, std::memory_order_acq_rel,
+                                      std::memory_order_acquire))
+        continue;
+      fn(ctx, static_cast<int64_t>(w & kMask16));
+      done.fetch_add(1, std::memory_order_acq_rel);
+      ++ran;
+      w = word.load(std::memory_order_acquire);
+    }
+    return ran;
+  }
+
+  void helper_loop(int index) {
+    in_pool_job = true;
+    uint32_t seen = gen.load();
+    for (;;) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const auto limit = std::chrono::microseconds(spin_us());
+      uint32_t g = gen.load(std::memory_order_acquire);
+      for (int i = 0; g == seen; ++i) {
+        _mm_pause();
+        if ((i & 63) == 63 && std::chrono::steady_clock::now() - t0 > limit) break;
+        g = gen.load(std::memory_order_acquire);
+      }
+      if (g == seen) {
+        std::unique_lock<std::mutex> lock(mu);
+        sleepers.fetch_add(1);
+        cv.wait(lock, [&] { return gen.load() != seen; });
+        sleepers.fetch_sub(1);
+        g = gen.load();
+      }
+      seen = g;
+      if (index < active.load(std::memory_order_acquire)) work(g);
+    }
+  }
+
+  void ensure_helpers(int n) {
+    while (static_cast<int>(helpers.size()) < n) {
+      const int index = static_cast<int>(helpers.size());
+      helpers.emplace_back([this, index] { helper_loop(index); });
+      helpers.back().detach();
+    }
+  }
+
+  void run(int64_t n, ChunkFn f, void* c, int threads) {
+    std::lock_guard<std::mutex> guard(call_mu);
+    ensure_helpers(threads - 1);
+    fn = f;
+    ctx = c;
+    done.store(0, std::memory_order_relaxed);
+    active.store(threads - 1, std::memory_order_relaxed);
+    const uint32_t g = gen.load() + 1;
+    word.store(pack(g, static_cast<uint64_t>(n), 0), std::memory_order_release);
+    gen.store(g);  // seq_cst: pairs with sleepers (no lost wake-up)
+    if (sleepers.load() > 0) {
+      { std::lock_guard<std::mutex> lock(mu); }
+      cv.notify_all();
+    }
+    in_pool_job = true;
+    work(g);
+    in_pool_job = false;
+    // Only chunks a running helper has claimed are left.
+    for (int i = 0; done.load(std::memory_order_acquire) < n; ++i) {
+      if (i < 4096) _mm_pause();
+      else sched_yield();
+    }
+  }
+};
+
+Pool* g_pool = nullptr;
+
+void reset_after_fork() { g_pool = nullptr; }  // the child has no helper threads: leak the old
+
+Pool& pool() {
+  static std::once_flag once;
+  std::call_once(once, [] { pthread_atfork(nullptr, nullptr, reset_after_fork); });
+  if (!g_pool) g_pool = new Pool();
+  return *g_pool;
+}
+
+}  // namespace
+
+int pool_threads() { return std::max(1, at::get_num_threads()); }
+
+void parallel_chunks_impl(int64_t n, ChunkFn fn, void* ctx) {
+  const int threads = pool_threads();
+  if (n == 1 || threads <= 1 || in_pool_job || n > static_cast<int64_t>(kMask16)) {
+    for (int64_t i = 0; i < n; ++i) fn(ctx, i);
+    return;
+  }
+  pool().run(n, fn, ctx, threads);
+}
+
+}  // namespace specengine

@@ -1,0 +1,119 @@
+"""Acceptance model fitted online: expected tokens committed per sequence for a draft strategy.
+
+Per depth i the model keeps the conditional acceptance rate
+``alpha_i = P(accepted >= i | accepted >= i - 1)`` from decayed counts, so
+
+    E[committed | strategy of depth d] = 1 + sum_{j<=d} prod_{i<=j} alpha_i
+
+(the bonus token plus the expected accepted prefix; Leviathan et al. 2023 for i.i.d. alpha,
+per-depth rates as in EAGLE-2 arXiv 2406.16858 and RLHFSpec arXiv 2512.04752). A sequence the
+drafter found nothing for counts as a rejection at depth 1, so the estimate is what the
+strategy actually yields with this drafter, n-gram misses included. Chains of every depth share
+one set of rates (a deeper chain extends a shallower one); each tree shape has its own, with the
+chain's rates as its prior. Counts decay by ``decay`` per step, so the model follows a drafter
+or target that changes (a weight update in RL).
+
+The expected number of draft nodes per sequence (``fill``) is learned per strategy too: an
+n-gram drafter often drafts fewer nodes than the strategy allows, and the verify cost depends
+on the nodes actually sent.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specengine.spec.strategy import Strategy
+
+
+class DepthRates:
+    """Decayed success/trial counts per depth 1..max_depth."""
+
+    def __init__(self, max_depth: int):
+        self.success = np.zeros(max_depth)
+        self.trials = np.zeros(max_depth)
+
+    def observe(self, accepted: np.ndarray, depth: int, decay: float) -> None:
+        """Sequences drafted ``depth`` deep accepted ``accepted`` tokens each."""
+        self.success *= decay
+        self.trials *= decay
+        d = np.arange(1, depth + 1)[:, None]  # [depth, 1]
+        a = accepted[None, :]  # [1, n]
+        self.trials[:depth] += (d <= a + 1).sum(axis=1)  # depth i is tried if i-1 accepted
+        self.success[:depth] += (d <= a).sum(axis=1)
+
+    def rates(self, prior: np.ndarray, prior_count: float) -> np.ndarray:
+        """Posterior mean rate per depth: ``prior`` carries ``prior_count`` pseudo-trials; an
+        unobserved depth takes the rate of the depth before it (optimistic but data-driven)."""
+        out = np.empty(len(self.trials))
+        prev = prior[0]
+        for i in range(len(out)):
+            p = max(prior[i], prev) if self.trials[i] < 1 else prior[i]
+            out[i] = (self.success[i] + prior_count * p) / (self.trials[i] + prior_count)
+            prev = out[i]
+        return out
+
+
+class AcceptanceModel:
+    """Online acceptance statistics for one drafter.
+
+    Args:
+        max_depth: deepest strategy that will be asked about.
+        decay: factor applied to all counts per observed step (memory ~ 1/(1-decay) steps).
+        prior_count: pseudo-trials of the prior per depth.
+        prior_rate: prior acceptance rate at depth 1 before any data.
+    """
+
+    def __init__(self, max_depth: int, decay: float = 0.97, prior_count: float = 2.0,
+                 prior_rate: float = 0.5):
+        self.max_depth, self.decay, self.prior_count = max_depth, decay, prior_count
+        self.prior = np.full(max_depth, prior_rate)
+        self.chain = DepthRates(max_depth)
+        self.trees: dict[Strategy, DepthRates] = {}
+        self.fill: dict[Strategy, float] = {}  # mean fraction of strategy.num_nodes drafted
+        self._cache: dict[Strategy, float] = {}
+
+    def rates(self, strategy: Strategy) -> np.ndarray:
+        """Conditional acceptance rate per depth ``1..max_depth`` for ``strategy``'s shape."""
+        chain = self.chain.rates(self.prior, self.prior_count)
+        if strategy.is_chain:
+            return chain
+        tree = self.trees.get(strategy)
+        return chain if tree is None else tree.rates(chain, self.prior_count)
+
+    def expected_accepted(self, strategy: Strategy | None) -> float:
+        """Expected accepted draft tokens per sequence (0 for no speculation)."""
+        if strategy is None:
+            return 0.0
+        got = self._cache.get(strategy)
+        if got is None:
+            got = self._cache[strategy] = float(
+                np.cumprod(self.rates(strategy)[:strategy.depth]).sum())
+        return got
+
+    def expected_committed(self, strategy: Strategy | None) -> float:
+        """Expected tokens committed per sequence in one step (accepted + the bonus token)."""
+        return 1.0 + self.expected_accepted(strategy)
+
+    def expected_nodes(self, strategy: Strategy | None) -> float:
+        """Expected draft nodes sent to the target per sequence."""
+        if strategy is None:
+            return 0.0
+        return self.fill.get(strategy, 1.0) * strategy.num_nodes
+
+    def observe(self, strategy: Strategy, accepted_per_seq: list[int], num_decode: int,
+                num_drafted: int) -> None:
+        """One verify step with ``strategy``: ``accepted_per_seq`` for the sequences that had a
+        tree, ``num_decode`` sequences in all (the rest drafted nothing), ``num_drafted`` nodes
+        sent in all."""
+        if num_decode == 0 or strategy.depth > self.max_depth:
+            return
+        missing = num_decode - len(accepted_per_seq)
+        accepted = np.array(list(accepted_per_seq) + [0] * missing)
+        rates = self.chain if strategy.is_chain else self.trees.setdefault(
+            strategy, DepthRates(self.max_depth))
+        # a sequence with no tree was "rejected" at depth 1: same as accepted = 0
+        rates.observe(accepted, strategy.depth, self.decay)
+        fill = num_drafted / (num_decode * strategy.num_nodes)
+        old = self.fill.get(strategy)
+        self.fill[strategy] = fill if old is None else 0.9 * old + 0.1 * fill
+        self._cache.clear()

@@ -1,0 +1,219 @@
+"""EAGLE drafter: lossless in the engine, paged drafting == the dense training forward,
+checkpoints and their errors, hot swap."""
+
+import json
+
+import pytest
+import torch
+
+from specengine import LLM, SamplingParams
+from specengine.kv.block_manager import BlockManager
+from specengine.model_runner import ModelRunner
+from specengine.models.loader import load_model, save_random_model
+from specengine.sampling import request_generator
+from specengine.scheduler import BatchEntry
+from specengine.sequence import Sequence
+from specengine.spec.eagle import (
+    EagleConfig,
+    EagleDrafter,
+    EagleModel,
+    load_drafter,
+    save_drafter,
+)
+from specengine.spec.strategy import Strategy
+
+
+def rand_prompts(n, lo=4, hi=40, vocab=512, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(torch.randint(lo, hi, (1,), generator=g)),),
+                          generator=g).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return save_random_model(tmp_path_factory.mktemp("t"), {"num_hidden_layers": 2}, seed=1)
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return load_model(target_dir, dtype=torch.float32)
+
+
+def make(target_dir, spec=None, **kw):
+    kw.setdefault("kv_cache_memory_bytes", 8 << 20)
+    if spec is not None:  # the configured tree every step (no adaptive policy)
+        spec = {"policy": "static", **spec}
+    return LLM(str(target_dir), dtype="float32", block_size=8, speculative_config=spec, **kw)
+
+
+@pytest.fixture(scope="module")
+def plain(target_dir):
+    return make(target_dir)
+
+
+def greedy(n=24, **kw):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def eagle(d=3, k=1, m=None):
+    return {"method": "eagle", "model": "random", "num_speculative_tokens": d, "topk": k,
+            "num_verify_tokens": m}
+
+
+def features(target, tokens):
+    """Target features ``[L, H]`` of ``tokens`` by one prefill."""
+    runner = ModelRunner(target.model, 32, 8)
+    bm = BlockManager(32, 8, runner.copy_block)
+    s = Sequence("x", 0, list(tokens), SamplingParams(), request_generator(0, 0))
+    bm.allocate_shared([s])
+    return runner.run([BatchEntry(s, len(s), [s], True)], bm)[1], s
+
+
+@pytest.mark.parametrize("d,k,m", [(3, 1, None), (4, 3, 8)])
+def test_greedy_equals_plain_and_kv_returns(target_dir, plain, d, k, m):
+    prompts = rand_prompts(5, seed=4)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy(), use_tqdm=False)]
+    llm = make(target_dir, eagle(d, k, m))
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)]
+    assert got == want
+    met = llm.get_metrics()
+    assert met["spec_steps"] > 0 and met["drafted_tokens"] > 0
+    assert met["kv_blocks_free"] == met["kv_blocks_total"]
+    drafter = llm.engine.proposer
+    assert drafter.blocks.num_free == drafter.blocks.num_blocks and not drafter.states
+
+
+def test_sampling_seeds_reproduce(target_dir):
+    llm = make(target_dir, eagle(3, 2, 5))
+    prompts = rand_prompts(4, seed=9)
+    sp = [SamplingParams(temperature=0.9, seed=i, max_tokens=16, ignore_eos=True)
+          for i in range(4)]
+    batch = llm.generate(prompts, sp, use_tqdm=False)
+    alone = llm.generate([prompts[2]], sp[2], use_tqdm=False)[0]
+    assert alone.outputs[0].token_ids == batch[2].outputs[0].token_ids
+    assert llm.get_metrics()["kv_blocks_free"] == llm.get_metrics()["kv_blocks_total"]
+
+
+def test_paged_drafting_equals_dense_unroll(target):
+    """The engine-side drafter (paged KV, tree attention) and the training forward
+    (``EagleModel.unroll``) compute the same distributions for every tree node."""
+    tokens = torch.randint(0, 512, (19,), generator=torch.Generator().manual_seed(0)).tolist()
+    hidden, seq = features(target, tokens)
+    vmap = torch.randperm(512, generator=torch.Generator().manual_seed(1))[:300]
+    em = EagleModel(EagleConfig.for_target(target, 300), target.model, torch.float32,
+                    vmap).random_init(3)
+    drafter = EagleDrafter(Strategy(4), em, 64, 8)
+    n = len(tokens)
+    drafter.observe(seq, 0, hidden[:n - 1])
+    strategy = Strategy(4, 3, 12)
+    for _ in range(2):  # the second call reuses the cached drafter KV
+        tree = drafter.propose([seq], strategy)[0]
+        assert tree.num_nodes == 12 and tree.max_depth <= 4
+        assert set(tree.tokens) <= set(vmap.tolist())
+        for i in range(tree.num_nodes):
+            path = [tree.tokens[j] for j in tree.path_to(i)]
+            d = len(path)
+            toks = torch.tensor([tokens + path[:-1]])
+            feats = torch.zeros(1, toks.shape[1], 64)
+            feats[0, :n - 1] = hidden[:n - 1]
+            out = em.unroll(toks, feats, d)[d - 1][0, n - 2]
+            logp = em.draft_logprobs(out[None])[0]
+            want = float(logp[(vmap == path[-1]).nonzero()[0, 0]])
+            assert abs(want - tree.draft_logprobs[i]) < 1e-4
+    # a chain is the greedy path
+    chain = drafter.propose([seq], Strategy(3))[0]
+    assert chain.parents == [-1, 0, 1]
+
+
+def test_checkpoint_round_trip(target, tmp_path):
+    em = EagleModel(EagleConfig.for_target(target, 100), target.model, torch.float32,
+                    torch.arange(100)).random_init(5)
+    save_drafter(em, tmp_path / "ck")
+    back = load_drafter(tmp_path / "ck", target, torch.float32)
+    for (a, p), (b, q) in zip(em.named_parameters(), back.named_parameters()):
+        assert a == b and torch.equal(p, q)
+    assert torch.equal(back.vocab_map, em.vocab_map)
+    cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
+    assert cfg["target"]["hidden_size"] == 64 and cfg["draft_vocab_size"] == 100
+
+
+def test_checkpoint_in_the_engine(target_dir, target, plain, tmp_path):
+    em = EagleModel(EagleConfig.for_target(target, 256), target.model, torch.float32,
+                    torch.arange(256)).random_init(6)
+    save_drafter(em, tmp_path / "ck")
+    llm = make(target_dir, {"method": "eagle", "model": str(tmp_path / "ck"),
+                            "num_speculative_tokens": 3, "topk": 2})
+    prompts = rand_prompts(3, seed=11)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)]
+    assert got == [o.outputs[0].token_ids
+                   for o in plain.generate(prompts, greedy(), use_tqdm=False)]
+
+
+def test_wrong_target_and_corrupt_checkpoints(target_dir, target, tmp_path):
+    other = load_model(save_random_model(tmp_path / "o", {"hidden_size": 32, "head_dim": 8}),
+                       dtype=torch.float32)
+    em = EagleModel(EagleConfig.for_target(other), other.model, torch.float32).random_init()
+    save_drafter(em, tmp_path / "h")
+    with pytest.raises(ValueError, match="hidden_size=32"):
+        load_drafter(tmp_path / "h", target)
+    with pytest.raises(ValueError, match="hidden_size"):  # through the LLM too
+        make(target_dir, {"method": "eagle", "model": str(tmp_path / "h")})
+    other = load_model(save_random_model(tmp_path / "v", {"vocab_size": 256}), torch.float32)
+    save_drafter(EagleModel(EagleConfig.for_target(other), other.model).random_init(),
+                 tmp_path / "v_ck")
+    with pytest.raises(ValueError, match="vocab_size=256"):
+        load_drafter(tmp_path / "v_ck", target)
+    # tokenizer: same sizes, another vocabulary hash
+    good = EagleModel(EagleConfig.for_target(target), target.model).random_init()
+    save_drafter(good, tmp_path / "tok")
+    cfg = json.loads((tmp_path / "tok" / "config.json").read_text())
+    cfg["target"]["tokenizer_sha256"] = "ab" * 32
+
+    class Tok:
+        def get_vocab(self):
+            return {f"t{i}": i for i in range(512)}
+
+    (tmp_path / "tok" / "config.json").write_text(json.dumps(cfg))
+    target_with_tok = type(target)(target.model, target.config, Tok(), target.model_dir)
+    with pytest.raises(ValueError, match="different tokenizer"):
+        load_drafter(tmp_path / "tok", target_with_tok)
+    # corrupt weights, corrupt config, missing files, missing tensor
+    save_drafter(good, tmp_path / "c")
+    w = tmp_path / "c" / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:100])
+    with pytest.raises(ValueError, match="corrupt"):
+        load_drafter(tmp_path / "c", target)
+    (tmp_path / "c" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="corrupt config.json"):
+        load_drafter(tmp_path / "c", target)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_drafter(tmp_path / "nothing", target)
+    from safetensors.torch import save_file
+    save_drafter(good, tmp_path / "m")
+    save_file({"fc": good.fc.detach()}, str(tmp_path / "m" / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing weights"):
+        load_drafter(tmp_path / "m", target)
+
+
+def test_no_shipped_drafter_is_a_clear_error(target_dir):
+    with pytest.raises(ValueError, match="no drafter is shipped"):
+        make(target_dir, {"method": "eagle"})
+
+
+def test_hot_swap_between_steps_keeps_output(target_dir, target, plain):
+    llm = make(target_dir, eagle(3, 2, 6))
+    drafter = llm.engine.proposer
+    prompts = rand_prompts(3, seed=12)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy(30), use_tqdm=False)]
+    ids = [llm.engine.add_request(p, greedy(30)) for p in prompts]
+    done, step = {}, 0
+    while llm.engine.has_unfinished():
+        if step % 3 == 1:  # new weights every few steps
+            fresh = EagleModel(drafter.model.config, target.model).random_init(step)
+            drafter.publish(fresh.state_dict(), drafter.version + 1)
+        for out in llm.engine.step():
+            done[out.request_id] = out.outputs[0].token_ids
+        step += 1
+    assert [done[i] for i in ids] == want
+    assert drafter.version >= 3
+    assert llm.get_metrics()["kv_blocks_free"] == llm.get_metrics()["kv_blocks_total"]

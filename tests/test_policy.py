@@ -1,0 +1,278 @@
+"""Adaptive speculation: latency and acceptance models, the cost-model and bandit policies on
+synthetic curves, and outputs unchanged by whatever the policy chooses."""
+
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+from scipy.stats import chi2_contingency
+
+from specengine import LLM, SamplingParams
+from specengine.models.loader import save_random_model
+from specengine.spec.acceptance import AcceptanceModel
+from specengine.spec.config import SpeculativeConfig
+from specengine.spec.latency import LatencyModel
+from specengine.spec.policy import (
+    AutoPolicy,
+    BanditPolicy,
+    Policy,
+    StepRecord,
+    batch_bucket,
+    candidate_strategies,
+    make_policy,
+)
+from specengine.spec.strategy import Strategy
+
+CHAINS = [Strategy(d) for d in range(1, 9)]
+TREES = [Strategy(8, 2, 16), Strategy(8, 4, 32)]
+
+
+def fit_latency(forward, rng, steps=600, noise=0.03, lm=None) -> LatencyModel:
+    """A LatencyModel (new, or ``lm``) fed ``steps`` noisy forwards of
+    ``forward(tokens, context)`` seconds, a free drafter and a small fixed overhead."""
+    lm = lm or LatencyModel()
+    for _ in range(steps):
+        batch = int(2 ** rng.uniform(0, 8))
+        per_seq = 1 + int(rng.integers(0, 33))
+        tokens, ctx = batch * per_seq, batch * int(rng.integers(16, 512))
+        lm.add_forward(tokens, ctx, batch, forward(tokens, ctx) * rng.lognormal(0, noise))
+        lm.add_draft(batch, per_seq - 1 or 1, tokens - batch, 1e-5 * rng.lognormal(0, noise))
+        lm.add_other(batch, tokens - batch, batch, 1e-4 * rng.lognormal(0, noise))
+    return lm
+
+
+def fit_acceptance(chain_rate, tree_rate, rng, steps=100) -> AcceptanceModel:
+    """An AcceptanceModel fed geometric acceptance: rate ``chain_rate`` per depth for chains,
+    ``tree_rate`` for the trees."""
+    am = AcceptanceModel(max_depth=8)
+    for _ in range(steps):
+        for s, rate in [(Strategy(8), chain_rate)] + [(t, tree_rate) for t in TREES]:
+            acc = [int(min(rng.geometric(1 - rate) - 1, s.depth)) for _ in range(16)]
+            am.observe(s, acc, 16, 16 * s.num_nodes)
+    return am
+
+
+def test_latency_model_converges_on_noisy_piecewise_linear_data():
+    def truth(n, ctx):  # flat while memory-bound, a slope after 128 tokens, plus attention
+        return 0.005 + 2e-6 * n + 1e-4 * max(0, n - 128) + 5e-8 * ctx
+
+    rng = np.random.default_rng(0)
+    lm = fit_latency(truth, rng, steps=1500, noise=0.05)
+    assert lm.knee in (64, 128, 256)
+    for n, ctx in [(1, 100), (16, 4000), (128, 20000), (512, 60000), (2048, 100000)]:
+        assert lm.forward_time(n, ctx, max(1, n // 4)) == pytest.approx(truth(n, ctx), rel=0.06)
+    # the machine gets twice as slow: the fit follows (memory ~ 1 / (1 - decay) = 500 steps)
+    fit_latency(lambda n, c: 2 * truth(n, c), rng, steps=1500, noise=0.05, lm=lm)
+    for n, ctx in [(1, 100), (128, 20000), (2048, 100000)]:
+        got = lm.forward_time(n, ctx, max(1, n // 4))
+        assert got == pytest.approx(2 * truth(n, ctx), rel=0.1)
+
+
+def test_latency_model_shrugs_off_a_stall():
+    rng = np.random.default_rng(1)
+    lm = fit_latency(lambda n, c: 0.01 + 1e-5 * n, rng, steps=200)
+    before = lm.forward_time(64, 1000, 8)
+    for _ in range(5):  # descheduled threads: 30x slower steps
+        lm.add_forward(64, 1000, 8, 0.3)
+    assert lm.forward_time(64, 1000, 8) < 1.5 * before
+
+
+def test_acceptance_model_estimates_per_depth_rates_and_adapts():
+    rng = np.random.default_rng(2)
+    am = fit_acceptance(0.8, 0.9, rng, steps=100)
+    want = sum(0.8 ** j for j in range(1, 5))
+    assert am.expected_accepted(Strategy(4)) == pytest.approx(want, rel=0.1)
+    assert am.expected_accepted(TREES[1]) > am.expected_accepted(Strategy(8))
+    assert am.expected_committed(None) == 1.0
+    # a sequence with no draft counts as a rejection at depth 1; the drafter got worse
+    for _ in range(200):
+        am.observe(Strategy(2), [0, 1], 8, 3)
+    assert am.expected_accepted(Strategy(2)) < 0.2
+    assert am.expected_nodes(Strategy(2)) == pytest.approx(3 / 8, rel=0.05)  # per sequence
+
+
+def test_memory_bound_prefers_deep_trees_compute_bound_prefers_none():
+    rng = np.random.default_rng(3)
+    am = fit_acceptance(0.7, 0.85, rng)
+    flat = AutoPolicy(CHAINS + TREES, latency=fit_latency(lambda n, c: 0.01, rng),
+                      acceptance=am)
+    s = flat.choose(4)
+    assert s is not None and s.depth == 8 and not s.is_chain
+    linear = AutoPolicy(CHAINS + TREES, acceptance=am,
+                        latency=fit_latency(lambda n, c: 0.001 + 0.001 * n, rng))
+    assert linear.choose(64) is None
+
+
+def test_auto_policy_re_decides_as_the_batch_shrinks_without_flapping():
+    rng = np.random.default_rng(4)
+    am = fit_acceptance(0.7, 0.85, rng)
+    lm = fit_latency(lambda n, c: 0.01 + 1e-4 * max(0, n - 256), rng)
+    pol = AutoPolicy(CHAINS + TREES, latency=lm, acceptance=am, probe_every=0)
+    big, small = pol.choose(256), pol.choose(2)
+    assert big is None and small is not None and small.depth >= 4
+    # a strategy only slightly better than the current one does not take over
+    scores = pol.last_scores
+    runner_up = max((s for s in scores if s != small), key=scores.get)
+    pol.current = runner_up
+    if scores[small] < scores[runner_up] * (1 + pol.hysteresis):
+        assert pol.choose(2) == runner_up
+    times = []
+    for b in range(1, 200):
+        t0 = time.perf_counter()
+        pol.choose(b)
+        times.append(time.perf_counter() - t0)
+    assert np.median(times) < 1e-3  # seconds per decision, 11 candidates
+
+
+def test_auto_policy_probes_while_off():
+    rng = np.random.default_rng(5)
+    lm = fit_latency(lambda n, c: 0.001 * n, rng)
+    pol = AutoPolicy(CHAINS, latency=lm, acceptance=AcceptanceModel(8), probe_every=10)
+    picks = [pol.choose(64) for _ in range(30)]
+    assert picks.count(None) == 27 and all(picks[i] is not None for i in (9, 19, 29))
+
+
+def bandit_reward(batch: int, arm: Strategy | None) -> float:
+    """Synthetic committed tokens/s: deep chains pay at small batches, none at large ones."""
+    depth = arm.depth if arm else 0
+    return 100.0 * (1 + 0.3 * depth) if batch < 8 else 100.0 * (1 - 0.1 * depth)
+
+
+def test_bandit_explores_then_exploits_the_best_arm_per_bucket():
+    arms = [Strategy(1), Strategy(2), Strategy(4)]
+    pol = BanditPolicy(arms, epsilon=0.1, seed=0)
+    rng = np.random.default_rng(6)
+    for batch, best in [(4, Strategy(4)), (64, None)]:
+        picks = []
+        for _ in range(300):
+            arm = pol.choose(batch)
+            picks.append(arm)
+            reward = bandit_reward(batch, arm) * rng.lognormal(0, 0.1)
+            pol.record(StepRecord(arm, batch, 0, batch, 100 * batch, 0, batch, [], 0.0,
+                                  batch / reward, 0.0))
+        assert set(picks[:4]) == {None, *arms}  # every arm is tried first
+        assert picks[-200:].count(best) >= 160
+        assert pol.mean_reward(batch_bucket(batch), best) == max(
+            pol.mean_reward(batch_bucket(batch), a) for a in [None, *arms])
+    stats = pol.stats()["policy_strategies"]
+    assert sum(v["steps"] for v in stats.values()) == 600
+
+
+def test_config_policy_keys_and_candidates():
+    cfg = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3,
+                                       "policy": "bandit", "candidate_trees": [[2, 2, 4]]})
+    assert candidate_strategies(cfg) == [Strategy(1), Strategy(2), Strategy(3), Strategy(2, 2, 4)]
+    assert isinstance(make_policy(cfg), BanditPolicy)
+    assert SpeculativeConfig(method="ngram").policy == "auto"
+    with pytest.raises(ValueError, match="policy"):
+        SpeculativeConfig.from_dict({"method": "ngram", "policy": "magic"})
+    with pytest.raises(ValueError, match="candidate_trees"):
+        SpeculativeConfig.from_dict({"method": "ngram", "candidate_trees": [[2, 0, 4]]})
+
+
+# ---- the engine: outputs do not depend on the policy ------------------------------------------
+
+
+class CyclePolicy(Policy):
+    """A different strategy every step (deterministic), to stress switching."""
+
+    name = "cycle"
+
+    def __init__(self, strategies):
+        super().__init__()
+        self.strategies, self.i = strategies, 0
+
+    def choose(self, num_running):
+        self.i += 1
+        return self.strategies[self.i % len(self.strategies)]
+
+
+SWITCH = [None, Strategy(3), Strategy(1), Strategy(4, 2, 6), Strategy(2)]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return save_random_model(tmp_path_factory.mktemp("t"), {"num_hidden_layers": 2}, seed=1)
+
+
+def make(target_dir, spec=None, **kw):
+    kw.setdefault("kv_cache_memory_bytes", 8 << 20)
+    return LLM(str(target_dir), dtype="float32", block_size=8, speculative_config=spec, **kw)
+
+
+def prompts(n, seed=0):
+    g = np.random.default_rng(seed)
+    return [g.integers(0, 512, int(g.integers(4, 30))).tolist() for _ in range(n)]
+
+
+def token_ids(llm, ps, sp):
+    return [tuple(o.token_ids) for r in llm.generate(ps, sp, use_tqdm=False) for o in r.outputs]
+
+
+@pytest.mark.parametrize("policy", ["auto", "bandit", "cycle"])
+def test_greedy_output_unchanged_by_the_policy(target_dir, policy):
+    ps = prompts(6)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = token_ids(make(target_dir), ps, sp)
+    spec = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 4,
+            "policy": "static" if policy == "cycle" else policy}
+    llm = make(target_dir, spec)
+    if policy == "cycle":
+        llm.engine.policy = CyclePolicy(SWITCH)
+    assert token_ids(llm, ps, sp) == want
+    m = llm.get_metrics()
+    assert m["policy"] == policy and m["kv_blocks_free"] == m["kv_blocks_total"]
+    ran = m["policy_strategies"]
+    assert sum(v["steps"] for v in ran.values()) > 0
+    if policy != "auto":  # auto may rightly never speculate with a drafter as big as the target
+        assert len(ran) >= 3 and m["spec_steps"] > 0
+    assert 0 <= m["policy_decision_frac"] < 1
+
+
+def test_ngram_auto_policy_greedy_unchanged(target_dir):
+    ps = [p * 3 for p in prompts(4, seed=1)]  # repeats give the n-gram drafter matches
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = token_ids(make(target_dir), ps, sp)
+    llm = make(target_dir, {"method": "ngram", "num_speculative_tokens": 5})
+    assert token_ids(llm, ps, sp) == want
+    assert llm.get_metrics()["policy"] == "auto"
+
+
+def test_seeded_sampling_reproduces_under_a_switching_policy(target_dir):
+    ps = prompts(5, seed=2)
+    sp = [SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=24, ignore_eos=True)
+          for i in range(5)]
+    runs = []
+    for _ in range(2):
+        llm = make(target_dir, {"method": "draft_model", "model": str(target_dir),
+                                "num_speculative_tokens": 4, "policy": "static"})
+        llm.engine.policy = CyclePolicy(SWITCH)
+        runs.append(token_ids(llm, ps, sp))
+    assert runs[0] == runs[1]
+    assert len(set(runs[0])) == 5
+
+
+def test_sampling_distribution_unchanged_by_a_switching_policy(target_dir, tmp_path):
+    """Tokens 1..3 of 600 samples (T=1, top-k 3) with an imperfect drafter and a strategy
+    switch every step, against plain sampling: a chi-square test of homogeneity."""
+    draft = save_random_model(tmp_path / "d", {"num_hidden_layers": 1}, seed=5)
+    prompt = prompts(1, seed=3)[0]
+    n = 600
+
+    def dist(llm, seed):
+        sp = SamplingParams(n=n, temperature=1.0, top_k=3, seed=seed, max_tokens=3,
+                            ignore_eos=True)
+        return Counter(token_ids(llm, [prompt], sp))
+
+    plain = dist(make(target_dir, kv_cache_memory_bytes=64 << 20, max_num_seqs=n), 1)
+    llm = make(target_dir, {"method": "draft_model", "model": str(draft),
+                            "num_speculative_tokens": 2, "policy": "static"},
+               kv_cache_memory_bytes=64 << 20, max_num_seqs=n)
+    llm.engine.policy = CyclePolicy([Strategy(2), Strategy(1), Strategy(2, 3, 4)])
+    spec = dist(llm, 2)
+    assert llm.get_metrics()["spec_steps"] > 0
+    keys = sorted(plain.keys() | spec.keys())
+    table = np.array([[plain[k] for k in keys], [spec[k] for k in keys]])
+    assert len(keys) > 5  # really sampled
+    assert chi2_contingency(table).pvalue > 1e-3
