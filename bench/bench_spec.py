@@ -173,6 +173,7 @@ def run_engine(llm: LLM, prompts: list[list[int]], batch: int, params: list[Samp
     best = None
     for _ in range(repeats):
         m0 = llm.get_metrics()
+        depth0 = dict(m0.get("accepted_per_depth", {}))  # the engine mutates its dict
         outs, wall = [], 0.0
         for i in range(0, len(prompts), batch):
             chunk = [{"prompt_token_ids": p} for p in prompts[i:i + batch]]
@@ -181,7 +182,7 @@ def run_engine(llm: LLM, prompts: list[list[int]], batch: int, params: list[Samp
             wall += time.perf_counter() - t0
         m1 = llm.get_metrics()
         d = {k: m1.get(k, 0) - m0.get(k, 0) for k in DELTA_KEYS}
-        depth0, depth1 = m0.get("accepted_per_depth", {}), m1.get("accepted_per_depth", {})
+        depth1 = m1.get("accepted_per_depth", {})
         per_depth = [(depth1.get(i, 0) - depth0.get(i, 0)) / d["spec_steps"]
                      for i in range(len(depth1))] if d["spec_steps"] else []
         decode_wall = max(wall - d["prefill_time"], 1e-9)

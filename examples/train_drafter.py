@@ -38,7 +38,8 @@ from pathlib import Path
 EVAL_SHAREGPT_START = 10_000
 
 
-def write_data(path: Path, n_gen_gsm: int, n_gen_chat: int, n_gsm: int, n_sharegpt: int) -> int:
+def write_data(path: Path, n_gen_gsm: int, n_gen_chat: int, n_gsm: int, n_humaneval: int,
+               n_sharegpt: int) -> int:
     from specengine.data import gsm_questions, humaneval_prompts, sharegpt_conversations
 
     recs = []
@@ -48,7 +49,7 @@ def write_data(path: Path, n_gen_gsm: int, n_gen_chat: int, n_gsm: int, n_shareg
     for q in qs[n_gen_gsm:]:
         recs.append({"messages": [{"role": "user", "content": q["question"]}],
                      "response": q["answer_cot"]})
-    for p in humaneval_prompts():
+    for p in humaneval_prompts(n_humaneval):
         recs.append({"prompt": p["prompt"], "response": p["canonical_solution"]})
     convs = sharegpt_conversations(n_gen_chat + n_sharegpt, start=0)
     assert all(c["index"] < EVAL_SHAREGPT_START for c in convs), "training data reached eval"
@@ -113,11 +114,13 @@ def main() -> int:
     ap.add_argument("--out", default="specengine/drafters/smollm2-135m-instruct")
     ap.add_argument("--data", default=None)
     ap.add_argument("--work", default=None, help="scratch dir (default: cache_dir()/drafter-train)")
-    ap.add_argument("--gen-gsm", type=int, default=32)
-    ap.add_argument("--gen-chat", type=int, default=16)
-    ap.add_argument("--gsm", type=int, default=400)
-    ap.add_argument("--sharegpt", type=int, default=600)
-    ap.add_argument("--steps", type=int, default=360)
+    ap.add_argument("--gen-gsm", type=int, default=0)
+    ap.add_argument("--gen-chat", type=int, default=0)
+    ap.add_argument("--gsm", type=int, default=100)
+    ap.add_argument("--humaneval", type=int, default=60)
+    ap.add_argument("--sharegpt", type=int, default=60)
+    ap.add_argument("--max-len", type=int, default=384)
+    ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--eval", action="store_true", help="only evaluate the drafter in --out")
     ap.add_argument("--eval-n", type=int, default=10)
     ap.add_argument("--eval-max-tokens", type=int, default=128)
@@ -135,13 +138,14 @@ def main() -> int:
     data = Path(args.data) if args.data else work / "train_data.jsonl"
     if not data.is_file():
         data.parent.mkdir(parents=True, exist_ok=True)
-        print(f"{write_data(data, args.gen_gsm, args.gen_chat, args.gsm, args.sharegpt)} "
-              f"records -> {data}")
+        n = write_data(data, args.gen_gsm, args.gen_chat, args.gsm, args.humaneval,
+                       args.sharegpt)
+        print(f"{n} records -> {data}")
     from specengine.cli import main as cli
 
     rc = cli(["train-drafter", "--model", "smollm2-135m-instruct", "--data", str(data),
               "--out", str(work / "ckpt"), "--steps", str(args.steps), "--batch-tokens", "1024",
-              "--unroll", "2", "--draft-vocab", "4096", "--max-len", "512",
+              "--unroll", "2", "--draft-vocab", "4096", "--max-len", str(args.max_len),
               "--max-tokens", "160", "--lr", "1e-3", "--seed", "0", "--save-every", "20"])
     if rc == 0:
         out.mkdir(parents=True, exist_ok=True)

@@ -36,6 +36,8 @@ class LLM:
         max_num_batched_tokens: most tokens in one forward (default ``max(4096, max_model_len)``).
         logprobs_mode: ``"raw_logprobs"`` (before temperature and filtering, vLLM's default) or
             ``"processed_logprobs"`` (of the distribution sampled from).
+        device: ``"auto"`` (CUDA when available, else CPU), ``"cpu"`` or ``"cuda"``.
+        attention_backend: ``"auto"``, ``"cpu"`` (C++), ``"cuda"``, ``"triton"`` or ``"torch"``.
         speculative_config: e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``; see
             ``specengine.spec.config.SpeculativeConfig``. Outputs are unchanged by it: greedy
             output is identical, sampled output has the same distribution.
@@ -49,11 +51,14 @@ class LLM:
                  max_model_len: int | None = None, kv_cache_memory_bytes: int | None = None,
                  seed: int = 0, block_size: int = 16, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None,
-                 logprobs_mode: str = "raw_logprobs", speculative_config: dict | None = None):
+                 logprobs_mode: str = "raw_logprobs", speculative_config: dict | None = None,
+                 device: str = "auto", attention_backend: str = "auto"):
         from specengine.models.loader import load_model
 
         torch_dtype = parse_dtype(dtype)
-        loaded = load_model(model, dtype=torch_dtype)
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        loaded = load_model(model, dtype=torch_dtype, device=device)
         self.model_name = model
         self.model_dir = loaded.model_dir
         self.tokenizer = loaded.tokenizer
@@ -81,7 +86,8 @@ class LLM:
             if self.speculative_config else None
         policy = make_policy(self.speculative_config, seed) if proposer else None
         self.engine = Engine(loaded.model, self.tokenizer, self.engine_config, seed=seed,
-                             logprobs_mode=logprobs_mode, proposer=proposer, policy=policy)
+                             logprobs_mode=logprobs_mode, proposer=proposer, policy=policy,
+                             attention_backend=attention_backend)
         if policy is not None:
             policy.warm_start(self.engine)
         self._wall_time = 0.0

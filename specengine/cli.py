@@ -43,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     from specengine.spec.train import add_cli
     add_cli(sub)
@@ -120,9 +122,19 @@ def generate(args: argparse.Namespace) -> int:
     if not os.path.isfile(args.input):
         print(f"error: --input {args.input!r} does not exist", file=sys.stderr)
         return 2
+    try:
+        spec = json.loads(args.speculative_config) if args.speculative_config else None
+    except json.JSONDecodeError as e:
+        print(f"error: --speculative-config is not valid JSON ({e})", file=sys.stderr)
+        return 2
     records = read_records(args.input)
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-              kv_cache_memory_bytes=args.kv_cache_memory_bytes, seed=args.seed)
+    try:
+        llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                  kv_cache_memory_bytes=args.kv_cache_memory_bytes, seed=args.seed,
+                  speculative_config=spec)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     results: dict[int, dict] = {}
     errors: dict[int, str] = {}
     prompts, lines = [], []
@@ -156,6 +168,13 @@ def generate(args: argparse.Namespace) -> int:
     print(f"requests: {len(prompts)} ok, {len(errors)} failed | prompt tokens: {n_prompt} | "
           f"generated tokens: {n_gen} | {n_gen / max(wall, 1e-9):.1f} tokens/s | "
           f"wall time: {wall:.1f} s")
+    m = llm.get_metrics()
+    if spec:
+        print(f"speculation: acceptance length {m.get('acceptance_length', 1.0):.2f} tokens/"
+              f"forward | drafted {m['drafted_tokens']} accepted {m['accepted_tokens']} | "
+              f"draft {m['draft_time']:.1f} s, target forward "
+              f"{m['decode_time'] + m['prefill_time']:.1f} s, sample/verify "
+              f"{m['sample_time']:.1f} s")
     for err in (errors[no] for no in sorted(errors)):
         print(f"  failed {err}")
     return 0

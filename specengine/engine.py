@@ -13,7 +13,7 @@ import torch
 
 from specengine.config import EngineConfig
 from specengine.kv.block_manager import BlockManager
-from specengine.model_runner import ModelRunner
+from specengine.model_runner import ModelRunner, make_backend
 from specengine.output_processor import OutputProcessor
 from specengine.outputs import CompletionOutput, RequestOutput
 from specengine.sampling import SamplingParams, process_logits, request_generator, sample
@@ -86,17 +86,21 @@ class Engine:
         eos_token_ids: ids that end a sample (default: from the model config and tokenizer).
         proposer: drafter for speculative decoding (None: plain decoding).
         policy: picks the strategy per step (default: the proposer's strategy, always).
+        attention_backend: ``"auto"``, ``"torch"``, ``"cpu"``, ``"cuda"`` or ``"triton"``.
     """
 
     def __init__(self, model, tokenizer, config: EngineConfig, seed: int = 0,
                  logprobs_mode: str = "raw_logprobs", eos_token_ids: set[int] | None = None,
-                 proposer: Proposer | None = None, policy=None):
+                 proposer: Proposer | None = None, policy=None,
+                 attention_backend: str = "auto"):
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode={logprobs_mode!r}: use one of {LOGPROBS_MODES}")
         self.config = config
         self.tokenizer = tokenizer
         self.logprobs_mode = logprobs_mode
-        self.runner = ModelRunner(model, config.num_kv_blocks, config.block_size)
+        device = next(model.parameters()).device
+        self.runner = ModelRunner(model, config.num_kv_blocks, config.block_size,
+                                  make_backend(attention_backend, device))
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size,
                                    self.runner.copy_block)
         self.scheduler = Scheduler(config, self.blocks)
@@ -183,6 +187,7 @@ class Engine:
             self._draft(entries, strategy)
         t1 = time.perf_counter()
         logits, hidden = self.runner.run(entries, self.blocks)
+        logits = logits.cpu()  # sampling and verification use the requests' CPU generators
         t2 = time.perf_counter()
         for e in entries:
             for s in e.samplers:
@@ -273,7 +278,11 @@ class Engine:
         decodes = [e for e in entries if not e.is_prefill]
         if not decodes:
             return
-        trees = self.proposer.propose([e.seq for e in decodes], strategy)
+        select = getattr(self.policy, "select", None)  # per sequence: the policy may skip some
+        if select is not None:
+            decodes = [e for e, keep in zip(decodes, select([e.seq for e in decodes], strategy))
+                       if keep]
+        trees = self.proposer.propose([e.seq for e in decodes], strategy) if decodes else []
         for e, tree in zip(decodes, trees):
             s = e.seq
             room = min(s.params.max_tokens - s.num_output_tokens,

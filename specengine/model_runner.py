@@ -16,15 +16,33 @@ def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
 
-def default_backend(device: torch.device) -> AttentionBackend:
-    """The fastest attention backend available for ``device``."""
-    if device.type == "cpu":
-        try:
-            from specengine.attention.cpu import CpuAttention
-            return CpuAttention()
-        except ImportError:
-            pass
+BACKENDS = ("auto", "torch", "cpu", "cuda", "triton")
+
+
+def make_backend(name: str, device: torch.device) -> AttentionBackend:
+    """Attention backend ``name`` (``"auto"``: the fastest one available for ``device``: the
+    C++ kernel on CPU; on GPU the CUDA kernel, else Triton, else the torch reference).
+
+    Raises:
+        ValueError: an unknown name. ImportError: a backend whose kernel is not available.
+    """
+    from specengine.attention.cpu import CpuAttention
+    from specengine.attention.cuda import CudaAttention
     from specengine.attention.torch_ref import TorchAttention
+    from specengine.attention.triton_backend import TritonAttention
+
+    named = {"torch": TorchAttention, "cpu": CpuAttention, "cuda": CudaAttention,
+             "triton": TritonAttention}
+    if name != "auto":
+        if name not in named:
+            raise ValueError(f"attention_backend={name!r}: use one of {BACKENDS}")
+        return named[name]()
+    order = [CpuAttention] if device.type == "cpu" else [CudaAttention, TritonAttention]
+    for cls in order:
+        try:
+            return cls()
+        except ImportError:
+            continue
     return TorchAttention()
 
 
@@ -48,7 +66,7 @@ class ModelRunner:
                                     cfg.num_key_value_heads, cfg.head_dim,
                                     dtype=self.dtype, device=self.device)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
-        self.backend = backend or default_backend(self.device)
+        self.backend = backend or make_backend("auto", self.device)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block ``src``'s K/V into block ``dst`` in every layer (copy-on-write)."""

@@ -210,3 +210,152 @@ def test_norms_and_activation(dtype):
     out = ops.silu_and_mul(gu)
     assert out.shape == (3, 2, 1536) and out.dtype == dtype
     torch.testing.assert_close(out, ops.silu_and_mul_torch(gu), **TOL[dtype])
+
+
+# ---- AMX linear (prepacked bf16), RoPE, thread pool ---------------------------------------
+needs_amx = pytest.mark.skipif(not ops.amx_available(), reason="no AMX-BF16 on this CPU")
+
+
+@needs_amx
+@pytest.mark.parametrize("N,K", [(960, 576), (576, 1536), (13, 40), (45, 33), (200, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_linear_matches_fp64_math(N, K, bias):
+    g = torch.Generator().manual_seed(N + K)
+    x = torch.randn(32, K, generator=g).bfloat16()
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).bfloat16()
+    b = torch.randn(N, generator=g).bfloat16() if bias else None
+    pw = ops.prepack(w)
+    assert pw.packed is not None
+    for M in (1, 3, 16, 17, 32):
+        y = ops.linear(x[:M], pw, b)
+        ref = F.linear(x[:M].double(), w.double(), None if b is None else b.double())
+        assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+        # float32 accumulation, one rounding to bf16: within half an ulp (2^-8 relative)
+        assert ((y.double() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-4).all(), M
+
+
+@needs_amx
+@pytest.mark.parametrize("N,K", [(200, 576), (45, 33)])
+def test_amx_linear_is_batch_invariant(N, K):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, K, generator=g).bfloat16()
+    pw = ops.prepack(torch.randn(N, K, generator=g).bfloat16())
+    b = torch.randn(N, generator=g).bfloat16()
+    rows = [ops.linear(x[i:i + 1], pw, b) for i in range(40)]
+    for M in range(1, ops.AMX_MAX_M + 1):
+        for start in (0, 40 - M):  # also rows at other offsets within the batch
+            y = ops.linear(x[start:start + M], pw, b)
+            for i in range(M):
+                assert torch.equal(y[i:i + 1], rows[start + i]), (M, start, i)
+    # the C++ kernel itself beyond 32 rows (two row passes) keeps the rows too
+    y = ext().linear_amx(x, pw.packed, N, b)
+    assert all(torch.equal(y[i:i + 1], rows[i]) for i in range(40))
+
+
+@needs_amx
+def test_amx_linear_thread_count_does_not_change_results():
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(9, 576, generator=g).bfloat16()
+    pw = ops.prepack(torch.randn(3072, 576, generator=g).bfloat16())
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.linear(x, pw)
+    finally:
+        torch.set_num_threads(before)
+    for _ in range(3):
+        assert torch.equal(ops.linear(x, pw), one)
+
+
+@needs_amx
+def test_linear_glu_equals_unfused():
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(11, 576, generator=g).bfloat16()
+    w = (torch.randn(2 * 1536, 576, generator=g) / 24).bfloat16()
+    fused = ops.linear_glu(x, ops.prepack(w, glu=True))
+    assert fused.shape == (11, 1536)
+    assert torch.equal(fused, ops.silu_and_mul(ops.linear(x, ops.prepack(w))))
+    torch.testing.assert_close(fused, ops.silu_and_mul_torch(F.linear(x, w)), **TOL[torch.bfloat16])
+
+
+def test_prepack_follows_weight_changes():
+    from specengine.models.config import ModelConfig
+    from specengine.models.llama import DecoderLayer
+
+    cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 32,
+                               "hidden_size": 64, "intermediate_size": 128,
+                               "num_hidden_layers": 1, "num_attention_heads": 4,
+                               "num_key_value_heads": 2})
+    layer = DecoderLayer(cfg, torch.bfloat16)
+    layer.o_proj.copy_(torch.randn(64, 64))
+    x = torch.randn(2, 64).bfloat16()
+    first = layer.packed("o_proj")
+    torch.testing.assert_close(ops.linear(x, first), F.linear(x, layer.o_proj),
+                               **TOL[torch.bfloat16])
+    layer.o_proj.mul_(-1)  # in-place change: the packed copy must be rebuilt
+    second = layer.packed("o_proj")
+    assert second is not first
+    torch.testing.assert_close(ops.linear(x, second), F.linear(x, layer.o_proj),
+                               **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 40])
+def test_rope_matches_reference(dtype, D):
+    from specengine.models.config import ModelConfig
+    from specengine.models.llama import apply_rope, rope_cache_f32
+
+    cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 32,
+                               "hidden_size": 4 * D, "intermediate_size": 64,
+                               "num_hidden_layers": 1, "num_attention_heads": 4,
+                               "num_key_value_heads": 2, "head_dim": D,
+                               "max_position_embeddings": 512, "rope_theta": 1e5})
+    cache = rope_cache_f32(cfg)
+    g = torch.Generator().manual_seed(D)
+    T, nq, nkv = 7, 4, 2
+    qkv = torch.randn(T, nq + 2 * nkv, D, generator=g).to(dtype)
+    pos = torch.randint(0, 512, (T,), generator=g)
+    cos, sin = cache[pos].unsqueeze(1).chunk(2, dim=-1)
+    ref = apply_rope(qkv[:, :nq + nkv].double(), cos.double(), sin.double())
+    # HF rotate-half form, independently
+    x1, x2 = qkv[:, :nq + nkv, :D // 2].double(), qkv[:, :nq + nkv, D // 2:].double()
+    c, s = cos[..., :D // 2].double(), sin[..., D // 2:].double()
+    torch.testing.assert_close(ref, torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1))
+    v_before = qkv[:, nq + nkv:].clone()
+    out = ops.rope_(qkv[:, :nq + nkv], cos, sin)  # strided view of qkv, in place
+    assert out.data_ptr() == qkv.data_ptr()
+    assert torch.equal(qkv[:, nq + nkv:], v_before)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=2 ** -8)
+    torch.testing.assert_close(qkv[:, :nq + nkv].double(), ref, **tol)
+
+
+@needs_amx
+def test_bf16_model_rows_are_batch_invariant(tiny_llama_dir):
+    """With prepacked AMX weights a bf16 model's logits for a token do not depend on how many
+    other tokens share the forward (decode of 1 vs verify of 1 + 8), bit for bit."""
+    from specengine.attention.cpu import CpuAttention
+    from specengine.models.loader import load_model
+
+    model = load_model(tiny_llama_dir, dtype=torch.bfloat16).model
+    c = model.config
+    shape = (8, 4, c.num_key_value_heads, c.head_dim)
+    prompt, draft = list(range(3, 20)), [5, 9, 2, 7, 7, 1, 30, 4, 11]
+
+    def run(kv, toks, start):
+        pos = torch.arange(start, start + len(toks))
+        meta = AttentionMetadata(slot_mapping=pos, block_tables=torch.arange(8, dtype=torch.int32)
+                                 .view(1, 8), query_seq=torch.zeros(len(toks), dtype=torch.int32),
+                                 kv_lens=(pos + 1).to(torch.int32), max_kv_len=int(pos[-1]) + 1)
+        return model.compute_logits(model(torch.tensor(toks), pos, kv, meta, CpuAttention()))
+
+    kv = [(torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16))
+          for _ in range(c.num_hidden_layers)]
+    run(kv, prompt, 0)
+    kv2 = [(k.clone(), v.clone()) for k, v in kv]
+    verify = run(kv, draft, len(prompt))
+    decode = run(kv2, draft[:1], len(prompt))
+    assert torch.equal(verify[:1], decode)
+    # and the packed path agrees with the torch reference within bf16 tolerance
+    ref = F.linear(model.norm.new_ones(1, c.hidden_size), model.lm_head).float()
+    torch.testing.assert_close(model.compute_logits(model.norm.new_ones(1, c.hidden_size)), ref,
+                               **TOL[torch.bfloat16])

@@ -2,11 +2,13 @@
 
 Runs in Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``, set here before triton is
 imported; slow, so shapes are small). With ``TRITON_INTERPRET=0`` in the environment and a
-CUDA device, the same tests run the compiled kernel on the GPU. Skipped without triton.
+CUDA device, the same tests run the compiled kernel on the GPU. One test compiles the kernel
+for sm_90 (no GPU needed). Skipped without triton.
 """
 
 import importlib.util
 import os
+import subprocess
 import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (kernel creation)
@@ -188,3 +190,29 @@ def test_import_without_triton_and_clear_error(monkeypatch):
     assert not mod.triton_available()
     with pytest.raises(ImportError, match="triton"):
         mod.TritonAttention()
+
+
+COMPILE_FOR_GPU = """
+from triton import compile
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from specengine.attention.triton_backend import _paged_tree_attention_kernel as fn
+const = dict(GROUP=3, GROUP_PAD=16, HEAD_DIM=40, D_PAD=64, BLOCK_SIZE=16, BS_PAD=16,
+             HAS_TREE=True)
+data = ("out_ptr", "q_ptr", "k_ptr", "v_ptr")
+sig = {n: "*bf16" if n in data else "*u8" if n == "tree_mask_ptr" else "*i32"
+       if n.endswith("_ptr") else "fp32" if n == "qk_scale" else "constexpr" if n in const
+       else "i32" for n in fn.arg_names}
+src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+print("cubin", len(compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]))
+"""
+
+
+def test_kernel_compiles_for_sm90_without_a_gpu():
+    # The interpreter does not run Triton's type checks and lowering; compile the real kernel
+    # (TTIR -> TTGIR -> LLVM -> PTX -> cubin with the bundled ptxas) for an H100 target. A new
+    # process: the kernel must be created with TRITON_INTERPRET off.
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    res = subprocess.run([sys.executable, "-c", COMPILE_FOR_GPU], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert res.returncode == 0 and "cubin" in res.stdout, res.stderr[-3000:]

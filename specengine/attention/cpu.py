@@ -17,36 +17,8 @@ from specengine.attention.torch_ref import paged_attention_ref
 _FLOATS = (torch.float32, torch.bfloat16)
 
 
-def paged_attention_masked_ref(query: torch.Tensor, k_cache: torch.Tensor,
-                               v_cache: torch.Tensor, meta: AttentionMetadata,
-                               scale: float) -> torch.Tensor:
-    """Reference paged attention honouring ``meta.tree_base``/``meta.tree_mask``, in float32.
-
-    Same arguments and result as ``AttentionBackend.forward``. Slow; for tests and fallbacks.
-    A query row that sees no position gets zeros.
-    """
-    if meta.tree_mask is None:
-        return paged_attention_ref(query, k_cache, v_cache, meta, scale)
-    T, H, D = query.shape
-    bs, kvh = k_cache.shape[1], k_cache.shape[2]
-    out = torch.zeros(T, H, D, dtype=torch.float32, device=query.device)
-    W = meta.tree_mask.shape[1]
-    for t in range(T):
-        n, base = int(meta.kv_lens[t]), int(meta.tree_base[t])
-        pos = torch.arange(n, device=query.device)
-        seen = pos < base
-        if W:
-            rel = pos - base
-            seen |= (rel >= 0) & (rel < W) & meta.tree_mask[t, rel.clamp(0, W - 1)]
-        pos = pos[seen]
-        if pos.numel() == 0:
-            continue
-        blocks = meta.block_tables[int(meta.query_seq[t])][pos // bs].long()
-        k = k_cache[blocks, pos % bs].float().repeat_interleave(H // kvh, dim=1)
-        v = v_cache[blocks, pos % bs].float().repeat_interleave(H // kvh, dim=1)
-        p = torch.softmax(torch.einsum("hd,nhd->hn", query[t].float(), k) * scale, dim=-1)
-        out[t] = torch.einsum("hn,nhd->hd", p, v)
-    return out.to(query.dtype)
+# The torch reference honours tree masks; kept under this name for the kernel tests.
+paged_attention_masked_ref = paged_attention_ref
 
 
 class CpuAttention(AttentionBackend):
@@ -67,6 +39,6 @@ class CpuAttention(AttentionBackend):
         mod = ext()
         if (mod is None or query.device.type != "cpu" or query.dtype not in _FLOATS
                 or k_cache.dtype not in _FLOATS):
-            return paged_attention_masked_ref(query, k_cache, v_cache, meta, scale)
+            return paged_attention_ref(query, k_cache, v_cache, meta, scale)
         return mod.paged_attention(query, k_cache, v_cache, meta.block_tables, meta.query_seq,
                                    meta.kv_lens, scale, meta.tree_base, meta.tree_mask)

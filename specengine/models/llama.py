@@ -7,7 +7,13 @@ attention (Ainslie et al., arXiv 2305.13245) and a SwiGLU MLP (Shazeer, arXiv 20
 Tokens of all sequences in a step are packed flat into ``T`` rows (no batch dim, no padding);
 the attention backend finds each token's sequence and context through ``AttentionMetadata``.
 q/k/v and gate/up projections are fused into one matrix each (fewer GEMM calls); ``load_weights``
-maps Hugging Face parameter names onto the fused layout.
+maps Hugging Face parameter names onto the fused layout and then prepacks the linear weights
+(``ops.prepack``: AMX tiles for bfloat16 on CPUs that have them). Packed copies are checked
+against the parameters' version counters on use and rebuilt if a weight was modified.
+
+Hot path per layer: norm, qkv linear, RoPE of q and k in place in the qkv output (float32
+cos/sin), K/V write, attention, o linear, fused add + norm, gate_up linear with SiLU-and-mul in
+its epilogue, down linear.
 """
 
 from __future__ import annotations
@@ -65,6 +71,11 @@ def rope_cache(config: ModelConfig) -> torch.Tensor:
     return torch.cat([cos, cos, -sin, sin], dim=-1)
 
 
+def rope_cache_f32(config: ModelConfig) -> torch.Tensor:
+    """``rope_cache`` kept in float32 (what the model's forward uses, whatever its dtype)."""
+    return rope_cache(config)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``[T, heads, D]`` by ``cos``/``sin`` ``[T, 1, D]`` (same dtype as x).
 
@@ -98,6 +109,20 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = param(c.hidden_size)
         self.gate_up_proj = param(2 * c.intermediate_size, c.hidden_size)
         self.down_proj = param(c.hidden_size, c.intermediate_size)
+        self._packed: dict[str, ops.PackedWeight] = {}
+
+    def packed(self, name: str) -> ops.PackedWeight:
+        """``ops.prepack`` of the weight parameter ``name``, rebuilt when it changed."""
+        w = getattr(self, name)
+        pw = self._packed.get(name)
+        if pw is None or not pw.is_current(w):
+            pw = self._packed[name] = ops.prepack(w, glu=name == "gate_up_proj")
+        return pw
+
+    def prepack(self) -> None:
+        """Pack the linear weights now (otherwise done on first use)."""
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            self.packed(name)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -112,17 +137,17 @@ class DecoderLayer(nn.Module):
             hidden, residual = add_rms_norm(hidden, residual, self.input_norm, self.eps)
 
         T, nq, nkv = hidden.shape[0], self.num_heads, self.num_kv_heads
-        qkv = ops.linear(hidden, self.qkv_proj, self.qkv_bias).view(T, nq + 2 * nkv, -1)
-        qk = apply_rope(qkv[:, :nq + nkv], cos, sin)
-        q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:]
+        qkv = ops.linear(hidden, self.packed("qkv_proj"), self.qkv_bias).view(T, nq + 2 * nkv, -1)
+        ops.rope_(qkv[:, :nq + nkv], cos, sin)  # q and k rotated in place
+        q, k, v = qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:]
         k_cache, v_cache = kv_cache
         backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         attn = backend.forward(q, k_cache, v_cache, meta, self.scale)
-        hidden = ops.linear(attn.reshape(T, self.q_size), self.o_proj, self.o_bias)
+        hidden = ops.linear(attn.reshape(T, self.q_size), self.packed("o_proj"), self.o_bias)
 
         hidden, residual = add_rms_norm(hidden, residual, self.post_attn_norm, self.eps)
-        hidden = ops.linear(ops.silu_and_mul(ops.linear(hidden, self.gate_up_proj)),
-                            self.down_proj)
+        hidden = ops.linear(ops.linear_glu(hidden, self.packed("gate_up_proj")),
+                            self.packed("down_proj"))
         return hidden, residual
 
 
@@ -144,8 +169,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (self.embed_tokens if c.tie_word_embeddings else
                         nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, dtype=dtype),
                                      requires_grad=False))
-        # Built in float32, kept in the model dtype (HF casts cos/sin to it too).
+        # Built in float32, kept in the model dtype (HF casts cos/sin to it too); the forward
+        # uses the float32 copy (RoPE in float32, one rounding).
         self.register_buffer("rope_cache", rope_cache(c).to(dtype), persistent=False)
+        self.register_buffer("rope_cache_f32", rope_cache_f32(c), persistent=False)
+        self._lm_head_packed: ops.PackedWeight | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -173,7 +201,7 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches has {len(kv_caches)} entries, the model has "
                              f"{len(self.layers)} layers")
-        cs = self.rope_cache[positions].unsqueeze(1)  # [T, 1, 2D]
+        cs = self.rope_cache_f32[positions].unsqueeze(1)  # [T, 1, 2D]
         cos, sin = cs.chunk(2, dim=-1)
         hidden, residual = self.embed_tokens[input_ids], None
         for layer, kv in zip(self.layers, kv_caches):
@@ -184,7 +212,17 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` hidden states -> ``[N, vocab_size]`` float32 logits."""
-        return ops.linear(hidden, self.lm_head).float()
+        pw = self._lm_head_packed
+        if pw is None or not pw.is_current(self.lm_head):
+            pw = self._lm_head_packed = ops.prepack(self.lm_head)
+        return ops.linear(hidden, pw).float()
+
+    def prepack(self) -> None:
+        """Pack the linear weights for the fast kernels (``ops.prepack``); ``load_weights``
+        calls it. Packed copies are rebuilt on use if a weight changes afterwards."""
+        for layer in self.layers:
+            layer.prepack()
+        self._lm_head_packed = ops.prepack(self.lm_head)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -244,3 +282,4 @@ class LlamaForCausalLM(nn.Module):
             seen.add(name)
         if missing := needed - seen:
             raise ValueError(f"{len(missing)} weights missing, e.g. {sorted(missing)[:3]}")
+        self.prepack()

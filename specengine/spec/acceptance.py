@@ -70,11 +70,13 @@ class AcceptanceModel:
         self.chain = DepthRates(max_depth)
         self.trees: dict[Strategy, DepthRates] = {}
         self.fill: dict[Strategy, float] = {}  # mean fraction of strategy.num_nodes drafted
-        self._cache: dict[Strategy, float] = {}
+        self._cache: dict = {}  # cleared by observe: per-strategy results, "chain" rates
 
     def rates(self, strategy: Strategy) -> np.ndarray:
         """Conditional acceptance rate per depth ``1..max_depth`` for ``strategy``'s shape."""
-        chain = self.chain.rates(self.prior, self.prior_count)
+        chain = self._cache.get("chain")
+        if chain is None:
+            chain = self._cache["chain"] = self.chain.rates(self.prior, self.prior_count)
         if strategy.is_chain:
             return chain
         tree = self.trees.get(strategy)
@@ -99,6 +101,16 @@ class AcceptanceModel:
         if strategy is None:
             return 0.0
         return self.fill.get(strategy, 1.0) * strategy.num_nodes
+
+    def expected(self, strategies: tuple) -> tuple[np.ndarray, np.ndarray]:
+        """``(expected_committed, expected_nodes)`` per strategy of ``strategies`` as arrays,
+        cached until the next ``observe``."""
+        got = self._cache.get(strategies)
+        if got is None:
+            got = self._cache[strategies] = (
+                np.array([self.expected_committed(s) for s in strategies]),
+                np.array([self.expected_nodes(s) for s in strategies]))
+        return got
 
     def observe(self, strategy: Strategy, accepted_per_seq: list[int], num_decode: int,
                 num_drafted: int) -> None:

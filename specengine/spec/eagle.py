@@ -39,7 +39,7 @@ from torch import nn
 from specengine import ops
 from specengine.attention.base import AttentionMetadata
 from specengine.kv.block_manager import BlockManager
-from specengine.model_runner import default_backend
+from specengine.model_runner import make_backend
 from specengine.models.config import ModelConfig
 from specengine.models.llama import DecoderLayer, add_rms_norm, apply_rope, rope_cache
 from specengine.sequence import Sequence
@@ -425,10 +425,12 @@ class EagleDrafter(Proposer):
         self.kv = torch.zeros(2, num_blocks, block_size, lc.num_key_value_heads, lc.head_dim,
                               dtype=p.dtype, device=p.device)
         self.blocks = BlockManager(num_blocks, block_size, self._copy_block)
-        self.backend = default_backend(p.device)
+        self.backend = make_backend("auto", p.device)
         self.max_pos = model.rope.shape[0]
         self.states: dict[int, _State] = {}
         self.version = 0
+        self.per_version: dict[int, list[int]] = {}  # version -> [verify steps, committed]
+        self._drafted: dict[int, int] = {}  # seq id -> version of its pending draft
         self._pending: tuple[int, dict] | None = None
         self._lock = threading.Lock()
 
@@ -441,9 +443,21 @@ class EagleDrafter(Proposer):
         if st is None:
             st = self.states[seq.seq_id] = _State(seq, hidden.shape[1], self.model.fc.dtype)
         st.put(start, hidden)
+        v = self._drafted.pop(seq.seq_id, None)
+        if v is not None and start > 0:  # rows = the root + the accepted draft nodes
+            c = self.per_version.setdefault(v, [0, 0])
+            c[0] += 1
+            c[1] += hidden.shape[0]
+
+    def stats(self) -> dict:
+        """``drafter_version`` and, per version, tau = tokens committed per verify step."""
+        return {"drafter_version": self.version,
+                "tau_per_version": {v: round(c[1] / c[0], 3)
+                                    for v, c in self.per_version.items() if c[0]}}
 
     def release(self, seq: Sequence) -> None:
         st = self.states.pop(seq.seq_id, None)
+        self._drafted.pop(seq.seq_id, None)
         if st is not None:
             self.blocks.free(st.shadow)
 
@@ -580,6 +594,7 @@ class EagleDrafter(Proposer):
                 feed_feat[b] = f[[r for _, r in best]]
         for b, i in enumerate(live):
             out[i] = self._tree(cands[b], strategy.budget)
+            self._drafted[seqs[i].seq_id] = self.version
         return out
 
     @staticmethod

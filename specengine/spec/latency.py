@@ -29,15 +29,22 @@ import numpy as np
 KNEES = tuple(2 ** i for i in range(14))  # candidate knee positions (tokens): 1 .. 8192
 
 
-def nonnegative_solve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def nonnegative_solve(a: np.ndarray, b: np.ndarray, hint: np.ndarray | None = None) -> np.ndarray:
     """``argmin theta' a theta - 2 b' theta`` subject to ``theta >= 0`` (``a`` symmetric
     positive definite): Lawson and Hanson's active-set NNLS on the normal equations. Every
     feature here adds work, so a negative coefficient is an artefact of noise or collinearity
-    and would extrapolate to negative times."""
+    and would extrapolate to negative times. ``hint``: the nonzero pattern of a previous
+    solution; if it still satisfies the optimality conditions one solve suffices."""
     n = len(b)
+    tol = 1e-12 * max(float(np.abs(b).max()), 1e-300)
+    if hint is not None and hint.any():
+        idx = np.flatnonzero(hint)
+        theta = np.zeros(n)
+        theta[idx] = np.linalg.solve(a[np.ix_(idx, idx)], b[idx])
+        if theta[idx].min() > 0 and (b - a @ theta)[~hint].max(initial=-1.0) <= tol:
+            return theta
     theta = np.zeros(n)
     free = np.zeros(n, dtype=bool)
-    tol = 1e-12 * max(float(np.abs(b).max()), 1e-300)
     for _ in range(3 * n):
         grad = b - a @ theta  # descent direction of the objective
         grad[free] = -np.inf
@@ -64,51 +71,71 @@ def nonnegative_solve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 class WeightedLeastSquares:
     """Non-negative least squares ``y ~ x @ theta`` from decaying sufficient statistics plus a
-    fixed prior.
+    fixed prior; ``copies`` fits that see the same observations through different features
+    (one per candidate knee) are updated together.
 
     Args:
         dim: number of features.
         decay: factor applied to the online statistics at every update (1: never forget).
         ridge: relative ridge on the diagonal, for numerical stability only.
+        copies: number of fits.
     """
 
-    def __init__(self, dim: int, decay: float = 0.998, ridge: float = 1e-6):
-        self.decay, self.ridge = decay, ridge
-        self.prior_a = np.zeros((dim, dim))
-        self.prior_b = np.zeros(dim)
+    def __init__(self, dim: int, decay: float = 0.998, ridge: float = 1e-6, copies: int = 1,
+                 refit_every: int = 1):
+        self.decay, self.ridge, self.shape = decay, ridge, (copies, dim)
+        self.refit_every = refit_every  # adds between solves (the fit moves slowly)
+        self._adds = 0
+        self.prior_a = np.zeros((copies, dim, dim))
+        self.prior_b = np.zeros((copies, dim))
         self.prior_yy = 0.0
-        self.a = np.zeros((dim, dim))
-        self.b = np.zeros(dim)
+        self.a = np.zeros((copies, dim, dim))
+        self.b = np.zeros((copies, dim))
         self.yy = 0.0
-        self._theta: np.ndarray | None = None
+        self._theta: dict[int, np.ndarray] = {}
+        self._last: dict[int, np.ndarray] = {}  # last solved coefficients, kept across adds
 
     def add(self, x: np.ndarray, y: float, weight: float = 1.0, prior: bool = False) -> None:
-        """Add observation ``(x, y)``; ``prior=True`` adds it to the fixed prior instead."""
+        """Add observation ``(x, y)`` (``x``: ``[dim]`` or ``[copies, dim]``); ``prior=True``
+        adds it to the fixed prior instead."""
+        x = np.broadcast_to(x, self.shape)
+        outer = weight * x[:, :, None] * x[:, None, :]
         if prior:
-            self.prior_a += weight * np.outer(x, x)
+            self.prior_a += outer
             self.prior_b += weight * y * x
             self.prior_yy += weight * y * y
         else:
             d = self.decay
-            self.a = d * self.a + weight * np.outer(x, x)
+            self.a = d * self.a + outer
             self.b = d * self.b + weight * y * x
             self.yy = d * self.yy + weight * y * y
-        self._theta = None
+        self._adds += 1
+        if prior or self._adds >= self.refit_every:
+            self._theta.clear()
+            self._adds = 0
 
-    @property
-    def theta(self) -> np.ndarray:
-        """Current coefficients (zeros before any data)."""
-        if self._theta is None:
-            a = self.prior_a + self.a
+    def theta(self, i: int = 0) -> np.ndarray:
+        """Coefficients of fit ``i`` (zeros before any data), solved again after every
+        ``refit_every`` observations."""
+        t = self._theta.get(i)
+        if t is None:
+            a = self.prior_a[i] + self.a[i]
             a = a + self.ridge * np.diag(np.maximum(np.diag(a), 1e-30))
-            self._theta = nonnegative_solve(a, self.prior_b + self.b)
-        return self._theta
+            last = self._last.get(i)
+            t = nonnegative_solve(a, self.prior_b[i] + self.b[i],
+                                  None if last is None else last > 0)
+            self._theta[i] = self._last[i] = t
+        return t
 
-    @property
-    def residual(self) -> float:
-        """Weighted sum of squared residuals of the current fit (prior and online data)."""
-        t = self.theta
-        a, b = self.prior_a + self.a, self.prior_b + self.b
+    def stale_theta(self, i: int = 0) -> np.ndarray:
+        """The coefficients last solved (no solve unless there are none yet)."""
+        t = self._last.get(i)
+        return self.theta(i) if t is None else t
+
+    def residual(self, i: int = 0) -> float:
+        """Weighted sum of squared residuals of fit ``i`` (prior and online data)."""
+        t = self.theta(i)
+        a, b = self.prior_a[i] + self.a[i], self.prior_b[i] + self.b[i]
         return float(self.prior_yy + self.yy - 2 * t @ b + t @ a @ t)
 
 
@@ -121,9 +148,15 @@ def outlier_weight(seconds: float, predicted: float, limit: float = 3.0) -> floa
     return (limit * predicted / seconds) ** 2
 
 
-def forward_x(tokens: float, context: float, per_seq: float, knee: int) -> np.ndarray:
-    """Features of the forward-time fit (see the module docstring)."""
-    return np.array([1.0, tokens, max(0.0, tokens - knee), context, context * per_seq])
+def forward_x(tokens: float, context: float, per_seq: float,
+              knee: float | np.ndarray) -> np.ndarray:
+    """Features of the forward-time fit (see the module docstring); ``[len(knee), 5]`` for an
+    array of knees."""
+    knee = np.asarray(knee, dtype=float)
+    x = np.empty(knee.shape + (5,))
+    x[..., 0], x[..., 1], x[..., 3], x[..., 4] = 1.0, tokens, context, context * per_seq
+    x[..., 2] = np.maximum(tokens - knee, 0.0)
+    return x
 
 
 def draft_x(batch: float, depth: float, nodes: float) -> np.ndarray:
@@ -147,12 +180,18 @@ class LatencyModel:
 
     def __init__(self, decay: float = 0.998, prior_weight: float = 20.0):
         self.prior_weight = prior_weight
-        self.forward = {k: WeightedLeastSquares(5, decay) for k in KNEES}
-        self.draft = WeightedLeastSquares(5, decay)
-        self.other = WeightedLeastSquares(4, decay)
-        self.knee = KNEES[0]
+        self.knees = np.array(KNEES, dtype=float)
+        self.forward = WeightedLeastSquares(5, decay, copies=len(KNEES), refit_every=4)
+        self.draft = WeightedLeastSquares(5, decay, refit_every=4)
+        self.other = WeightedLeastSquares(4, decay, refit_every=4)
+        self.knee_index = 0
         self.num_forward = 0  # forward observations (profile included)
         self.num_draft = 0
+
+    @property
+    def knee(self) -> int:
+        """Tokens per forward where the fitted step time starts to climb faster."""
+        return KNEES[self.knee_index]
 
     # ---- learning ---------------------------------------------------------------------------
     def add_forward(self, tokens: int, context: int, num_seqs: int, seconds: float,
@@ -162,46 +201,48 @@ class LatencyModel:
         if seconds <= 0 or tokens <= 0:
             return
         w = (self.prior_weight if prior else 1.0) / seconds ** 2
-        if not prior and self.num_forward:
-            w *= outlier_weight(seconds, self.forward_time(tokens, context, num_seqs))
         per_seq = tokens / max(num_seqs, 1)
-        for k, fit in self.forward.items():
-            fit.add(forward_x(tokens, context, per_seq, k), seconds, w, prior)
+        if not prior and self.num_forward:
+            x = forward_x(tokens, context, per_seq, self.knee)
+            w *= outlier_weight(seconds, float(x @ self.forward.stale_theta(self.knee_index)))
+        self.forward.add(forward_x(tokens, context, per_seq, self.knees), seconds, w, prior)
         self.num_forward += 1
-        if self.num_forward < 64 or self.num_forward % 16 == 0:
-            self.knee = min(self.forward, key=lambda k: self.forward[k].residual)
+        if self.num_forward <= 64 or self.num_forward % 32 == 0:
+            self.knee_index = min(range(len(KNEES)), key=self.forward.residual)
 
     def add_draft(self, batch: int, depth: int, nodes: int, seconds: float,
                   prior: bool = False) -> None:
         """Drafting ``nodes`` nodes up to ``depth`` deep for ``batch`` sequences took
         ``seconds``."""
         w = (self.prior_weight if prior else 1.0) / max(seconds, 1e-4) ** 2
+        x = draft_x(batch, depth, nodes)
         if not prior and self.num_draft:
-            w *= outlier_weight(seconds, self.draft_time(batch, depth, nodes))
-        self.draft.add(draft_x(batch, depth, nodes), seconds, w, prior)
+            w *= outlier_weight(seconds, float(x @ self.draft.stale_theta()))
+        self.draft.add(x, seconds, w, prior)
         self.num_draft += 1
 
     def add_other(self, batch: int, nodes: int, committed: int, seconds: float) -> None:
         """Verify, sampling and bookkeeping of a step took ``seconds``."""
-        w = outlier_weight(seconds, self.other_time(batch, nodes, committed)) \
+        x = other_x(batch, nodes, committed)
+        w = outlier_weight(seconds, float(x @ self.other.stale_theta())) \
             / max(seconds, 1e-4) ** 2
-        self.other.add(other_x(batch, nodes, committed), seconds, w)
+        self.other.add(x, seconds, w)
 
     # ---- prediction -------------------------------------------------------------------------
     def forward_time(self, tokens: float, context: float, num_seqs: float) -> float:
         """Predicted seconds of a target forward (never below 0)."""
         x = forward_x(tokens, context, tokens / max(num_seqs, 1), self.knee)
-        return max(float(x @ self.forward[self.knee].theta), 0.0)
+        return max(float(x @ self.forward.theta(self.knee_index)), 0.0)
 
     def draft_time(self, batch: float, depth: float, nodes: float) -> float:
         """Predicted seconds of drafting (0 for no speculation or before any observation)."""
         if depth == 0 or self.num_draft == 0:
             return 0.0
-        return max(float(draft_x(batch, depth, nodes) @ self.draft.theta), 0.0)
+        return max(float(draft_x(batch, depth, nodes) @ self.draft.theta()), 0.0)
 
     def other_time(self, batch: float, nodes: float, committed: float) -> float:
         """Predicted seconds of verify/sampling/bookkeeping."""
-        return max(float(other_x(batch, nodes, committed) @ self.other.theta), 0.0)
+        return max(float(other_x(batch, nodes, committed) @ self.other.theta()), 0.0)
 
     def step_time(self, batch: float, context: float, depth: float, nodes: float,
                   committed: float) -> float:
@@ -210,6 +251,21 @@ class LatencyModel:
         return (self.forward_time(batch + nodes, context, batch)
                 + self.draft_time(batch, depth, nodes)
                 + self.other_time(batch, nodes, committed))
+
+    def step_times(self, batch: float, context: float, depth: np.ndarray, nodes: np.ndarray,
+                   committed: np.ndarray) -> np.ndarray:
+        """``step_time`` for many candidates at once (arrays of the same length; depth 0 means
+        no speculation): one small matrix product per part, for a cheap decision."""
+        tokens = batch + nodes
+        fx = np.stack([np.ones_like(tokens), tokens, np.maximum(tokens - self.knee, 0.0),
+                       np.full_like(tokens, context), context * tokens / max(batch, 1)], 1)
+        total = np.maximum(fx @ self.forward.theta(self.knee_index), 0.0)
+        if self.num_draft:
+            dx = np.stack([np.ones_like(tokens), np.full_like(tokens, batch), depth,
+                           depth * batch, nodes], 1)
+            total += np.where(depth > 0, np.maximum(dx @ self.draft.theta(), 0.0), 0.0)
+        ox = np.stack([np.ones_like(tokens), np.full_like(tokens, batch), nodes, committed], 1)
+        return total + np.maximum(ox @ self.other.theta(), 0.0)
 
 
 def profile_forward(runner, blocks, model: LatencyModel, budget_s: float = 1.5,
@@ -253,7 +309,7 @@ def profile_forward(runner, blocks, model: LatencyModel, budget_s: float = 1.5,
             entries.append(BatchEntry(s, 1, [s], tree=tree))
         try:
             t0 = time.perf_counter()
-            runner.run(entries, blocks)
+            runner.run(entries, blocks)[0].cpu()  # .cpu(): wait for an accelerator
             seconds = time.perf_counter() - t0
             if i > 0:  # the first forward pays one-off allocations
                 model.add_forward(b * (1 + m), b * ctx, b, seconds, prior=True)

@@ -19,6 +19,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from specengine.spec.acceptance import AcceptanceModel
 from specengine.spec.config import POLICIES
 from specengine.spec.latency import LatencyModel, profile_forward
@@ -91,7 +93,9 @@ class Policy:
         self.per_strategy: dict[str, dict] = {}
         self.decision_time = 0.0  # seconds inside choose()
         self.step_time = 0.0  # seconds of all recorded steps
-        self.trace: list[tuple[int, str, float]] = []  # (batch, strategy, committed tok/s)
+        # per decode-only step when keep_trace: (end time in step seconds since start, batch,
+        # strategy name, committed tokens, step seconds)
+        self.trace: list[tuple[float, int, str, int, float]] = []
         self.keep_trace = False
         self._predicted: float | None = None  # tok/s predicted for the step being run
 
@@ -110,7 +114,6 @@ class Policy:
         self.step_time += rec.step_time
         if not rec.is_decode_only:
             return
-        observed = rec.num_committed / max(rec.step_time, 1e-9)
         st = self.per_strategy.setdefault(strategy_name(rec.strategy), {
             "steps": 0, "tokens": 0, "seconds": 0.0, "predicted_sum": 0.0, "predicted_n": 0})
         st["steps"] += 1
@@ -120,7 +123,8 @@ class Policy:
             st["predicted_sum"] += self._predicted
             st["predicted_n"] += 1
         if self.keep_trace:
-            self.trace.append((rec.num_decode, strategy_name(rec.strategy), observed))
+            self.trace.append((self.step_time, rec.num_decode, strategy_name(rec.strategy),
+                               rec.num_committed, rec.step_time))
 
     def stats(self) -> dict:
         """Metrics: ``policy``, ``policy_decision_s`` and ``policy_decision_frac`` (share of
@@ -180,15 +184,16 @@ class AutoPolicy(Policy):
         candidates: strategies to choose from; ``None`` (no speculation) is always added.
         hysteresis: relative margin a new strategy must win by (0.05 = 5%).
         probe_every: steps with speculation off between probes (0: never probe).
+        per_sequence: let ``select`` skip sequences whose own acceptance does not pay.
     """
 
     name = "auto"
 
     def __init__(self, candidates: list[Strategy | None], hysteresis: float = 0.05,
                  probe_every: int = 50, latency: LatencyModel | None = None,
-                 acceptance: AcceptanceModel | None = None):
+                 acceptance: AcceptanceModel | None = None, per_sequence: bool = True):
         super().__init__()
-        self.candidates = [None] + [s for s in dict.fromkeys(candidates) if s is not None]
+        self.candidates = (None, *(s for s in dict.fromkeys(candidates) if s is not None))
         max_depth = max((s.depth for s in self.candidates if s is not None), default=1)
         self.latency = latency or LatencyModel()
         self.acceptance = acceptance or AcceptanceModel(max_depth)
@@ -196,7 +201,43 @@ class AutoPolicy(Policy):
         self.current: Strategy | None = None
         self.context_per_seq = 0.0  # context tokens per decode sequence, last step
         self.steps_off = 0
-        self.last_scores: dict[str, float] = {}
+        self.last_scores: dict[Strategy | None, float] = {}
+        self.per_sequence, self.prior_steps = per_sequence, 4.0
+        self.accept_ratio = 0.0  # accepted per drafted node, all sequences (moving average)
+        self._offered: int | None = None  # sequences ``select`` kept this step
+        self._select_calls = 0
+        self._depths = np.array([s.depth if s else 0 for s in self.candidates], dtype=float)
+
+    def select(self, seqs: list, strategy: Strategy) -> list[bool]:
+        """Per-sequence choice (the engine drafts only for sequences marked True): a sequence
+        is drafted for when its expected accepted tokens pay for its draft nodes at the
+        step's predicted rate, i.e. ``E[accepted_i] >= rate * dT/d(its nodes)``.
+        ``E[accepted_i]`` is the batch estimate scaled by the request's own accepted-per-drafted
+        ratio against the global one (``prior_steps`` pseudo-steps of the global ratio)."""
+        t0 = time.perf_counter()
+        keep = [True] * len(seqs)
+        rate = self._predicted
+        if self.per_sequence and len(seqs) > 1 and rate and self.accept_ratio > 0:
+            acc = self.acceptance
+            nodes = acc.expected_nodes(strategy)
+            n = len(seqs)
+            ctx = self.context_per_seq * n
+            lat = self.latency
+            base = n * (1 + nodes)
+            marginal = (lat.forward_time(base, ctx, n) - lat.forward_time(base - nodes, ctx, n)
+                        + lat.draft_time(n, strategy.depth, n * nodes)
+                        - lat.draft_time(n - 1, strategy.depth, (n - 1) * nodes))
+            need = rate * marginal  # tokens one sequence's nodes must win back
+            if need > 0:
+                e_acc, r, c = acc.expected_accepted(strategy), self.accept_ratio, self.prior_steps
+                self._select_calls += 1
+                for i, s in enumerate(seqs):
+                    own = (s.num_accepted + c * r) / (s.num_drafted + c)
+                    # a skipped sequence is still drafted for one step in 16, to notice change
+                    keep[i] = e_acc * own / r >= need or (self._select_calls + i) % 16 == 0
+        self._offered = sum(keep)
+        self.decision_time += time.perf_counter() - t0
+        return keep
 
     def warm_start(self, engine) -> None:
         """Profile the engine's runner (and drafter) for about a second."""
@@ -210,11 +251,18 @@ class AutoPolicy(Policy):
         seconds = self.latency.step_time(batch, context, s.depth if s else 0, nodes, committed)
         return committed / max(seconds, 1e-9)
 
+    def scores(self, batch: int, context: float) -> dict[Strategy | None, float]:
+        """``score`` of every candidate, vectorised."""
+        per_seq_committed, per_seq_nodes = self.acceptance.expected(self.candidates)
+        committed, nodes = batch * per_seq_committed, batch * per_seq_nodes
+        seconds = self.latency.step_times(batch, context, self._depths, nodes, committed)
+        return dict(zip(self.candidates, (committed / np.maximum(seconds, 1e-9)).tolist()))
+
     def choose(self, num_running: int) -> Strategy | None:
         t0 = time.perf_counter()
         batch = max(num_running, 1)
         context = self.context_per_seq * batch
-        scores = {s: self.score(s, batch, context) for s in self.candidates}
+        scores = self.scores(batch, context)
         best = max(scores, key=scores.get)
         current = self.current if self.current in scores else None
         if scores[best] > scores[current] * (1 + self.hysteresis):
@@ -239,8 +287,14 @@ class AutoPolicy(Policy):
         if rec.num_decode:
             self.context_per_seq = rec.context_tokens / rec.num_decode
         if rec.strategy is not None:
-            self.acceptance.observe(rec.strategy, rec.accepted_per_seq, rec.num_decode,
+            offered = rec.num_decode if self._offered is None else self._offered
+            self.acceptance.observe(rec.strategy, rec.accepted_per_seq, offered,
                                     rec.num_drafted)
+            if rec.num_drafted:
+                ratio = sum(rec.accepted_per_seq) / rec.num_drafted
+                self.accept_ratio = ratio if self.accept_ratio == 0 else \
+                    0.9 * self.accept_ratio + 0.1 * ratio
+        self._offered = None
         if not rec.is_decode_only:
             return
         lat = self.latency

@@ -1,0 +1,213 @@
+"""Adaptive speculation (issue 5): no speculation vs each static strategy vs the bandit vs the
+cost-model policy vs an oracle, in one run, on the default model.
+
+Workloads:
+
+- ``rl``: an RL-like rollout: GSM-style questions (``specengine.data.gsm_questions``) through the
+  chat template, ``n`` samples each at T = 1 with a ``max_tokens`` cap; natural, long-tailed
+  output lengths, so the batch shrinks from ``prompts * n`` to a few sequences.
+- ``steady-B``: ``B`` ShareGPT chat prompts (``chat_prompts``), T = 1, EOS ignored, so the batch
+  stays at B for ``max_tokens`` tokens.
+
+Every run uses the same engine (one model load) with the policy swapped in, fresh: ``off``
+(no speculation), ``static:<strategy>`` for each candidate, ``bandit`` (TLT's BEG-MAB),
+``auto`` (the cost model; its start-up profile is done before the clock starts, as at engine
+start) and ``oracle``: per batch-size bucket the static strategy (or off) with the most committed
+tokens per second in that bucket over the static runs of the same workload, chosen in
+hindsight and then run. Throughput = generated tokens / wall seconds of ``generate``; at T = 1
+samples (and so lengths) differ between runs, hence tokens/s rather than raw wall time.
+
+    python bench/bench_adaptive.py [--quick] [--drafter ngram|eagle] [--out results.json]
+
+Writes ``bench/plots/adaptive_<workload>.png`` (strategy, batch size and throughput over time)
+and prints a markdown table with PASS/FAIL against the issue's targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from common import machine_info, markdown_table
+
+from specengine import LLM, SamplingParams
+from specengine.data import chat_prompts, gsm_questions
+from specengine.spec.policy import (
+    AutoPolicy,
+    BanditPolicy,
+    BucketPolicy,
+    StaticPolicy,
+    batch_bucket,
+    bucket_label,
+    candidate_strategies,
+)
+
+MODEL = "smollm2-135m-instruct"
+PLOTS = Path(__file__).parent / "plots"
+
+QUICK = {"prompts": 4, "n": 4, "rl_max_tokens": 96, "steady": [1, 4, 16], "steady_tokens": 32,
+         "depth": 3, "trees": [[3, 2, 6]]}
+FULL = {"prompts": 32, "n": 8, "rl_max_tokens": 512, "steady": [1, 4, 16, 64],
+        "steady_tokens": 128, "depth": 6, "trees": [[6, 2, 12], [6, 4, 24]]}
+
+
+def workloads(llm: LLM, cfg: dict, seed: int = 0) -> dict[str, tuple[list, list[SamplingParams]]]:
+    """name -> (chat conversations, one SamplingParams each)."""
+    qs = gsm_questions(cfg["prompts"], seed=seed)
+    rl = [[{"role": "user", "content": q["question"] + "\nThink step by step."}] for q in qs]
+    out = {"rl": (rl, [SamplingParams(n=cfg["n"], temperature=1.0, seed=seed + i,
+                                      max_tokens=cfg["rl_max_tokens"]) for i in range(len(rl))])}
+    chats = chat_prompts(max(cfg["steady"]))
+    for b in cfg["steady"]:
+        out[f"steady-{b}"] = (chats[:b], [SamplingParams(
+            temperature=1.0, seed=seed + i, max_tokens=cfg["steady_tokens"], ignore_eos=True)
+            for i in range(b)])
+    return out
+
+
+def run(llm: LLM, policy, convs: list, params: list[SamplingParams]) -> dict:
+    """Generate ``convs`` with ``policy`` driving the engine; wall time, tokens, trace."""
+    policy.keep_trace = True
+    llm.engine.policy = policy
+    m0 = llm.get_metrics()
+    t0 = time.perf_counter()
+    llm.chat(convs, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    m1 = llm.get_metrics()
+    tokens = m1["generated_tokens"] - m0["generated_tokens"]
+    stats = policy.stats()
+    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
+            "steps": m1["steps"] - m0["steps"],
+            "decision_frac": stats["policy_decision_frac"],
+            "strategies": stats["policy_strategies"], "trace": policy.trace}
+
+
+def oracle_table(static_runs: dict[str, dict]) -> dict[int, str]:
+    """Per batch bucket, the name of the static run with the most committed tokens/s there."""
+    per = defaultdict(lambda: defaultdict(lambda: [0, 0.0]))  # bucket -> run -> [tok, s]
+    for name, r in static_runs.items():
+        for _, batch, _, committed, seconds in r["trace"]:
+            acc = per[batch_bucket(batch)][name]
+            acc[0] += committed
+            acc[1] += seconds
+    return {b: max(runs, key=lambda n: runs[n][0] / max(runs[n][1], 1e-9))
+            for b, runs in per.items()}
+
+
+def plot(name: str, results: dict[str, dict], path: Path) -> None:
+    """Strategy, batch size and committed tokens/s over time for off, bandit, auto, oracle."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
+    names = sorted({s for r in results.values() for _, _, s, _, _ in r["trace"]},
+                   key=lambda s: (s != "off", s))
+    ypos = {s: i for i, s in enumerate(names)}
+    for label in ("off", "bandit", "auto", "oracle"):
+        r = results.get(label)
+        if r is None or not r["trace"]:
+            continue
+        t = [row[0] for row in r["trace"]]
+        axes[0].plot(t, [ypos[row[2]] for row in r["trace"]], ".", ms=3, label=label)
+        axes[1].plot(t, [row[1] for row in r["trace"]], label=label)
+        window = 8
+        rate = []
+        for i in range(len(r["trace"])):
+            rows = r["trace"][max(0, i - window + 1):i + 1]
+            rate.append(sum(x[3] for x in rows) / max(sum(x[4] for x in rows), 1e-9))
+        axes[2].plot(t, rate, label=label)
+    axes[0].set_yticks(range(len(names)), names)
+    axes[0].set_ylabel("strategy")
+    axes[1].set_ylabel("batch (sequences)")
+    axes[2].set_ylabel("committed tok/s (8-step mean)")
+    axes[2].set_xlabel("decode step time since start (s)")
+    axes[0].legend(loc="upper right")
+    axes[0].set_title(f"adaptive speculation, {name}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small workloads (< 3 min)")
+    ap.add_argument("--drafter", default="ngram", choices=["ngram", "eagle"])
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", help="write all numbers (JSON) here")
+    args = ap.parse_args()
+    cfg = QUICK if args.quick else FULL
+    spec = {"method": args.drafter, "num_speculative_tokens": cfg["depth"],
+            "candidate_trees": cfg["trees"], "policy": "static"}
+    t_start = time.perf_counter()
+    llm = LLM(MODEL, dtype=args.dtype, max_num_seqs=256, speculative_config=spec)
+    candidates = candidate_strategies(llm.speculative_config)
+    loads = workloads(llm, cfg)
+    llm.chat(loads["steady-1"][0], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    print(json.dumps(machine_info()), file=sys.stderr)
+
+    all_results, rows = {}, []
+    for wname, (convs, params) in loads.items():
+        res = {"off": run(llm, StaticPolicy(None), convs, params)}
+        for s in candidates:
+            res[f"static:{s}"] = run(llm, StaticPolicy(s), convs, params)
+        statics = {k: v for k, v in res.items() if k == "off" or k.startswith("static:")}
+        res["bandit"] = run(llm, BanditPolicy(candidates), convs, params)
+        auto = AutoPolicy(candidates)
+        auto.warm_start(llm.engine)
+        res["auto"] = run(llm, auto, convs, params)
+        table = oracle_table(statics)
+        by_name = {"off": None, **{f"static:{s}": s for s in candidates}}
+        res["oracle"] = run(llm, BucketPolicy({b: by_name[n] for b, n in table.items()}),
+                            convs, params)
+        res["oracle"]["table"] = {bucket_label(b): n for b, n in sorted(table.items())}
+        all_results[wname] = res
+        best_static = max((k for k in statics if k != "off"), key=lambda k: res[k]["tok_s"])
+        a = res["auto"]["tok_s"]
+        rows.append([wname, res["off"]["tok_s"], res[best_static]["tok_s"],
+                     best_static.removeprefix("static:"), res["bandit"]["tok_s"], a,
+                     res["oracle"]["tok_s"], a / res["oracle"]["tok_s"],
+                     a / res["off"]["tok_s"], a / res[best_static]["tok_s"],
+                     100 * res["auto"]["decision_frac"]])
+        plot(wname, res, PLOTS / f"adaptive_{wname}.png")
+        print(f"{wname}: done at {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
+
+    print(markdown_table(
+        ["workload", "off tok/s", "best static tok/s", "best static", "bandit tok/s",
+         "auto tok/s", "oracle tok/s", "auto/oracle", "auto/off", "auto/best static",
+         "decision % of step"], rows))
+    print()
+    checks = []
+    for r in rows:
+        checks.append((f"{r[0]}: auto >= 95% of oracle", r[7] >= 0.95))
+        if r[0].startswith("steady"):
+            checks.append((f"{r[0]}: auto no more than 2% slower than off", r[8] >= 0.98))
+        checks.append((f"{r[0]}: decision < 2% of step time", r[10] < 2))
+    rl = next(r for r in rows if r[0] == "rl")
+    checks += [("rl: auto >= 1.2x best static", rl[9] >= 1.2),
+               ("rl: auto >= 1.6x off", rl[8] >= 1.6), ("rl: auto beats bandit", rl[5] > rl[4])]
+    print(markdown_table(["target", "result"], [[c, "PASS" if ok else "FAIL"] for c, ok in checks]))
+    print()
+    for wname, res in all_results.items():
+        ran = {k: v["steps"] for k, v in res["auto"]["strategies"].items()}
+        print(f"{wname}: auto ran {ran}; oracle table {res['oracle']['table']}")
+    if args.out:
+        slim = {w: {k: {kk: vv for kk, vv in v.items() if kk != "trace"} for k, v in res.items()}
+                for w, res in all_results.items()}
+        Path(args.out).write_text(json.dumps({"machine": machine_info(), "config": cfg,
+                                              "drafter": args.drafter, "results": slim},
+                                             indent=1))
+    print(f"total {time.perf_counter() - t_start:.0f} s, torch threads "
+          f"{torch.get_num_threads()}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
