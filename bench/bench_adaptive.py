@@ -50,7 +50,7 @@ from specengine.spec.policy import (
 MODEL = "smollm2-135m-instruct"
 PLOTS = Path(__file__).parent / "plots"
 
-QUICK = {"prompts": 4, "n": 4, "rl_max_tokens": 96, "steady": [1, 4, 16], "steady_tokens": 32,
+QUICK = {"prompts": 4, "n": 2, "rl_max_tokens": 160, "steady": [1, 4, 16], "steady_tokens": 16,
          "depth": 3, "trees": [[3, 2, 6]]}
 FULL = {"prompts": 32, "n": 8, "rl_max_tokens": 512, "steady": [1, 4, 16, 64],
         "steady_tokens": 128, "depth": 6, "trees": [[6, 2, 12], [6, 4, 24]]}
@@ -81,6 +81,7 @@ def run(llm: LLM, policy, convs: list, params: list[SamplingParams]) -> dict:
     m1 = llm.get_metrics()
     tokens = m1["generated_tokens"] - m0["generated_tokens"]
     stats = policy.stats()
+    print(f"  {policy.name}: {tokens} tokens in {wall:.1f} s", file=sys.stderr)
     return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
             "steps": m1["steps"] - m0["steps"],
             "decision_frac": stats["policy_decision_frac"],
@@ -142,7 +143,10 @@ def main() -> int:
     ap.add_argument("--drafter", default="ngram", choices=["ngram", "eagle"])
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", help="write all numbers (JSON) here")
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cfg = QUICK if args.quick else FULL
     spec = {"method": args.drafter, "num_speculative_tokens": cfg["depth"],
             "candidate_trees": cfg["trees"], "policy": "static"}
@@ -150,7 +154,8 @@ def main() -> int:
     llm = LLM(MODEL, dtype=args.dtype, max_num_seqs=256, speculative_config=spec)
     candidates = candidate_strategies(llm.speculative_config)
     loads = workloads(llm, cfg)
-    llm.chat(loads["steady-1"][0], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    for warm in (None, candidates[-1]):  # warm-up: allocator, kernels, both paths
+        run(llm, StaticPolicy(warm), *loads[f"steady-{cfg['steady'][1]}"])
     print(json.dumps(machine_info()), file=sys.stderr)
 
     all_results, rows = {}, []

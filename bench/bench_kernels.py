@@ -1,9 +1,16 @@
-"""Linear layers of SmolLM2-135M at decode-sized token counts: torch vs specengine's C++ kernel.
+"""Linear layers of SmolLM2-135M at decode-sized token counts: torch vs specengine's C++ kernels.
 
 Prints, per shape and M (tokens), the time per call and the weight bandwidth (weight bytes /
-time, GB/s), then the total over one decode step of the 30-layer model (+ LM head).
+time, GB/s), then the total over one decode step of the 30-layer model (+ LM head). Columns:
+torch (``F.linear``), ours (``ops.linear`` on the prepacked weight: AMX tiles for bfloat16
+on AMX CPUs, else the plain C++ kernel; ``-`` where ops.linear would hand the rows to torch) and
+plain (the C++ kernel on the unpacked weight, M <= 8).
 
-    python bench/bench_kernels.py [--dtype bfloat16|float32] [--ms 1,4,8,16] [--threads N]
+With ``--forward``: the whole model (SmolLM2-135M, real weights) per forward of T tokens at
+batch 1 after a 200-token context: T=1 is a decode step, T=9 a 1+8 token verify (ms, median).
+
+    python bench/bench_kernels.py [--dtype bfloat16|float32] [--ms 1,4,8,16,32] [--threads N]
+                                  [--forward [--ts 1,9,17]]
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from specengine import ops
 from specengine._ext import ext
 
 # (name, out_features, in_features, count per decode step) for SmolLM2-135M.
@@ -39,8 +47,10 @@ def time_call(fn, min_time: float = 0.2) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--ms", default="1,4,8,16", help="token counts, comma-separated")
+    ap.add_argument("--ms", default="1,4,8,16,32", help="token counts, comma-separated")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--forward", action="store_true", help="time whole-model forwards")
+    ap.add_argument("--ts", default="1,9,17", help="tokens per forward for --forward")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -49,25 +59,67 @@ def main() -> None:
         raise SystemExit("specengine._C is not built: pip install --no-build-isolation -e .")
     dtype = getattr(torch, args.dtype)
     ms = [int(m) for m in args.ms.split(",")]
-    print(f"dtype={args.dtype} threads={torch.get_num_threads()} isa={mod.cpu_isa()}")
-    print(f"{'shape':>8} {'N x K':>12} {'M':>3} {'torch us':>9} {'ours us':>9} "
+    print(f"dtype={args.dtype} threads={torch.get_num_threads()} isa={mod.cpu_isa()} "
+          f"amx={ops.amx_available()}")
+    if args.forward:
+        return bench_forward(dtype, [int(t) for t in args.ts.split(",")])
+    print(f"{'shape':>8} {'N x K':>12} {'M':>3} {'torch us':>9} {'ours us':>9} {'plain us':>9} "
           f"{'torch GB/s':>10} {'ours GB/s':>10} {'speedup':>7}")
     step = {m: [0.0, 0.0] for m in ms}
     for name, n, k, count in SHAPES:
         w = torch.randn(n, k).to(dtype)
+        pw = ops.prepack(w)
         nbytes = w.numel() * w.element_size()
         for m in ms:
             x = torch.randn(m, k).to(dtype)
             t_torch = time_call(lambda x=x, w=w: F.linear(x, w))
-            t_ours = time_call(lambda x=x, w=w: mod.linear(x, w, None))
+            amx = pw.packed is not None and m <= ops.AMX_MAX_M
+            if amx or m <= ops.LINEAR_MAX_M[dtype]:
+                t_ours = time_call(lambda x=x, pw=pw: ops.linear(x, pw))
+            else:
+                t_ours = t_torch  # ops.linear hands these rows to torch
+            t_plain = (time_call(lambda x=x, w=w: mod.linear(x, w, None)) if m <= 8
+                       else float("nan"))
             step[m][0] += count * t_torch
             step[m][1] += count * t_ours
-            print(f"{name:>8} {n:>5} x {k:<5} {m:>3} {t_torch * 1e6:>9.1f} {t_ours * 1e6:>9.1f} "
-                  f"{nbytes / t_torch / 1e9:>10.1f} {nbytes / t_ours / 1e9:>10.1f} "
-                  f"{t_torch / t_ours:>6.2f}x")
+            ours = f"{t_ours * 1e6:>9.1f}" if (amx or m <= ops.LINEAR_MAX_M[dtype]) else \
+                f"{'-':>9}"
+            print(f"{name:>8} {n:>5} x {k:<5} {m:>3} {t_torch * 1e6:>9.1f} {ours} "
+                  f"{t_plain * 1e6:>9.1f} {nbytes / t_torch / 1e9:>10.1f} "
+                  f"{nbytes / t_ours / 1e9:>10.1f} {t_torch / t_ours:>6.2f}x")
     print("\nlinear layers per decode step (30 layers + LM head):")
     for m in ms:
         print(f"  M={m:>2}: torch {step[m][0] * 1e3:6.2f} ms   ours {step[m][1] * 1e3:6.2f} ms")
+
+
+def bench_forward(dtype: torch.dtype, ts: list[int], context: int = 200) -> None:
+    """Median ms of model forward + logits of T tokens at batch 1 after ``context`` tokens."""
+    from specengine.attention.base import AttentionMetadata
+    from specengine.attention.cpu import CpuAttention
+    from specengine.models.loader import load_model, resolve_model
+
+    model = load_model(resolve_model("smollm2-135m-instruct"), dtype=dtype).model
+    c, bs = model.config, 16
+    blocks = (context + max(ts)) // bs + 2
+    shape = (blocks, bs, c.num_key_value_heads, c.head_dim)
+    kv = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+          for _ in range(c.num_hidden_layers)]
+    table = torch.arange(blocks, dtype=torch.int32).view(1, blocks)
+    backend = CpuAttention()
+
+    def forward(start: int, n: int):
+        pos = torch.arange(start, start + n)
+        meta = AttentionMetadata(slot_mapping=pos, block_tables=table,
+                                 query_seq=torch.zeros(n, dtype=torch.int32),
+                                 kv_lens=(pos + 1).to(torch.int32), max_kv_len=start + n)
+        ids = torch.randint(c.vocab_size, (n,))
+        return model.compute_logits(model(ids, pos, kv, meta, backend))
+
+    forward(0, context)
+    print(f"model forward + logits at batch 1 after {context} tokens ({dtype}):")
+    for t in ts:
+        sec = time_call(lambda t=t: forward(context, t), min_time=1.0)
+        print(f"  T={t:>2}: {sec * 1e3:7.2f} ms")
 
 
 if __name__ == "__main__":

@@ -304,7 +304,11 @@ def main() -> None:
     ap.add_argument("--ignore-eos", action="store_true",
                     help="fixed lengths: engine ignore_eos, HF min_new_tokens")
     ap.add_argument("--repeats", type=int, default=1, help="runs per row, best kept")
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's); 1 on an "
+                    "oversubscribed machine, where thread barriers dominate")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     q, qwen = args.quick, args.pair == "qwen"
     target, draft = PAIRS[args.pair]
     sets = (args.sets or ("humaneval" if qwen else ",".join(SETS))).split(",")

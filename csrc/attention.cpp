@@ -50,6 +50,28 @@ SE_INLINE void axpy(float* acc, float p, const KT* v, int64_t D) {
   for (; i < D; ++i) acc[i] += p * to_float(v[i]);
 }
 
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+// exp(x) for x <= 0 on 16 lanes (Cephes expf polynomial, ~2 ulp; x < -87.3 -> ~0).
+SE_INLINE f32x16 vexp(f32x16 x) {
+  const f32x16 lo = splat(-87.3f);
+  x = x < lo ? lo : x;
+  const f32x16 magic = splat(12582912.f);  // 1.5 * 2^23: round to nearest integer
+  const f32x16 n = (x * 1.44269504088896341f + magic) - magic;
+  const f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  f32x16 y = splat(1.9875691500e-4f);
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  const i32x16 e = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  f32x16 scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  return y * scale;
+}
+
 SE_INLINE void scale_row(float* acc, float a, int64_t D) {
   int64_t i = 0;
   f32x16 av = splat(a);
@@ -57,15 +79,16 @@ SE_INLINE void scale_row(float* acc, float a, int64_t D) {
   for (; i < D; ++i) acc[i] *= a;
 }
 
-// Items [begin, end) of the (t, g) grid; scratch holds group*(D + BS + 2) floats.
+// Items [begin, end) of the (t, g) grid; scratch holds group*(D + BS + 16 + 2) floats.
 template <class KT>
 SE_INLINE void attend(const AttnArgs& a, int64_t begin, int64_t end, float* scratch) {
   const int64_t group = a.H / a.KVH, D = a.D, BS = a.BS;
   const KT* kc = static_cast<const KT*>(a.k_cache);
   const KT* vc = static_cast<const KT*>(a.v_cache);
   float* acc = scratch;                 // [group, D]
-  float* s = acc + group * D;           // [group, BS]
-  float* m = s + group * BS;            // [group]
+  const int64_t SW = BS + 16;           // score row width (vector reads past len)
+  float* s = acc + group * D;           // [group, SW]
+  float* m = s + group * SW;            // [group]
   float* l = m + group;                 // [group]
   const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t item = begin; item < end; ++item) {
@@ -88,11 +111,11 @@ SE_INLINE void attend(const AttnArgs& a, int64_t begin, int64_t end, float* scra
         const bool seen = p < base || (p - base < a.W && mask[p - base]);
         any |= seen;
         const KT* k = kc + row0 + o * a.KVH * D;
-        for (int64_t h = 0; h < group; ++h) s[h * BS + o] = seen ? dot(q + h * D, k, D) : ninf;
+        for (int64_t h = 0; h < group; ++h) s[h * SW + o] = seen ? dot(q + h * D, k, D) : ninf;
       }
       if (!any) continue;
       for (int64_t h = 0; h < group; ++h) {
-        float* sh = s + h * BS;
+        float* sh = s + h * SW;
         const float bmax = *std::max_element(sh, sh + len);
         const float mnew = std::max(m[h], bmax);
         if (m[h] != ninf && mnew != m[h]) {
@@ -101,9 +124,17 @@ SE_INLINE void attend(const AttnArgs& a, int64_t begin, int64_t end, float* scra
           l[h] *= alpha;
         }
         m[h] = mnew;
+        // probabilities of the block, 16 at a time; masked (-inf) positions get exactly 0
+        for (int64_t o = 0; o < len; o += 16) {
+          f32x16 sv;
+          std::memcpy(&sv, sh + o, sizeof(sv));  // s has BS + 16 floats per head: no overrun
+          const f32x16 pv = vexp(sv - mnew);
+          const f32x16 pz = sv == splat(ninf) ? splat(0.f) : pv;
+          std::memcpy(sh + o, &pz, sizeof(pz));
+        }
         for (int64_t o = 0; o < len; ++o) {
-          if (sh[o] == ninf) continue;
-          const float p = std::exp(sh[o] - mnew);
+          const float p = sh[o];
+          if (p == 0.f) continue;
           l[h] += p;
           axpy(acc + h * D, p, vc + row0 + o * a.KVH * D, D);
         }
@@ -221,7 +252,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
              T, H, KVH, D, NB, BS, MB, W};
   const int64_t group = H / KVH;
   parallel_ranges(T * KVH, 1, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(group * (D + BS + 2));
+    std::vector<float> scratch(group * (D + BS + 16 + 2));
     if (kdt == at::kFloat)
       attend_f32(a, begin, end, scratch.data());
     else

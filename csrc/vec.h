@@ -42,13 +42,18 @@ SE_INLINE f32x16 load16(const c10::BFloat16* p) {
 
 SE_INLINE void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
 
-// Fixed-order horizontal sum (pairwise halves), identical on every ISA clone.
+// Fixed-order horizontal sum (pairwise halves: v[i] + v[i + 8], then + [i + 4], [i + 2], [i + 1]),
+// identical on every ISA clone; shuffles instead of a store/reload round trip.
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef float f32x2 __attribute__((vector_size(8)));
+
 SE_INLINE float hsum(f32x16 v) {
-  float a[16];
-  std::memcpy(a, &v, sizeof(a));
-  for (int w = 8; w >= 1; w /= 2)
-    for (int i = 0; i < w; ++i) a[i] += a[i + w];
-  return a[0];
+  const f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  const f32x2 c = __builtin_shufflevector(b, b, 0, 1) + __builtin_shufflevector(b, b, 2, 3);
+  return c[0] + c[1];
 }
 
 SE_INLINE float to_float(float v) { return v; }

@@ -6,7 +6,7 @@ This writes the training JSONL (``--work``/train_data.jsonl, outside the repo: i
 ShareGPT text), runs
 
     specengine train-drafter --model smollm2-135m-instruct --data DATA --out WORK/ckpt \\
-        --steps 360 --batch-tokens 1024 --unroll 2 --draft-vocab 4096 --max-len 512 \\
+        --steps 150 --batch-tokens 1024 --unroll 2 --draft-vocab 4096 --max-len 384 \\
         --max-tokens 160 --lr 1e-3 --seed 0 --save-every 20
 
 and copies ``model.safetensors`` and ``config.json`` from ``WORK/ckpt`` into ``--out``.
@@ -85,13 +85,14 @@ def evaluate(drafter: str | None, n: int, max_tokens: int) -> None:
     spec = LLM(max_model_len=2048, kv_cache_memory_bytes=256 << 20,
                speculative_config={"method": "eagle", "model": drafter,
                                    "num_speculative_tokens": 5, "topk": 3,
-                                   "num_verify_tokens": 12})
+                                   "num_verify_tokens": 12, "policy": "static"})
     for name, convs in sets.items():
         for temp in (0.0, 1.0):
             sp = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=0)
             t_plain = t_spec = 0.0
             same = 0
             before = spec.get_metrics()
+            before_depth = dict(before.get("accepted_per_depth", {}))
             for conv in convs:  # batch 1
                 t0 = time.perf_counter()
                 a = plain.chat(conv, sp, use_tqdm=False)[0].outputs[0].token_ids
@@ -103,8 +104,12 @@ def evaluate(drafter: str | None, n: int, max_tokens: int) -> None:
             m = spec.get_metrics()
             steps = m["spec_steps"] - before.get("spec_steps", 0)
             acc = m["accepted_tokens"] - before.get("accepted_tokens", 0)
+            per_depth = [round((v - before_depth.get(d, 0))
+                               / max(steps, 1), 3)
+                         for d, v in sorted(m["accepted_per_depth"].items())]
             print(json.dumps({"set": name, "T": temp, "n": len(convs),
                               "tau": round((acc + steps) / max(steps, 1), 3),
+                              "accept_rate_per_depth": per_depth,
                               "speedup": round(t_plain / t_spec, 3),
                               "identical": f"{same}/{len(convs)}"}), flush=True)
 
@@ -122,8 +127,8 @@ def main() -> int:
     ap.add_argument("--max-len", type=int, default=384)
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--eval", action="store_true", help="only evaluate the drafter in --out")
-    ap.add_argument("--eval-n", type=int, default=10)
-    ap.add_argument("--eval-max-tokens", type=int, default=128)
+    ap.add_argument("--eval-n", type=int, default=3)
+    ap.add_argument("--eval-max-tokens", type=int, default=96)
     args = ap.parse_args()
     if args.eval:
         evaluate(args.out, args.eval_n, args.eval_max_tokens)

@@ -16,7 +16,7 @@ from specengine.kv.block_manager import BlockManager
 from specengine.model_runner import ModelRunner, make_backend
 from specengine.output_processor import OutputProcessor
 from specengine.outputs import CompletionOutput, RequestOutput
-from specengine.sampling import SamplingParams, process_logits, request_generator, sample
+from specengine.sampling import SampleNoise, SamplingParams, process_logits, sample
 from specengine.scheduler import BatchEntry, Scheduler
 from specengine.sequence import Logprob, Sequence
 from specengine.spec.policy import StaticPolicy, StepRecord
@@ -134,7 +134,7 @@ class Engine:
         seed = params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self.seed_rng))
-        seqs = [Sequence(request_id, i, list(prompt_token_ids), params, request_generator(seed, i))
+        seqs = [Sequence(request_id, i, list(prompt_token_ids), params, SampleNoise(seed, i))
                 for i in range(params.n)]
         self.requests[request_id] = Request(request_id, prompt, list(prompt_token_ids), params,
                                             seqs, time.perf_counter())
@@ -187,7 +187,7 @@ class Engine:
             self._draft(entries, strategy)
         t1 = time.perf_counter()
         logits, hidden = self.runner.run(entries, self.blocks)
-        logits = logits.cpu()  # sampling and verification use the requests' CPU generators
+        logits = logits.cpu()  # sampling and verification run on the CPU
         t2 = time.perf_counter()
         for e in entries:
             for s in e.samplers:
@@ -301,7 +301,9 @@ class Engine:
             for j, d in enumerate([0] + tree.depths):
                 if n_out + d < p.min_tokens:
                     masked[j, ids] = float("-inf")
-        accepted, bonus = verify(tree, masked, p, seq.generator)
+        noise = None if p.greedy else torch.stack(
+            [seq.noise(n_out + d, masked.shape[1]) for d in range(tree.max_depth + 1)])
+        accepted, bonus = verify(tree, masked, p, noise)
         tokens = [tree.tokens[a] for a in accepted] + [bonus]
         # KV commit: the accepted nodes move to contiguous positions after the root
         ctx = seq.num_cached + 1  # committed tokens including the root
@@ -342,7 +344,9 @@ class Engine:
             tokens = torch.argmax(masked, dim=-1)
         else:
             processed = process_logits(masked, params)
-            tokens = sample(processed, params, [s.generator for s in seqs])
+            vocab = logits.shape[1]
+            tokens = sample(processed, params, [None if s.params.greedy else
+                                                s.noise(s.num_output_tokens, vocab) for s in seqs])
         tokens = tokens.tolist()
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         entries: list[dict[int, Logprob] | None] = [None] * len(seqs)

@@ -1,9 +1,14 @@
 """Sampling parameters (vLLM's names) and the sampler that turns logits into tokens.
 
-The sampler applies, in this order and exactly as plain (non-speculative) generation does:
-``min_tokens`` masking of stop tokens, temperature, top-k, top-p (nucleus, Holtzman et al. 2019),
-min-p; then greedy argmax (temperature 0) or a draw from the request's own ``torch.Generator``,
-so a seeded request gives the same tokens whatever else is in the batch.
+The sampler applies, in this order: ``min_tokens`` masking of stop tokens, temperature, top-k,
+top-p (nucleus, Holtzman et al. 2019), min-p; then greedy argmax (temperature 0) or a draw.
+
+Draws use the exponential race (the Gumbel-max trick): the token at output position ``j`` of a
+sample is ``argmax(p_j / E_j)`` with ``E_j ~ Exp(1)^V`` from a generator seeded by
+``(seed, sample index, j)``. That is an exact draw from ``p_j``, and since the noise depends on
+the position only, the token is the same whatever else is in the batch, whether or not the
+sample was preempted, and whether it was drafted and verified speculatively or decoded plainly:
+speculative sampling gives token for token the plain sampling output of the same seed.
 """
 
 from __future__ import annotations
@@ -103,11 +108,27 @@ class SamplingParams:
         return cls(**d)
 
 
-def request_generator(seed: int, sample_index: int) -> torch.Generator:
-    """The RNG of sample ``sample_index`` of a request seeded with ``seed`` (CPU generator)."""
-    g = torch.Generator()
-    g.manual_seed(hash((seed, sample_index)) & ((1 << 63) - 1))
-    return g
+class SampleNoise:
+    """The sampling noise of one sample: ``E_j ~ Exp(1)^V`` per output position ``j``.
+
+    Args:
+        seed: the request's seed. sample_index: which of its ``n`` samples.
+    """
+
+    def __init__(self, seed: int, sample_index: int):
+        self.key = hash((seed, sample_index)) & ((1 << 62) - 1)
+        self._gen = torch.Generator()
+        self._cache: tuple[int, torch.Tensor] | None = None
+
+    def __call__(self, position: int, vocab: int) -> torch.Tensor:
+        """``[vocab]`` float32 noise of output position ``position`` (0 = first output token)."""
+        if self._cache is not None and self._cache[0] == position \
+                and self._cache[1].numel() == vocab:
+            return self._cache[1]
+        self._gen.manual_seed(hash((self.key, position)) & ((1 << 63) - 1))
+        e = torch.empty(vocab, dtype=torch.float32).exponential_(generator=self._gen)
+        self._cache = (position, e)
+        return e
 
 
 def process_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -146,12 +167,14 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
 
 
 def sample(processed: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator]) -> torch.Tensor:
-    """Pick one token per row: argmax for greedy rows, else a draw from ``softmax(row)``.
+           noise: list[torch.Tensor | None]) -> torch.Tensor:
+    """Pick one token per row: argmax for greedy rows, else ``argmax(softmax(row) / E)``, an
+    exact draw from ``softmax(row)`` given exponential noise ``E`` (the exponential race).
 
     Args:
         processed: ``[B, V]`` float32 output of ``process_logits``.
-        params: one per row. generators: one ``torch.Generator`` per row (the request's own).
+        params: one per row. noise: per row ``[V]`` float32 ``Exp(1)`` noise (``SampleNoise``
+            of the row's sample at its output position); ignored for greedy rows.
 
     Returns:
         ``[B]`` int64 token ids.
@@ -159,6 +182,5 @@ def sample(processed: torch.Tensor, params: list[SamplingParams],
     tokens = torch.argmax(processed, dim=-1)
     for i, p in enumerate(params):
         if not p.greedy:
-            probs = torch.softmax(processed[i], -1)
-            tokens[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
+            tokens[i] = torch.argmax(torch.softmax(processed[i], -1) / noise[i])
     return tokens

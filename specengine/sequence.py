@@ -6,9 +6,7 @@ import enum
 import itertools
 from dataclasses import dataclass
 
-import torch
-
-from specengine.sampling import SamplingParams
+from specengine.sampling import SampleNoise, SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -38,14 +36,14 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int],
-                 params: SamplingParams, generator: torch.Generator):
+                 params: SamplingParams, noise: SampleNoise):
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
         self.index = index
         self.prompt_token_ids = prompt_token_ids
         self.token_ids: list[int] = list(prompt_token_ids)
         self.params = params
-        self.generator = generator
+        self.noise = noise
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_cached = 0

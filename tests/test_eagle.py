@@ -10,7 +10,7 @@ from specengine import LLM, SamplingParams
 from specengine.kv.block_manager import BlockManager
 from specengine.model_runner import ModelRunner
 from specengine.models.loader import load_model, save_random_model
-from specengine.sampling import request_generator
+from specengine.sampling import SampleNoise
 from specengine.scheduler import BatchEntry
 from specengine.sequence import Sequence
 from specengine.spec.eagle import (
@@ -64,7 +64,7 @@ def features(target, tokens):
     """Target features ``[L, H]`` of ``tokens`` by one prefill."""
     runner = ModelRunner(target.model, 32, 8)
     bm = BlockManager(32, 8, runner.copy_block)
-    s = Sequence("x", 0, list(tokens), SamplingParams(), request_generator(0, 0))
+    s = Sequence("x", 0, list(tokens), SamplingParams(), SampleNoise(0, 0))
     bm.allocate_shared([s])
     return runner.run([BatchEntry(s, len(s), [s], True)], bm)[1], s
 

@@ -2,15 +2,10 @@
 
 import pytest
 import torch
+from helpers import rand_prompts
 
 from specengine import LLM, SamplingParams
 from specengine.models.loader import save_random_model
-
-
-def rand_prompts(n, lo=3, hi=40, vocab=512, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (int(torch.randint(lo, hi, (1,), generator=g)),),
-                          generator=g).tolist() for _ in range(n)]
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from specengine.sampling import SamplingParams, process_logits, request_generator, sample
+from specengine.sampling import SampleNoise, SamplingParams, process_logits, sample
 
 
 def test_params_validation_names_the_field():
@@ -40,11 +40,11 @@ def test_sampling_matches_the_distribution_chi_square():
     probs = torch.tensor([0.4, 0.3, 0.2, 0.08, 0.02])
     logits = torch.log(probs).repeat(4, 1)
     params = [SamplingParams(seed=1)] * 4
-    gens = [request_generator(7, i) for i in range(4)]
+    noises = [SampleNoise(7, i) for i in range(4)]
     counts = torch.zeros(5)
     draws = 5000
-    for _ in range(draws):
-        for t in sample(logits, params, gens).tolist():
+    for j in range(draws):
+        for t in sample(logits, params, [n(j, 5) for n in noises]).tolist():
             counts[t] += 1
     expected = probs * draws * 4
     chi2 = float(((counts - expected) ** 2 / expected).sum())
@@ -54,12 +54,18 @@ def test_sampling_matches_the_distribution_chi_square():
     assert float(((counts - wrong) ** 2 / wrong).sum()) > 18.5
 
 
-def test_same_seed_same_draws_whatever_the_batch():
+def test_noise_depends_on_seed_sample_and_position_only():
+    a, b = SampleNoise(5, 0), SampleNoise(5, 0)
+    assert torch.equal(a(3, 100), b(3, 100))
+    b(7, 100)  # other positions drawn in between change nothing
+    assert torch.equal(a(3, 100), b(3, 100))
+    assert not torch.equal(a(3, 100), a(4, 100))
+    assert not torch.equal(a(3, 100), SampleNoise(5, 1)(3, 100))
+    assert not torch.equal(a(3, 100), SampleNoise(6, 0)(3, 100))
     logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(0))
     p = SamplingParams(temperature=1.0)
-    g = request_generator(5, 0)
-    alone = [sample(logits[1:2], [p], [g]).item() for _ in range(20)]
-    gens = [request_generator(9, 0), request_generator(5, 0), request_generator(11, 3)]
-    batch = [sample(logits, [p] * 3, gens)[1].item() for _ in range(20)]
+    alone = [sample(logits[1:2], [p], [a(j, 100)]).item() for j in range(20)]
+    batch = [sample(logits, [p] * 3, [SampleNoise(9, 0)(j, 100), b(j, 100),
+                                      SampleNoise(1, 3)(j, 100)])[1].item() for j in range(20)]
     assert batch == alone
     assert len(set(alone)) > 3  # really sampling, not a constant

@@ -1,16 +1,10 @@
 """Speculative decoding in the engine on tiny random models: lossless, KV accounting, metrics."""
 
 import pytest
-import torch
+from helpers import rand_prompts
 
 from specengine import LLM, SamplingParams
 from specengine.models.loader import save_random_model
-
-
-def rand_prompts(n, lo=4, hi=40, vocab=512, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (int(torch.randint(lo, hi, (1,), generator=g)),),
-                          generator=g).tolist() for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +138,61 @@ def test_request_metrics_count_forwards_and_acceptance(target_dir):
     assert m["target_forwards"] == 2 * 5 and m["spec_steps"] == 8
     assert m["accepted_tokens"] == 8 * d and m["acceptance_length"] == d + 1
     assert m["acceptance_rate_per_depth"] == [1.0] * d
+
+
+def test_sequences_past_the_drafts_context_continue_without_speculation(target_dir, plain,
+                                                                         tmp_path):
+    short = save_random_model(tmp_path / "short", {"num_hidden_layers": 1,
+                                                   "max_position_embeddings": 40}, seed=2)
+    prompts = [list(range(1, 31)), list(range(5, 10))]  # 30 and 5 prompt tokens
+    sp = greedy(40)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
+    llm = make(target_dir, {"method": "draft_model", "model": str(short),
+                            "num_speculative_tokens": 3})
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert outs[0].metrics["spec_steps"] < 10 <= outs[0].metrics["target_forwards"]
+    assert outs[1].metrics["spec_steps"] > 0
+    m = llm.get_metrics()
+    assert m["kv_blocks_free"] == m["kv_blocks_total"]
+    assert llm.engine.proposer.blocks.num_free == llm.engine.proposer.blocks.num_blocks
+
+
+def test_prompt_one_token_below_max_model_len(target_dir):
+    llm = make(target_dir, {"method": "ngram", "num_speculative_tokens": 4}, max_model_len=32)
+    out = llm.generate([list(range(1, 32))], greedy(10), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 1 and out.finish_reason == "length"
+    out = llm.generate([[1, 2, 3, 1, 2, 3, 1, 2]], greedy(100), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 32 - 8 and out.finish_reason == "length"
+
+
+def test_200_sequential_requests_leave_the_pool_at_baseline(target_dir):
+    llm = make(target_dir, {"method": "ngram", "num_speculative_tokens": 3, "topk": 2})
+    base = llm.engine.blocks.num_free
+    for i in range(200):
+        sp = SamplingParams(temperature=0 if i % 2 else 1.0, seed=i, max_tokens=1 + i % 7,
+                            ignore_eos=True)
+        llm.generate([[1 + i % 50, 2, 3, 1 + i % 50, 2, 3]], sp, use_tqdm=False)
+        assert llm.engine.blocks.num_free == base
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "draft_model", "model": "DRAFT", "num_speculative_tokens": 3, "topk": 2},
+    {"method": "ngram", "num_speculative_tokens": 4},
+    {"method": "draft_model", "model": "DRAFT", "num_speculative_tokens": 3, "policy": "auto"},
+], ids=["draft-tree", "ngram-chain", "draft-auto-policy"])
+def test_seeded_sampling_equals_plain_sampling_token_for_token(target_dir, draft_dir, plain,
+                                                                spec):
+    """The sampling noise is keyed by output position, so speculation (any drafter, tree or
+    policy) commits exactly the tokens plain sampling draws with the same seed."""
+    spec = {**spec, "model": str(draft_dir)} if "model" in spec else spec
+    llm = make(target_dir, spec)
+    prompts = rand_prompts(6, seed=21)
+    sp = [SamplingParams(temperature=t, top_p=tp, top_k=k, seed=i, max_tokens=24,
+                         ignore_eos=True)
+          for i, (t, tp, k) in enumerate([(1.0, 1.0, 0), (0.7, 0.9, 0), (1.0, 1.0, 5),
+                                          (0.0, 1.0, 0), (1.3, 0.8, 20), (0.6, 1.0, 0)])]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert got == want
+    assert llm.get_metrics()["kv_blocks_free"] == llm.get_metrics()["kv_blocks_total"]

@@ -111,7 +111,7 @@ def new_model(target, seed=0):
     return trainable_copy(base.random_init(seed))
 
 
-CFG = TrainConfig(steps=6, batch_tokens=200, lr=3e-3, warmup=2, unroll=2, max_len=48)
+CFG = TrainConfig(steps=4, batch_tokens=200, lr=3e-3, warmup=2, unroll=2, max_len=48)
 
 
 def test_fit_learns_is_deterministic_and_resumes(target, rollouts, tmp_path):
@@ -121,11 +121,11 @@ def test_fit_learns_is_deterministic_and_resumes(target, rollouts, tmp_path):
     fit(b, rollouts[4:], [], CFG, None, progress=False)
     for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(p, q), n
-    # resume: stop at step 3, then run to 6 from the saved state
+    # resume: stop at step 2, then run to 4 from the saved state
     c = new_model(target)
-    fit(c, rollouts[4:], [], CFG, tmp_path / "c", save_every=3, progress=False, until=3)
+    fit(c, rollouts[4:], [], CFG, tmp_path / "c", save_every=2, progress=False, until=2)
     d = new_model(target)
-    fit(d, rollouts[4:], [], CFG, tmp_path / "c", save_every=3, progress=False)
+    fit(d, rollouts[4:], [], CFG, tmp_path / "c", save_every=2, progress=False)
     for (n, p), (_, q) in zip(a.named_parameters(), d.named_parameters()):
         assert torch.allclose(p, q, atol=1e-6), n
     more = TrainConfig(**{**CFG.__dict__, "steps": 30})

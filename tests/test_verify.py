@@ -16,7 +16,13 @@ import torch
 from specengine.sampling import SamplingParams, process_logits
 from specengine.spec import verify as verify_mod
 from specengine.spec.tree import DraftTree
-from specengine.spec.verify import committed_tokens, verify, verify_greedy, verify_sampling
+from specengine.spec.verify import (
+    committed_tokens,
+    verify,
+    verify_coupled,
+    verify_greedy,
+    verify_sampling,
+)
 
 V = 8
 PROMPT = (3, 5)
@@ -291,3 +297,27 @@ def test_greedy_speculation_equals_plain_greedy():
             steps += 1
         assert seq[:len(plain)] == plain
         assert steps < 20  # the draft is right sometimes
+
+
+def coupled(tree, probs, g, shared=False):
+    """``verify_coupled`` with fresh Exp(1) noise per position (one row shared if ``shared``)."""
+    noise = torch.empty(tree.max_depth + 1, probs.shape[1]).exponential_(generator=g)
+    if shared:
+        noise = noise[:1].expand_as(noise)
+    return verify_coupled(tree, probs.float(), noise)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=["chain", "tree"])
+def test_coupled_sampling_is_lossless(case):
+    P = target_probs(1.0)
+    counts = speculative_counts(P, *case, n=10_000, seed=3, verifier=coupled)
+    stat, crit = chi_square(counts, exact_joint(P))
+    assert stat < crit, (stat, crit)
+
+
+def test_coupled_sampling_with_shared_noise_fails_the_test():
+    P = target_probs(1.0)
+    counts = speculative_counts(P, *CASES[0], n=10_000, seed=3,
+                                verifier=lambda t, p, g: coupled(t, p, g, shared=True))
+    stat, crit = chi_square(counts, exact_joint(P))
+    assert stat > crit, (stat, crit)

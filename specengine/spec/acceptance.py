@@ -10,8 +10,9 @@ per-depth rates as in EAGLE-2 arXiv 2406.16858 and RLHFSpec arXiv 2512.04752). A
 drafter found nothing for counts as a rejection at depth 1, so the estimate is what the
 strategy actually yields with this drafter, n-gram misses included. Chains of every depth share
 one set of rates (a deeper chain extends a shallower one); each tree shape has its own, with the
-chain's rates as its prior. Counts decay by ``decay`` per step, so the model follows a drafter
-or target that changes (a weight update in RL).
+chain's rates as its prior. Counts decay by ``decay`` per step, speculating or not (``age``), so
+the model follows a drafter or target that changes (a weight update in RL, a sequence that
+starts repeating itself) and stale low estimates do not keep speculation off for good.
 
 The expected number of draft nodes per sequence (``fill``) is learned per strategy too: an
 n-gram drafter often drafts fewer nodes than the strategy allows, and the verify cost depends
@@ -101,6 +102,14 @@ class AcceptanceModel:
         if strategy is None:
             return 0.0
         return self.fill.get(strategy, 1.0) * strategy.num_nodes
+
+    def age(self) -> None:
+        """One step without speculation: decay all counts, so statistics that are no longer
+        refreshed drift back to the prior and the policy tries speculating again."""
+        for rates in (self.chain, *self.trees.values()):
+            rates.success *= self.decay
+            rates.trials *= self.decay
+        self._cache.clear()
 
     def expected(self, strategies: tuple) -> tuple[np.ndarray, np.ndarray]:
         """``(expected_committed, expected_nodes)`` per strategy of ``strategies`` as arrays,

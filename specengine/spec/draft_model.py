@@ -56,7 +56,7 @@ class DraftModelDrafter(Proposer):
         sh = self.shadows.get(seq.seq_id)
         if sh is None:
             sh = self.shadows[seq.seq_id] = Sequence(seq.request_id, seq.index, [], seq.params,
-                                                     seq.generator)
+                                                     seq.noise)
         return sh
 
     def release(self, seq: Sequence) -> None:

@@ -154,7 +154,7 @@ class EagleModel(nn.Module):
         self.shared = (target_model,)  # a tuple: not registered as a submodule
         self.register_buffer("vocab_map", None if vocab_map is None else
                              vocab_map.to(torch.int64), persistent=False)
-        self.register_buffer("rope", rope_cache(lc).to(dtype), persistent=False)
+        self.register_buffer("rope", rope_cache(lc), persistent=False)  # float32, as the target
         self._head: tuple | None = None
 
     # ---- shared target tensors --------------------------------------------------------------
@@ -382,7 +382,7 @@ class _State:
     def __init__(self, seq: Sequence, hidden_size: int, dtype: torch.dtype):
         self.feats = torch.empty(64, hidden_size, dtype=dtype)
         self.num_feats = 0
-        self.shadow = Sequence(seq.request_id, seq.index, [], seq.params, seq.generator)
+        self.shadow = Sequence(seq.request_id, seq.index, [], seq.params, seq.noise)
 
     def put(self, start: int, hidden: torch.Tensor) -> None:
         end = start + hidden.shape[0]

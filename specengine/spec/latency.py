@@ -272,8 +272,9 @@ def profile_forward(runner, blocks, model: LatencyModel, budget_s: float = 1.5,
                     proposer=None) -> int:
     """Warm-start ``model`` by timing dummy decode forwards of growing size with ``runner`` (a
     ``ModelRunner``) over KV blocks borrowed from ``blocks`` (returned afterwards), and, when a
-    ``proposer`` is given, drafting for dummy sequences. Stops once ``budget_s`` seconds are
-    spent or the pool is too small. Returns the number of profile points added.
+    ``proposer`` is given, drafting for dummy sequences. Stops before a point the fit so far
+    predicts would overrun ``budget_s`` seconds; skips points the KV pool cannot hold. Returns
+    the number of profile points added.
 
     The points span 1 .. 512 forward tokens, chains of 0, 3 and 7 nodes per sequence and short
     and long contexts, so each feature of the forward fit is seen. The KV contents are whatever
@@ -294,7 +295,8 @@ def profile_forward(runner, blocks, model: LatencyModel, budget_s: float = 1.5,
     start = time.perf_counter()
     added = 0
     for i, (b, m, ctx) in enumerate(grid):
-        if time.perf_counter() - start > budget_s:
+        left = budget_s - (time.perf_counter() - start)
+        if left <= 0 or (added >= 3 and model.forward_time(b * (1 + m), b * ctx, b) > left):
             break
         need = b * -(-(ctx + 1 + m) // blocks.block_size)
         if need > blocks.num_free:

@@ -294,6 +294,8 @@ class AutoPolicy(Policy):
                 ratio = sum(rec.accepted_per_seq) / rec.num_drafted
                 self.accept_ratio = ratio if self.accept_ratio == 0 else \
                     0.9 * self.accept_ratio + 0.1 * ratio
+        elif rec.num_decode:
+            self.acceptance.age()
         self._offered = None
         if not rec.is_decode_only:
             return

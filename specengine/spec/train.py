@@ -161,7 +161,7 @@ def teacher_force(model, sequences: list[list[int]], max_batch_tokens: int = 409
     """
     from specengine.kv.block_manager import BlockManager
     from specengine.model_runner import ModelRunner
-    from specengine.sampling import SamplingParams, request_generator
+    from specengine.sampling import SampleNoise, SamplingParams
     from specengine.scheduler import BatchEntry
 
     limit = model.config.max_position_embeddings
@@ -179,7 +179,7 @@ def teacher_force(model, sequences: list[list[int]], max_batch_tokens: int = 409
         bm = BlockManager(runner.kv_cache.shape[2], block_size, runner.copy_block)
         entries, idx, used = [], [], 0
         while i < len(sequences) and (not entries or used + len(sequences[i]) <= budget):
-            s = Sequence("tf", 0, list(sequences[i]), params, request_generator(0, 0))
+            s = Sequence("tf", 0, list(sequences[i]), params, SampleNoise(0, 0))
             if bm.num_free < -(-len(s) // block_size):
                 break
             bm.allocate_shared([s])
@@ -628,7 +628,7 @@ def train_drafter_main(args) -> int:
     summary = fit(model, train, val, cfg, out, save_every=args.save_every,
                   progress=not args.no_progress, log=log)
     model.config.training["val"] = summary
-    save_drafter(model, out)
+    save_drafter(model, out, torch.bfloat16)
     log(f"done: {summary}")
     print(json.dumps({"out": str(out), "val": summary,
                       "seconds": round(time.perf_counter() - t0, 1)}))

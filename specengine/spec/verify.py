@@ -163,22 +163,44 @@ def verify_sampling(tree: DraftTree, target_probs: torch.Tensor,
         node = nxt
 
 
+def verify_coupled(tree: DraftTree, target_probs: torch.Tensor,
+                   noise: torch.Tensor) -> tuple[list[int], int]:
+    """Sampling acceptance coupled to plain sampling by shared noise (the exponential race /
+    Gumbel-max trick, as in ``specengine.sampling``): the token the target samples after a node
+    at depth ``d`` is ``argmax(p / E_d)``; accept the child carrying it, else stop with it as the
+    bonus. Every committed token is exactly the plain sample of its position, so the result is
+    lossless and, for deterministic drafts, accepts child x with probability p(x) as the
+    residual method does.
+
+    Args:
+        target_probs: ``[m + 1, V]`` float32 processed target probabilities (root row first).
+        noise: ``[max_depth + 1, V]`` float32 ``Exp(1)`` noise, row ``d`` for the output
+            position ``d`` tokens after the root's.
+
+    Returns:
+        ``(accepted, bonus)`` as ``verify_greedy``.
+    """
+    depths = torch.tensor([0] + tree.depths)
+    return verify_greedy(tree, target_probs / noise[depths])
+
+
 def verify(tree: DraftTree, target_logits: torch.Tensor, params: SamplingParams,
-           generator: torch.Generator) -> tuple[list[int], int]:
+           noise: torch.Tensor | None = None) -> tuple[list[int], int]:
     """Verify with a request's sampling parameters: greedy, or ``process_logits`` + softmax on
-    every row and then ``verify_sampling``.
+    every row and then ``verify_coupled``.
 
     Args:
         target_logits: ``[m + 1, V]`` float32 raw logits (already masked for ``min_tokens``
             row by row: row r sits ``depth`` tokens further into the output).
+        noise: ``[max_depth + 1, V]`` sampling noise (not needed when greedy).
 
     Returns:
-        ``(accepted, bonus)`` as ``verify_greedy`` / ``verify_sampling``.
+        ``(accepted, bonus)`` as ``verify_greedy``.
     """
     if params.greedy:
         return verify_greedy(tree, target_logits)
     probs = torch.softmax(process_logits(target_logits, [params] * target_logits.shape[0]), -1)
-    return verify_sampling(tree, probs, generator)
+    return verify_coupled(tree, probs, noise)
 
 
 def committed_tokens(tree: DraftTree, accepted: list[int], bonus: int) -> list[int]:
