@@ -50,28 +50,6 @@ SE_INLINE void axpy(float* acc, float p, const KT* v, int64_t D) {
   for (; i < D; ++i) acc[i] += p * to_float(v[i]);
 }
 
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-
-// exp(x) for x <= 0 on 16 lanes (Cephes expf polynomial, ~2 ulp; x < -87.3 -> ~0).
-SE_INLINE f32x16 vexp(f32x16 x) {
-  const f32x16 lo = splat(-87.3f);
-  x = x < lo ? lo : x;
-  const f32x16 magic = splat(12582912.f);  // 1.5 * 2^23: round to nearest integer
-  const f32x16 n = (x * 1.44269504088896341f + magic) - magic;
-  const f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  f32x16 y = splat(1.9875691500e-4f);
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.f;
-  const i32x16 e = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  f32x16 scale;
-  std::memcpy(&scale, &e, sizeof(scale));
-  return y * scale;
-}
-
 SE_INLINE void scale_row(float* acc, float a, int64_t D) {
   int64_t i = 0;
   f32x16 av = splat(a);

@@ -184,15 +184,26 @@ SE_CLONES void rms_rows_bf16(const bf16* x, const bf16* res, const bf16* w, bf16
   rms_rows(x, res, w, out, nr, r0, r1, D, eps);
 }
 
-// silu(g) is rounded to T before the product, like torch's F.silu(gate) * up in T.
+// silu(g) is rounded to T before the product, like torch's F.silu(gate) * up in T; 16 lanes
+// use vsilu (vec.h), a scalar tail std::exp.
 template <class T>
 SE_INLINE void silu_mul_rows(const T* x, T* out, int64_t r0, int64_t r1, int64_t d) {
-  for (int64_t r = r0; r < r1; ++r)
-    for (int64_t j = 0; j < d; ++j) {
+  for (int64_t r = r0; r < r1; ++r) {
+    int64_t j = 0;
+    for (; j + 16 <= d; j += 16) {
+      const f32x16 act = vsilu(load16(x + r * 2 * d + j));
+      const f32x16 up = load16(x + r * 2 * d + d + j);
+      for (int i = 0; i < 16; ++i) {
+        const T a = static_cast<T>(act[i]);
+        out[r * d + j + i] = static_cast<T>(to_float(a) * to_float(up[i]));
+      }
+    }
+    for (; j < d; ++j) {
       const float g = to_float(x[r * 2 * d + j]);
       const T act = static_cast<T>(g / (1.f + std::exp(-g)));
       out[r * d + j] = static_cast<T>(to_float(act) * to_float(x[r * 2 * d + d + j]));
     }
+  }
 }
 
 // In-place rotate-half RoPE of rows x[t, h, :] (D contiguous) with cos/sin [T, D] float32

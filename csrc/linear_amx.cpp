@@ -25,6 +25,7 @@
 
 #include "ops.h"
 #include "pool.h"
+#include "vec.h"
 
 namespace specengine {
 namespace {
@@ -50,7 +51,7 @@ struct AmxArgs {
 };
 
 #define SE_AMX_TARGET \
-  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 
 SE_AMX_TARGET inline uint16_t f2bf(float f) {
   // round to nearest even, as c10::BFloat16 (NaN kept quiet)
@@ -87,11 +88,10 @@ SE_AMX_TARGET inline void epilogue(const AmxArgs& a, int64_t p, int64_t r0, int 
     const int64_t col = p * 16;
     for (int r = 0; r < rows; ++r) {
       uint16_t* out = a.y + (r0 + r) * a.ldy + col;
-      for (int j = 0; j < 16; ++j) {
-        const float g = bf2f(f2bf(c[r][j]));
-        const float act = bf2f(f2bf(g / (1.f + std::exp(-g))));
-        out[j] = f2bf(act * bf2f(f2bf(c[r][16 + j])));
-      }
+      f32x16 g, u;
+      for (int j = 0; j < 16; ++j) g[j] = bf2f(f2bf(c[r][j])), u[j] = bf2f(f2bf(c[r][16 + j]));
+      const f32x16 act = vsilu(g);
+      for (int j = 0; j < 16; ++j) out[j] = f2bf(bf2f(f2bf(act[j])) * u[j]);
     }
     return;
   }

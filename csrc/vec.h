@@ -56,6 +56,37 @@ SE_INLINE float hsum(f32x16 v) {
   return c[0] + c[1];
 }
 
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+// exp(x) on 16 lanes (Cephes expf polynomial, ~2 ulp), x clamped to [-87.3, 88.3]
+// (so exp of a very negative x is ~1e-38, not 0; callers mask where exactly 0 matters).
+SE_INLINE f32x16 vexp(f32x16 x) {
+  const f32x16 lo = splat(-87.3f), hi = splat(88.3f);
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const f32x16 magic = splat(12582912.f);  // 1.5 * 2^23: round to nearest integer
+  const f32x16 n = (x * 1.44269504088896341f + magic) - magic;
+  const f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  f32x16 y = splat(1.9875691500e-4f);
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  // 2^n in two factors so n = 128 (x near 88.3) does not overflow the exponent field
+  const i32x16 ni = __builtin_convertvector(n, i32x16);
+  const i32x16 e1 = ((ni >> 1) + 127) << 23, e2 = ((ni - (ni >> 1)) + 127) << 23;
+  f32x16 s1, s2;
+  std::memcpy(&s1, &e1, sizeof(s1));
+  std::memcpy(&s2, &e2, sizeof(s2));
+  return y * s1 * s2;
+}
+
+// SiLU g / (1 + exp(-g)) on 16 lanes; shared by silu_and_mul and the fused AMX epilogue so
+// both round identically.
+SE_INLINE f32x16 vsilu(f32x16 g) { return g / (1.f + vexp(-g)); }
+
 SE_INLINE float to_float(float v) { return v; }
 SE_INLINE float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
 

@@ -175,6 +175,14 @@ def generate(args: argparse.Namespace) -> int:
               f"draft {m['draft_time']:.1f} s, target forward "
               f"{m['decode_time'] + m['prefill_time']:.1f} s, sample/verify "
               f"{m['sample_time']:.1f} s")
+        ran = m.get("policy_strategies", {})
+        if ran:
+            def rate(x):
+                return "-" if x is None else f"{x:.1f}"
+
+            print(f"policy {m['policy']}: " + ", ".join(
+                f"{name} {s['steps']} steps (predicted {rate(s['predicted_tok_s'])}, observed "
+                f"{rate(s['observed_tok_s'])} tokens/s)" for name, s in ran.items()))
     for err in (errors[no] for no in sorted(errors)):
         print(f"  failed {err}")
     return 0
