@@ -16,6 +16,7 @@ import os
 import sys
 import time
 
+from specengine.jsonl import read_records, write_jsonl_atomic
 from specengine.sampling import SamplingParams
 
 
@@ -51,26 +52,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def read_records(path: str) -> list[tuple[int, dict | None, str | None]]:
-    """(line number, record or None, error or None) for each non-blank line of ``path``."""
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                out.append((no, None, f"line {no}: invalid JSON ({e.msg} at column {e.colno})"))
-                continue
-            if not isinstance(rec, dict):
-                out.append((no, None, f"line {no}: expected a JSON object, got "
-                                      f"{type(rec).__name__}"))
-                continue
-            out.append((no, rec, None))
-    return out
-
-
 def encode_record(llm, rec: dict, no: int, chat: bool | None) -> dict:
     """The ``generate`` prompt for one input record. Raises ValueError naming the line."""
     what = f"line {no}"
@@ -95,17 +76,6 @@ def result_record(rec: dict, out) -> dict:
     return {**rec, "outputs": [
         {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
          "stop_reason": o.stop_reason} for o in out.outputs]}
-
-
-def write_jsonl_atomic(path: str, records: list[dict]) -> None:
-    """Write ``records`` as JSONL to a temporary file beside ``path``, then rename it."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def generate(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from helpers import rand_prompts
 
 from specengine import LLM, SamplingParams
 from specengine.kv.block_manager import BlockManager
@@ -21,12 +22,6 @@ from specengine.spec.eagle import (
     save_drafter,
 )
 from specengine.spec.strategy import Strategy
-
-
-def rand_prompts(n, lo=4, hi=40, vocab=512, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (int(torch.randint(lo, hi, (1,), generator=g)),),
-                          generator=g).tolist() for _ in range(n)]
 
 
 @pytest.fixture(scope="module")

@@ -113,7 +113,8 @@ def truncated_draft(src, dst, num_layers: int):
     {"method": "draft_model", "model": "TRUNCATED", "num_speculative_tokens": 3},
     {"method": "draft_model", "model": "TRUNCATED", "num_speculative_tokens": 3, "topk": 2,
      "num_verify_tokens": 6},
-], ids=["ngram-chain", "ngram-tree", "draft-chain", "draft-tree"])
+    {"method": "eagle", "num_speculative_tokens": 4, "topk": 3, "num_verify_tokens": 10},
+], ids=["ngram-chain", "ngram-tree", "draft-chain", "draft-tree", "eagle-tree"])
 def test_speculative_greedy_equals_plain(default_model_dir, tmp_path_factory, llm, prompts,
                                          spec):
     spec = {"policy": "static", **spec}

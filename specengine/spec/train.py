@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specengine.jsonl import read_records
 from specengine.sequence import Sequence
 from specengine.spec.eagle import (
     EagleConfig,
@@ -208,24 +209,16 @@ def read_prompts(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"training data {str(path)!r} does not exist")
     recs, errors = [], []
-    with open(path, encoding="utf-8") as f:
-        for no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                errors.append(f"line {no}: invalid JSON ({e.msg})")
-                continue
-            if not isinstance(rec, dict) or not (
-                    isinstance(rec.get("prompt"), str) and rec["prompt"].strip()
-                    or isinstance(rec.get("messages"), list) and rec["messages"]):
-                errors.append(f"line {no}: needs a non-empty 'prompt' string or 'messages' list")
-                continue
-            if "response" in rec and not isinstance(rec["response"], str):
-                errors.append(f"line {no}: 'response' must be a string")
-                continue
+    for no, rec, err in read_records(path):
+        if err is None and not (isinstance(rec.get("prompt"), str) and rec["prompt"].strip()
+                                or isinstance(rec.get("messages"), list) and rec["messages"]):
+            err = f"line {no}: needs a non-empty 'prompt' string or 'messages' list"
+        if err is None and "response" in rec and not isinstance(rec["response"], str):
+            err = f"line {no}: 'response' must be a string"
+        if err is None:
             recs.append(rec)
+        else:
+            errors.append(err)
     if not recs:
         why = "; ".join(errors[:3]) if errors else "the file is empty"
         raise ValueError(f"training data {str(path)!r} has no usable lines ({why})")
