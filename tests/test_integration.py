@@ -45,7 +45,8 @@ def hf_model(default_model_dir):
 
 @pytest.fixture(scope="module")
 def greedy_outputs(llm, prompts):
-    sp = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+    # min_tokens masks EOS exactly as transformers' min_new_tokens does
+    sp = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=1)
     return llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
 
 

@@ -2,12 +2,10 @@
 synthetic curves, and outputs unchanged by whatever the policy chooses."""
 
 import time
-from collections import Counter
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from scipy.stats import chi2_contingency
 
 from specengine import LLM, SamplingParams
 from specengine.models.loader import save_random_model
@@ -290,26 +288,21 @@ def test_seeded_sampling_reproduces_under_a_switching_policy(target_dir):
     assert len(set(runs[0])) == 5
 
 
-def test_sampling_distribution_unchanged_by_a_switching_policy(target_dir, tmp_path):
-    """Tokens 1..3 of 600 samples (T=1, top-k 3) with an imperfect drafter and a strategy
-    switch every step, against plain sampling: a chi-square test of homogeneity."""
+def test_samples_unchanged_by_a_switching_policy(target_dir, tmp_path):
+    """Tokens 1..6 of 64 samples (T=1, top-k 3) with an imperfect drafter and a strategy
+    switch every step equal plain sampling's with the same seed, sample for sample (the
+    sampling noise is keyed by output position)."""
     draft = save_random_model(tmp_path / "d", {"num_hidden_layers": 1}, seed=5)
     prompt = prompts(1, seed=3)[0]
-    n = 600
-
-    def dist(llm, seed):
-        sp = SamplingParams(n=n, temperature=1.0, top_k=3, seed=seed, max_tokens=3,
-                            ignore_eos=True)
-        return Counter(token_ids(llm, [prompt], sp))
-
-    plain = dist(make(target_dir, kv_cache_memory_bytes=64 << 20, max_num_seqs=n), 1)
+    n = 64
+    sp = SamplingParams(n=n, temperature=1.0, top_k=3, seed=1, max_tokens=6, ignore_eos=True)
+    plain = token_ids(make(target_dir, kv_cache_memory_bytes=16 << 20, max_num_seqs=n),
+                      [prompt], sp)
     llm = make(target_dir, {"method": "draft_model", "model": str(draft),
                             "num_speculative_tokens": 2, "policy": "static"},
-               kv_cache_memory_bytes=64 << 20, max_num_seqs=n)
+               kv_cache_memory_bytes=16 << 20, max_num_seqs=n)
     llm.engine.policy = CyclePolicy([Strategy(2), Strategy(1), Strategy(2, 3, 4)])
-    spec = dist(llm, 2)
+    spec = token_ids(llm, [prompt], sp)
     assert llm.get_metrics()["spec_steps"] > 0
-    keys = sorted(plain.keys() | spec.keys())
-    table = np.array([[plain[k] for k in keys], [spec[k] for k in keys]])
-    assert len(keys) > 5  # really sampled
-    assert chi2_contingency(table).pvalue > 1e-3
+    assert len(set(plain)) > 5  # really sampled
+    assert spec == plain
