@@ -108,6 +108,15 @@ def truncated_draft(src, dst, num_layers: int):
     return dst
 
 
+@pytest.fixture(scope="module")
+def plain_128(llm, prompts):
+    """Plain greedy outputs, 128 tokens, the reference of every speculative run."""
+    sp = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    return [o.outputs[0].token_ids
+            for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
+                                  use_tqdm=False)]
+
+
 @pytest.mark.parametrize("spec", [
     {"method": "ngram", "num_speculative_tokens": 4},
     {"method": "ngram", "num_speculative_tokens": 4, "topk": 3, "num_verify_tokens": 10},
@@ -116,15 +125,15 @@ def truncated_draft(src, dst, num_layers: int):
      "num_verify_tokens": 6},
     {"method": "eagle", "num_speculative_tokens": 4, "topk": 3, "num_verify_tokens": 10},
 ], ids=["ngram-chain", "ngram-tree", "draft-chain", "draft-tree", "eagle-tree"])
-def test_speculative_greedy_equals_plain(default_model_dir, tmp_path_factory, llm, prompts,
-                                         spec):
+def test_speculative_greedy_equals_plain(default_model_dir, tmp_path_factory, prompts,
+                                         plain_128, spec):
     spec = {"policy": "static", **spec}
     if spec.get("model") == "TRUNCATED":
         spec["model"] = str(truncated_draft(default_model_dir,
                                             tmp_path_factory.mktemp("draft"), 8))
     sp = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts]
-    want = [o.outputs[0].token_ids for o in llm.generate(batch, sp, use_tqdm=False)]
+    want = plain_128
     spec_llm = LLM(str(default_model_dir), dtype="float32", max_model_len=2048,
                    speculative_config=spec)
     got = [o.outputs[0].token_ids for o in spec_llm.generate(batch, sp, use_tqdm=False)]
