@@ -123,8 +123,7 @@ def plain_128(llm, prompts):
     {"method": "draft_model", "model": "TRUNCATED", "num_speculative_tokens": 3},
     {"method": "draft_model", "model": "TRUNCATED", "num_speculative_tokens": 3, "topk": 2,
      "num_verify_tokens": 6},
-    {"method": "eagle", "num_speculative_tokens": 4, "topk": 3, "num_verify_tokens": 10},
-], ids=["ngram-chain", "ngram-tree", "draft-chain", "draft-tree", "eagle-tree"])
+], ids=["ngram-chain", "ngram-tree", "draft-chain", "draft-tree"])
 def test_speculative_greedy_equals_plain(default_model_dir, tmp_path_factory, prompts,
                                          plain_128, spec):
     spec = {"policy": "static", **spec}
