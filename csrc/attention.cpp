@@ -133,6 +133,243 @@ SE_CLONES void attend_bf16(const AttnArgs& a, int64_t begin, int64_t end, float*
   attend<c10::BFloat16>(a, begin, end, scratch);
 }
 
+// ---- bf16 caches, head_dim % 32 == 0: AVX-512 BF16 ---------------------------------------
+// Work item = (run of up to kRunTokens consecutive query tokens of one sequence, KV head g):
+// its rows are the run's tokens x the group's query heads, and each K/V tile of up to 16
+// positions is read once for all of them. Scores: per row and key, D/32 VDPBF16PS into one
+// 16-lane vector per key, the 16 vectors of a tile reduced together by a transpose-add tree (no
+// per-key horizontal sum). P @ V: VDPBF16PS over key pairs, with V of two keys interleaved once
+// per tile for all rows; probabilities are rounded to bf16 for it (as FlashAttention does) and
+// the softmax denominator sums the same rounded values. Online softmax in float32.
+#if defined(__x86_64__) && defined(__GNUC__)
+#define SE_ATTN_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+
+constexpr int64_t kRunTokens = 16;  // query tokens per work item
+constexpr int64_t kTileKeys = 256;  // KV positions per online-softmax step
+constexpr int kMaxD = 256;
+
+bool has_avx512_bf16_attn() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                         __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("fma");
+  return ok;
+}
+
+// r[i] = sum of the 16 lanes of v[i], for 16 vectors.
+SE_ATTN_TARGET inline __m512 reduce16(__m512 (&v)[16]) {
+  // level 1: pairs (2j, 2j+1) -> 8 vectors, lanes [a0..7 + a8..15 | b0..7 + b8..15]
+  __m512 a[8];
+  for (int j = 0; j < 8; ++j) {
+    const __m512 lo = _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44);  // a0-7, b0-7
+    const __m512 hi = _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE);  // a8-15, b8-15
+    a[j] = _mm512_add_ps(lo, hi);
+  }
+  // level 2: (a[2j], a[2j+1]) -> 4 vectors of four 4-lane partial sums
+  __m512 b[4];
+  for (int j = 0; j < 4; ++j) {
+    const __m512 lo = _mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0x88);  // lanes 0-3, 8-11
+    const __m512 hi = _mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0xDD);  // lanes 4-7, 12-15
+    b[j] = _mm512_add_ps(lo, hi);
+  }
+  // b[j] 128-bit lanes: [v4j, v4j+1 (from a[2j]) ... ] each lane holds 4 partial sums of one key
+  // level 3: within 128-bit lanes, pairs of floats
+  __m512 c[2];
+  for (int j = 0; j < 2; ++j) {
+    const __m512 lo = _mm512_shuffle_ps(b[2 * j], b[2 * j + 1], 0x88);  // elements 0, 2
+    const __m512 hi = _mm512_shuffle_ps(b[2 * j], b[2 * j + 1], 0xDD);  // elements 1, 3
+    c[j] = _mm512_add_ps(lo, hi);
+  }
+  const __m512 lo = _mm512_shuffle_ps(c[0], c[1], 0x88);
+  const __m512 hi = _mm512_shuffle_ps(c[0], c[1], 0xDD);
+  return _mm512_add_ps(lo, hi);
+}
+
+struct FastArgs {
+  const AttnArgs* a;         // a->q is not used: the bf16 query below is
+  const uint16_t* q;         // [T, H, D] bf16, unscaled
+  const int64_t* run_start;  // [R + 1] token index where each run starts
+  float scale;
+};
+
+// reduce16 puts the sum of v[order[i]] into lane i; order is found once by reducing vectors
+// of distinct constants (lane i then holds 16 * value of the vector that landed there).
+SE_ATTN_TARGET void find_reduce16_order(int* order) {
+  __m512 v[16];
+  for (int i = 0; i < 16; ++i) v[i] = _mm512_set1_ps(static_cast<float>(i + 1) / 16.f);
+  alignas(64) float r[16];
+  _mm512_store_ps(r, reduce16(v));
+  for (int i = 0; i < 16; ++i) order[i] = static_cast<int>(r[i] + 0.5f) - 1;  // lane i <- input
+}
+
+const int* reduce16_order() {
+  static int order[16];
+  static const bool done = (find_reduce16_order(order), true);
+  (void)done;
+  return order;
+}
+
+// Scratch floats attend_fast needs for R rows and head_dim D.
+int64_t fast_scratch_floats(int64_t R, int64_t D) {
+  return R * D + 2 * R + R * kTileKeys + R * kTileKeys / 2 + kTileKeys * D / 2 + 2 * kTileKeys;
+}
+
+SE_ATTN_TARGET void attend_fast(const FastArgs& f, int64_t item, float* scratch) {
+  const AttnArgs& a = *f.a;
+  const int64_t KVH = a.KVH, D = a.D, BS = a.BS, group = a.H / a.KVH;
+  const int64_t run = item / KVH, g = item % KVH;
+  const int64_t t0 = f.run_start[run], nt = f.run_start[run + 1] - t0, R = nt * group;
+  const int64_t DC = D / 32;  // 32-wide chunks of D
+  const int64_t stride = KVH * D;
+  const auto* kc = static_cast<const uint16_t*>(a.k_cache) + g * D;
+  const auto* vc = static_cast<const uint16_t*>(a.v_cache) + g * D;
+  const int32_t* table = a.block_tables + static_cast<int64_t>(a.query_seq[t0]) * a.MB;
+  // scratch: acc [R, D] f32 (d permuted, see the end), m [R], l [R], scores [R, kTileKeys] f32,
+  // p [R, kTileKeys] bf16, vi [kTileKeys / 2, DC, 2, 32] bf16, row offsets [kTileKeys] int64
+  float* acc = scratch;
+  float* m = acc + R * D;
+  float* l = m + R;
+  float* sc = l + R;
+  auto* pb = reinterpret_cast<uint16_t*>(sc + R * kTileKeys);
+  auto* vi = pb + R * kTileKeys;
+  auto* rows = reinterpret_cast<int64_t*>(vi + kTileKeys * D);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  int64_t n_max = 0;
+  for (int64_t i = 0; i < nt; ++i) n_max = std::max<int64_t>(n_max, a.kv_lens[t0 + i]);
+  std::fill(m, m + R, ninf);  // row r: token t0 + r / group, query head g * group + r % group
+  std::fill(l, l + R, 0.f);
+  std::fill(acc, acc + R * D, 0.f);
+  const int* order = reduce16_order();  // key j goes into slot order[j]: lane j of the sum
+  const __m512 scale = _mm512_set1_ps(f.scale);
+  for (int64_t p0 = 0; p0 < n_max; p0 += kTileKeys) {
+    const int64_t n = std::min<int64_t>(kTileKeys, n_max - p0), n16 = (n + 15) / 16;
+    for (int64_t o = 0; o < n; ++o) {
+      const int64_t p = p0 + o;
+      rows[o] = (static_cast<int64_t>(table[p / BS]) * BS + p % BS) * stride;
+    }
+    // V of key pairs interleaved: vi[kp][c][half] = unpack{lo,hi}(v[2kp][c], v[2kp+1][c]);
+    // a missing second key is zeros (never NaN times a zero probability)
+    for (int64_t kp = 0; kp < (n + 1) / 2; ++kp) {
+      const int64_t o = 2 * kp;
+      for (int64_t c = 0; c < DC; ++c) {
+        const __m512i v0 = _mm512_loadu_si512(vc + rows[o] + 32 * c);
+        const __m512i v1 = o + 1 < n ? _mm512_loadu_si512(vc + rows[o + 1] + 32 * c)
+                                     : _mm512_setzero_si512();
+        _mm512_storeu_si512(vi + ((kp * DC + c) * 2) * 32, _mm512_unpacklo_epi16(v0, v1));
+        _mm512_storeu_si512(vi + ((kp * DC + c) * 2 + 1) * 32, _mm512_unpackhi_epi16(v0, v1));
+      }
+    }
+    for (int64_t tok = 0; tok < nt; ++tok) {
+      const int64_t t = t0 + tok;
+      const int64_t kv = a.kv_lens[t];
+      const int64_t base = a.tree_mask ? a.tree_base[t] : kv;
+      const bool* tmask = a.tree_mask ? a.tree_mask + t * a.W : nullptr;
+      for (int64_t j = 0; j < n16; ++j) {
+        // visible keys among p0 + 16j .. +15 for this token, as a lane mask
+        uint32_t vis = 0;
+        for (int64_t o = 0; o < 16; ++o) {
+          const int64_t p = p0 + 16 * j + o;
+          if (16 * j + o < n && p < kv && (p < base || (p - base < a.W && tmask[p - base])))
+            vis |= 1u << o;
+        }
+        for (int64_t h = 0; h < group; ++h) {
+          const int64_t r = tok * group + h;
+          float* out = sc + r * kTileKeys + 16 * j;
+          if (!vis) {
+            _mm512_storeu_ps(out, _mm512_set1_ps(ninf));
+            continue;
+          }
+          const uint16_t* q = f.q + (t * a.H + g * group + h) * D;
+          __m512 dots[16];
+          for (int o = 0; o < 16; ++o) {
+            __m512 s = _mm512_setzero_ps();
+            if (vis >> o & 1)
+              for (int64_t c = 0; c < DC; ++c)
+                s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(q + 32 * c),
+                                     (__m512bh)_mm512_loadu_si512(kc + rows[16 * j + o] + 32 * c));
+            dots[order[o]] = s;
+          }
+          const __m512 s = _mm512_mul_ps(reduce16(dots), scale);
+          _mm512_storeu_ps(out, _mm512_mask_mov_ps(_mm512_set1_ps(ninf), (__mmask16)vis, s));
+        }
+      }
+    }
+    // online softmax over the tile, then P @ V, row by row
+    for (int64_t r = 0; r < R; ++r) {
+      float* sr = sc + r * kTileKeys;
+      __m512 mx = _mm512_set1_ps(ninf);
+      for (int64_t j = 0; j < n16; ++j) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + 16 * j));
+      const float tmax = _mm512_reduce_max_ps(mx);
+      if (tmax == ninf) continue;  // the row sees none of this tile
+      const float mnew = std::max(m[r], tmax);
+      float* ar = acc + r * D;
+      if (m[r] != ninf && mnew != m[r]) {
+        const float alpha = std::exp(m[r] - mnew);
+        const __m512 av = _mm512_set1_ps(alpha);
+        for (int64_t i = 0; i < D; i += 16)
+          _mm512_storeu_ps(ar + i, _mm512_mul_ps(_mm512_loadu_ps(ar + i), av));
+        l[r] *= alpha;
+      }
+      m[r] = mnew;
+      uint16_t* pr = pb + r * kTileKeys;
+      __m512 lsum = _mm512_setzero_ps();
+      for (int64_t j = 0; j < n16; ++j) {
+        const __m512 sv = _mm512_loadu_ps(sr + 16 * j);
+        f32x16 e;
+        const __m512 shifted = _mm512_sub_ps(sv, _mm512_set1_ps(mnew));
+        std::memcpy(&e, &shifted, sizeof(e));
+        e = vexp(e);
+        __m512 pv;
+        std::memcpy(&pv, &e, sizeof(pv));
+        const __mmask16 seen = _mm512_cmp_ps_mask(sv, _mm512_set1_ps(ninf), _CMP_NEQ_OQ);
+        const __m256i p16 = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(seen, pv));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + 16 * j), p16);
+        lsum = _mm512_add_ps(lsum, _mm512_castsi512_ps(
+                                       _mm512_slli_epi32(_mm512_cvtepu16_epi32(p16), 16)));
+      }
+      l[r] += _mm512_reduce_add_ps(lsum);
+      const auto* pairs = reinterpret_cast<const int32_t*>(pr);
+      const int64_t np = (n + 1) / 2;
+      for (int64_t c = 0; c < DC; ++c) {
+        // two accumulator sets (even / odd key pairs) for more independent chains
+        __m512 lo0 = _mm512_loadu_ps(ar + 32 * c), hi0 = _mm512_loadu_ps(ar + 32 * c + 16);
+        __m512 lo1 = _mm512_setzero_ps(), hi1 = _mm512_setzero_ps();
+        int64_t kp = 0;
+        for (; kp + 1 < np; kp += 2) {
+          const __m512bh p0v = (__m512bh)_mm512_set1_epi32(pairs[kp]);
+          const __m512bh p1v = (__m512bh)_mm512_set1_epi32(pairs[kp + 1]);
+          const uint16_t* v0 = vi + ((kp * DC + c) * 2) * 32;
+          const uint16_t* v1 = vi + (((kp + 1) * DC + c) * 2) * 32;
+          lo0 = _mm512_dpbf16_ps(lo0, p0v, (__m512bh)_mm512_loadu_si512(v0));
+          hi0 = _mm512_dpbf16_ps(hi0, p0v, (__m512bh)_mm512_loadu_si512(v0 + 32));
+          lo1 = _mm512_dpbf16_ps(lo1, p1v, (__m512bh)_mm512_loadu_si512(v1));
+          hi1 = _mm512_dpbf16_ps(hi1, p1v, (__m512bh)_mm512_loadu_si512(v1 + 32));
+        }
+        if (kp < np) {
+          const __m512bh p0v = (__m512bh)_mm512_set1_epi32(pairs[kp]);
+          const uint16_t* v0 = vi + ((kp * DC + c) * 2) * 32;
+          lo0 = _mm512_dpbf16_ps(lo0, p0v, (__m512bh)_mm512_loadu_si512(v0));
+          hi0 = _mm512_dpbf16_ps(hi0, p0v, (__m512bh)_mm512_loadu_si512(v0 + 32));
+        }
+        _mm512_storeu_ps(ar + 32 * c, _mm512_add_ps(lo0, lo1));
+        _mm512_storeu_ps(ar + 32 * c + 16, _mm512_add_ps(hi0, hi1));
+      }
+    }
+  }
+  // acc chunk c: lo lane j holds d = 32c + (j / 4) * 8 + j % 4, hi lane j holds that d + 4
+  for (int64_t r = 0; r < R; ++r) {
+    float* out = a.out + ((t0 + r / group) * a.H + g * group + r % group) * D;
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    const float* ar = acc + r * D;
+    for (int64_t c = 0; c < DC; ++c)
+      for (int j = 0; j < 16; ++j) {
+        const int64_t d = 32 * c + (j / 4) * 8 + j % 4;
+        out[d] = ar[32 * c + j] * inv;
+        out[d + 4] = ar[32 * c + 16 + j] * inv;
+      }
+  }
+}
+#endif
+
 void check_index(const at::Tensor& x, const char* name, int64_t dim) {
   TORCH_CHECK_VALUE(x.dim() == dim, name, " must have ", dim, " dims, got shape ", x.sizes());
   TORCH_CHECK_TYPE(x.scalar_type() == at::kInt, name, " must be int32, got ", x.scalar_type());
@@ -222,13 +459,40 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
     tm = tree_mask->contiguous();
     W = tm.size(1);
   }
-  auto q = (query.to(at::kFloat) * scale).contiguous();
+#if defined(__x86_64__) && defined(__GNUC__)
+  const bool fast = kdt == at::kBFloat16 && query.scalar_type() == at::kBFloat16 && D % 32 == 0 &&
+                    D <= kMaxD && has_avx512_bf16_attn();
+#else
+  const bool fast = false;
+#endif
+  at::Tensor q;
+  if (!fast) q = (query.to(at::kFloat) * scale).contiguous();
   auto out = at::empty({T, H, D}, query.options().dtype(at::kFloat));
-  AttnArgs a{q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr<int32_t>(),
+  AttnArgs a{fast ? nullptr : q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr<int32_t>(),
              qs_p, kl_p, tb.defined() ? tb.data_ptr<int32_t>() : nullptr,
              tm.defined() ? tm.data_ptr<bool>() : nullptr, out.data_ptr<float>(),
              T, H, KVH, D, NB, BS, MB, W};
   const int64_t group = H / KVH;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (fast) {
+    std::vector<int64_t> runs{0};  // runs of <= kRunTokens consecutive tokens of one sequence
+    for (int64_t t = 1; t < T; ++t)
+      if (qs_p[t] != qs_p[t - 1] || t - runs.back() == kRunTokens) runs.push_back(t);
+    runs.push_back(T);
+    const int64_t R = kRunTokens * group;
+    const int64_t floats = fast_scratch_floats(R, D);
+    const auto qc = query.contiguous();
+    FastArgs f{&a, reinterpret_cast<const uint16_t*>(qc.data_ptr()), runs.data(),
+               static_cast<float>(scale)};
+    parallel_ranges((static_cast<int64_t>(runs.size()) - 1) * KVH, 1, 4,
+                    [&](int64_t begin, int64_t end) {
+                      std::vector<float> scratch(floats + 16);
+                      for (int64_t item = begin; item < end; ++item)
+                        attend_fast(f, item, scratch.data());
+                    });
+    return out.scalar_type() == query.scalar_type() ? out : out.to(query.scalar_type());
+  }
+#endif
   parallel_ranges(T * KVH, 1, 4, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(group * (D + BS + 16 + 2));
     if (kdt == at::kFloat)

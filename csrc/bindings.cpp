@@ -45,6 +45,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias") = py::none(), py::arg("glu") = false,
         "x [M, K] bf16 @ packed weight -> [M, N] bf16 (glu: silu(gate) * up, [M, N/2]); "
         "rows are batch-invariant.");
+  m.def("avx512_linear_available", &specengine::avx512_linear_available, py::arg("bf16"),
+        "True when the CPU has the AVX-512 (and, for bf16, AVX-512 BF16) the kernel needs.");
+  m.def("pack_weight_avx512", &specengine::avx512_pack_weight, py::arg("weight"),
+        py::arg("glu") = false, "[N, K] bf16/f32 weight -> 64-feature groups for linear_avx512.");
+  m.def("linear_avx512", &specengine::avx512_linear, py::arg("x"), py::arg("packed"),
+        py::arg("n"), py::arg("bias") = py::none(), py::arg("glu") = false,
+        py::arg("out_f32") = false,
+        "x [M, K] @ packed weight -> [M, N] (glu: silu(gate) * up, [M, N/2]) in x's dtype or "
+        "float32; rows are batch-invariant.");
   m.def("rope_", &specengine::rope_inplace_cpu, py::arg("x"), py::arg("cos"), py::arg("sin"),
         "In-place rotate-half RoPE of x [T, H, D] with float32 cos/sin [T, D] (sin signed).");
   m.def("rms_norm", &specengine::rms_norm_cpu, py::arg("x"), py::arg("weight"), py::arg("eps"));

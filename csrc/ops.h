@@ -38,6 +38,14 @@ at::Tensor amx_pack_weight(const at::Tensor& w, bool glu);
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                       const std::optional<at::Tensor>& bias, bool glu);
 
+// Linear on AVX-512 CPUs over weights packed once by avx512_pack_weight ([N, K] bf16 or f32;
+// glu: fused gate_up [2I, K] whose avx512_linear output is silu(gate) * up [M, I]); out_f32
+// writes float32 (logits) instead of x's dtype. Rows are batch-invariant.
+bool avx512_linear_available(bool bf16);
+at::Tensor avx512_pack_weight(const at::Tensor& w, bool glu);
+at::Tensor avx512_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                         const std::optional<at::Tensor>& bias, bool glu, bool out_f32);
+
 // In-place rotate-half RoPE of x [T, H, D] (any T/H strides) with float32 cos/sin [T, D].
 void rope_inplace_cpu(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 

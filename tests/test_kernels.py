@@ -52,7 +52,7 @@ def paged_batch(seqs, block_size, kv_heads, group, head_dim, dtype, seed=0):
 def test_attention_matches_reference(block_size, group, dtype):
     # prefill of 37, decode at 300, decode at 1, chunked prefill of 4 after 120, tiny prefill
     seqs = [(0, 37), (299, 1), (0, 1), (120, 4), (3, 2)]
-    head_dim = 64 if group != 3 else 40  # 40: vector body + scalar tail
+    head_dim = {1: 128, 3: 40, 7: 64}[group]  # 40: vector body + scalar tail
     q, kc, vc, meta = paged_batch(seqs, block_size, 2, group, head_dim, dtype,
                                   seed=block_size * 10 + group)
     scale = head_dim ** -0.5
@@ -212,48 +212,73 @@ def test_norms_and_activation(dtype):
     torch.testing.assert_close(out, ops.silu_and_mul_torch(gu), **TOL[dtype])
 
 
-# ---- AMX linear (prepacked bf16), RoPE, thread pool ---------------------------------------
-needs_amx = pytest.mark.skipif(not ops.amx_available(), reason="no AMX-BF16 on this CPU")
+# ---- packed linear (AMX tiles or AVX-512 groups), RoPE, thread pool -----------------------
+def packed_dtypes():
+    """Dtypes for which ``ops.prepack`` produces a packed kernel on this CPU."""
+    out = []
+    if ops.amx_available() or ops.avx512_available(torch.bfloat16):
+        out.append(torch.bfloat16)
+    if ops.avx512_available(torch.float32):
+        out.append(torch.float32)
+    return out
 
 
-@needs_amx
+PACKED = packed_dtypes()
+needs_packed = pytest.mark.skipif(not PACKED, reason="no AMX or AVX-512 on this CPU")
+packed_dtype = pytest.mark.parametrize("dtype", PACKED or [torch.bfloat16])
+
+
+def max_rows(pw) -> int:
+    return ops.AMX_MAX_M if pw.kind == "amx" else ops.AVX512_MAX_M
+
+
+@needs_packed
+@packed_dtype
 @pytest.mark.parametrize("N,K", [(960, 576), (576, 1536), (13, 40), (45, 33), (200, 64)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_amx_linear_matches_fp64_math(N, K, bias):
+def test_packed_linear_matches_fp64_math(dtype, N, K, bias):
     g = torch.Generator().manual_seed(N + K)
-    x = torch.randn(32, K, generator=g).bfloat16()
-    w = (torch.randn(N, K, generator=g) / K ** 0.5).bfloat16()
-    b = torch.randn(N, generator=g).bfloat16() if bias else None
+    x = torch.randn(70, K, generator=g).to(dtype)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
     pw = ops.prepack(w)
     assert pw.packed is not None
-    for M in (1, 3, 16, 17, 32):
+    for M in (1, 3, 6, 7, 16, 17, 32, 70):
+        if M > max_rows(pw):
+            continue
         y = ops.linear(x[:M], pw, b)
         ref = F.linear(x[:M].double(), w.double(), None if b is None else b.double())
-        assert y.dtype == torch.bfloat16 and y.shape == (M, N)
-        # float32 accumulation, one rounding to bf16: within half an ulp (2^-8 relative)
-        assert ((y.double() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-4).all(), M
+        assert y.dtype == dtype and y.shape == (M, N)
+        if dtype == torch.float32:
+            torch.testing.assert_close(y.double(), ref, atol=1e-5, rtol=1e-5)
+        else:  # float32 accumulation, one rounding to bf16: within half an ulp (2^-8 relative)
+            assert ((y.double() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-4).all(), M
+        f = ops.linear(x[:M], pw, b, out_f32=True)  # logits: float32, at most one rounding
+        assert f.dtype == torch.float32
+        torch.testing.assert_close(f.double(), ref, atol=1e-4, rtol=2 ** -8)
 
 
-@needs_amx
+@needs_packed
+@packed_dtype
 @pytest.mark.parametrize("N,K", [(200, 576), (45, 33)])
-def test_amx_linear_is_batch_invariant(N, K):
+def test_packed_linear_is_batch_invariant(dtype, N, K):
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(40, K, generator=g).bfloat16()
-    pw = ops.prepack(torch.randn(N, K, generator=g).bfloat16())
-    b = torch.randn(N, generator=g).bfloat16()
+    x = torch.randn(40, K, generator=g).to(dtype)
+    pw = ops.prepack(torch.randn(N, K, generator=g).to(dtype))
+    b = torch.randn(N, generator=g).to(dtype)
     rows = [ops.linear(x[i:i + 1], pw, b) for i in range(40)]
-    for M in range(1, ops.AMX_MAX_M + 1):
+    for M in range(1, min(max_rows(pw), 40) + 1):
         for start in (0, 40 - M):  # also rows at other offsets within the batch
             y = ops.linear(x[start:start + M], pw, b)
             for i in range(M):
                 assert torch.equal(y[i:i + 1], rows[start + i]), (M, start, i)
-    # the C++ kernel itself beyond 32 rows (two row passes) keeps the rows too
-    y = ext().linear_amx(x, pw.packed, N, b)
-    assert all(torch.equal(y[i:i + 1], rows[i]) for i in range(40))
+    if pw.kind == "amx":  # the C++ kernel itself beyond 32 rows (two row passes) too
+        y = ext().linear_amx(x, pw.packed, N, b)
+        assert all(torch.equal(y[i:i + 1], rows[i]) for i in range(40))
 
 
-@needs_amx
-def test_amx_linear_thread_count_does_not_change_results():
+@needs_packed
+def test_packed_linear_thread_count_does_not_change_results():
     g = torch.Generator().manual_seed(6)
     x = torch.randn(9, 576, generator=g).bfloat16()
     pw = ops.prepack(torch.randn(3072, 576, generator=g).bfloat16())
@@ -267,15 +292,22 @@ def test_amx_linear_thread_count_does_not_change_results():
         assert torch.equal(ops.linear(x, pw), one)
 
 
-@needs_amx
-def test_linear_glu_equals_unfused():
+@needs_packed
+@packed_dtype
+def test_linear_glu_equals_unfused(dtype):
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(11, 576, generator=g).bfloat16()
-    w = (torch.randn(2 * 1536, 576, generator=g) / 24).bfloat16()
-    fused = ops.linear_glu(x, ops.prepack(w, glu=True))
+    x = torch.randn(11, 576, generator=g).to(dtype)
+    w = (torch.randn(2 * 1536, 576, generator=g) / 24).to(dtype)
+    pw = ops.prepack(w, glu=True)
+    assert pw.glu
+    fused = ops.linear_glu(x, pw)
     assert fused.shape == (11, 1536)
-    assert torch.equal(fused, ops.silu_and_mul(ops.linear(x, ops.prepack(w))))
-    torch.testing.assert_close(fused, ops.silu_and_mul_torch(F.linear(x, w)), **TOL[torch.bfloat16])
+    unfused = ops.silu_and_mul(ops.linear(x, ops.prepack(w)))
+    if dtype == torch.bfloat16:  # same roundings as the unfused ops
+        assert torch.equal(fused, unfused)
+    else:
+        torch.testing.assert_close(fused, unfused, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(fused, ops.silu_and_mul_torch(F.linear(x, w)), **TOL[dtype])
 
 
 def test_prepack_follows_weight_changes():
@@ -329,10 +361,11 @@ def test_rope_matches_reference(dtype, D):
     torch.testing.assert_close(qkv[:, :nq + nkv].double(), ref, **tol)
 
 
-@needs_amx
+@pytest.mark.skipif(torch.bfloat16 not in PACKED, reason="no packed bf16 kernel on this CPU")
 def test_bf16_model_rows_are_batch_invariant(tiny_llama_dir):
-    """With prepacked AMX weights a bf16 model's logits for a token do not depend on how many
-    other tokens share the forward (decode of 1 vs verify of 1 + 8), bit for bit."""
+    """With prepacked weights (AMX or AVX-512 BF16) a bf16 model's logits for a token do not
+    depend on how many other tokens share the forward (decode of 1 vs verify of 1 + 8), bit for
+    bit."""
     from specengine.attention.cpu import CpuAttention
     from specengine.models.loader import load_model
 

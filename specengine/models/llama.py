@@ -215,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
         pw = self._lm_head_packed
         if pw is None or not pw.is_current(self.lm_head):
             pw = self._lm_head_packed = ops.prepack(self.lm_head)
-        return ops.linear(hidden, pw).float()
+        return ops.linear(hidden, pw, out_f32=True)
 
     def prepack(self) -> None:
         """Pack the linear weights for the fast kernels (``ops.prepack``); ``load_weights``

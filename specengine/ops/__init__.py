@@ -5,8 +5,9 @@ for CPU float32/bfloat16 tensors when ``specengine._C`` is built; anything else 
 path. Threads: the C++ ops use ``torch.get_num_threads()`` threads (their own work-claiming
 pool, see csrc/pool.h: a busy core delays a call by at most the chunks it already claimed).
 
-Weights can be prepared once with ``prepack`` (bfloat16 on CPUs with AMX: the tile layout of
-``csrc/linear_amx.cpp``); ``linear`` and ``linear_glu`` accept the result in place of a weight.
+Weights can be prepared once with ``prepack`` (the tile layout of ``csrc/linear_amx.cpp`` for
+bfloat16 on CPUs with AMX, else the 64-feature groups of ``csrc/linear_avx512.cpp`` on AVX-512
+CPUs); ``linear`` and ``linear_glu`` accept the result in place of a weight.
 """
 
 from __future__ import annotations
@@ -18,14 +19,16 @@ import torch.nn.functional as F
 
 from specengine._ext import ext
 
-# linear() uses the C++ kernel up to this many rows (tokens) per dtype; above it torch's GEMM
-# (oneDNN, AMX for bf16) is faster (measured with bench/bench_kernels.py on 2 cores). Rows that
-# the C++ kernel computes are batch-invariant; raise these to 16 to get bit-exact rows for any
-# M <= 16 at some cost in speed.
+# linear() uses the plain C++ kernel (unpacked weight) up to this many rows per dtype; above it
+# torch's GEMM is faster. Rows the C++ kernels compute are batch-invariant.
 LINEAR_MAX_M = {torch.bfloat16: 4, torch.float32: 8}
-# With a prepacked bfloat16 weight on an AMX CPU, up to this many rows go to the AMX kernel
-# (memory-bound: about the cost of one row), more to torch. Every such row is batch-invariant.
+# With a prepacked weight, up to this many rows go to the packed kernel (AMX tiles, or the
+# AVX-512 64-feature groups on CPUs without AMX); more go to torch. Measured with
+# bench/bench_kernels.py on 2 cores (AMD EPYC, AVX-512 BF16): the AVX-512 kernel reads weights
+# at ~40 GB/s up to 8 rows (torch ~20) and stays faster than torch up to 64 rows and beyond;
+# so decode, verify and small prefill chunks all take it and every row is batch-invariant.
 AMX_MAX_M = 32
+AVX512_MAX_M = 256
 
 _FLOATS = (torch.float32, torch.bfloat16)
 
@@ -47,12 +50,26 @@ def amx_available() -> bool:
     return mod is not None and mod.amx_available()
 
 
+def avx512_available(dtype: torch.dtype) -> bool:
+    """True when the extension's AVX-512 packed linear runs for ``dtype`` on this CPU
+    (bfloat16 needs AVX-512 BF16)."""
+    mod = ext()
+    return (mod is not None and dtype in _FLOATS
+            and mod.avx512_linear_available(dtype == torch.bfloat16))
+
+
 @dataclass(eq=False)
 class PackedWeight:
-    """A linear weight ``[N, K]`` plus its copy in the AMX tile layout (``packed``, None when
-    AMX is not used for it). ``glu``: ``packed`` holds a fused gate_up weight ``[2I, K]`` laid
-    out for ``linear_glu`` (``linear`` then uses the torch path). ``version`` records
-    ``weight._version`` at packing time (staleness check).
+    """A linear weight ``[N, K]`` plus its copy in a kernel's layout.
+
+    Attributes:
+        weight: the original (the torch path uses it).
+        packed: the copy, or None when no packed kernel applies.
+        kind: ``"amx"`` (AMX tiles, bfloat16), ``"avx512"`` (64-feature groups, bfloat16 or
+            float32) or ``None``.
+        glu: ``packed`` holds a fused gate_up weight ``[2I, K]`` laid out for ``linear_glu``
+            (``linear`` then uses the torch path).
+        version, data_ptr: ``weight._version`` and address at packing time (staleness check).
     """
 
     weight: torch.Tensor
@@ -60,11 +77,21 @@ class PackedWeight:
     glu: bool = False
     version: int = -1
     data_ptr: int = 0
+    kind: str | None = None
 
     def is_current(self, weight: torch.Tensor) -> bool:
         """True while ``weight`` is the packed tensor, unmodified since packing."""
         return (weight is self.weight and weight.data_ptr() == self.data_ptr
                 and _version(weight) == self.version)
+
+    def rows_for(self, x: torch.Tensor) -> int:
+        """Rows of ``x`` for the packed kernel, or 0 when it does not apply."""
+        if (self.packed is None or x.dtype != self.weight.dtype or x.device.type != "cpu"
+                or not x.shape[-1]):
+            return 0
+        rows = x.numel() // x.shape[-1]
+        limit = AMX_MAX_M if self.kind == "amx" else AVX512_MAX_M
+        return rows if 0 < rows <= limit else 0
 
 
 def _version(t: torch.Tensor) -> int:
@@ -77,17 +104,22 @@ def _version(t: torch.Tensor) -> int:
 def prepack(weight: torch.Tensor, glu: bool = False) -> PackedWeight:
     """Prepare ``weight`` ``[N, K]`` for ``linear`` (``glu=False``) or ``linear_glu``.
 
-    bfloat16 CPU weights are repacked into AMX tiles when the CPU has AMX (one copy, kept next
-    to the original, which the torch path still uses); anything else is kept as is. With
-    ``glu`` and ``N // 2`` a multiple of 16 the tiles are laid out for the fused
-    ``linear_glu`` epilogue (``PackedWeight.glu``); otherwise in the plain layout.
+    CPU weights are repacked, one copy kept next to the original (which the torch path still
+    uses): bfloat16 into AMX tiles when the CPU has AMX, else (bfloat16 or float32) into the
+    AVX-512 kernel's 64-feature groups when the CPU has AVX-512 (BF16 for bfloat16); anything
+    else is kept as is. ``glu`` lays a fused gate_up weight out for the fused SwiGLU epilogue
+    when ``N // 2`` is a multiple of 32 (``PackedWeight.glu``); otherwise the plain layout.
     """
-    packed = None
-    glu = glu and weight.dim() == 2 and weight.shape[0] % 32 == 0  # else: plain layout
-    if (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
-            and amx_available()):
-        packed = ext().pack_weight_amx(weight.detach(), glu)
-    return PackedWeight(weight, packed, glu, _version(weight), weight.data_ptr())
+    packed, kind = None, None
+    glu = glu and weight.dim() == 2 and weight.shape[0] % 64 == 0  # else: plain layout
+    if weight.device.type == "cpu" and weight.dim() == 2 and ext() is not None:
+        w = weight.detach()
+        if weight.dtype == torch.bfloat16 and amx_available():
+            packed, kind = ext().pack_weight_amx(w, glu), "amx"
+        elif avx512_available(weight.dtype):
+            packed, kind = ext().pack_weight_avx512(w, glu), "avx512"
+    return PackedWeight(weight, packed, glu and packed is not None, _version(weight),
+                        weight.data_ptr(), kind)
 
 
 def linear_torch(x: torch.Tensor, weight: torch.Tensor,
@@ -95,53 +127,56 @@ def linear_torch(x: torch.Tensor, weight: torch.Tensor,
     return F.linear(x, weight, bias)
 
 
-def _amx_rows(x: torch.Tensor, pw: PackedWeight) -> int:
-    """Rows of x for the AMX kernel, or 0 when it does not apply."""
-    if pw.packed is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or not x.shape[-1]:
-        return 0
-    rows = x.numel() // x.shape[-1]
-    return rows if 0 < rows <= AMX_MAX_M else 0
+def _packed_linear(x: torch.Tensor, pw: PackedWeight, rows: int, bias, glu: bool = False,
+                   out_f32: bool = False) -> torch.Tensor:
+    n = pw.weight.shape[0]
+    x2 = x.reshape(rows, x.shape[-1])
+    if pw.kind == "amx":
+        y = ext().linear_amx(x2, pw.packed, n, bias, glu)
+        y = y.float() if out_f32 else y
+    else:
+        y = ext().linear_avx512(x2, pw.packed, n, bias, glu, out_f32)
+    return y.view(*x.shape[:-1], n // 2 if glu else n)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias``; x ``[..., K]``, weight ``[N, K]``, bias ``[N]`` -> ``[..., N]``.
+           bias: torch.Tensor | None = None, out_f32: bool = False) -> torch.Tensor:
+    """``x @ weight.T + bias``; x ``[..., K]``, weight ``[N, K]``, bias ``[N]`` -> ``[..., N]``
+    in x's dtype (``out_f32``: float32, rounded once from the float32 accumulator when a packed
+    kernel runs; used for logits).
 
-    With a ``PackedWeight`` (``prepack``) holding AMX tiles and at most ``AMX_MAX_M`` bfloat16
-    rows, the AMX kernel runs (float32 accumulation, one rounding, bf16 written directly).
-    On CPU with at most ``LINEAR_MAX_M[dtype]`` rows and a plain weight the C++ kernel reads the
-    weights once for all rows (AVX-512 BF16 dot products for bfloat16), accumulates in float32
-    and rounds once. Either way row ``i`` of the C++ result equals ``linear(x[i:i+1])`` bit for
-    bit.
+    With a ``PackedWeight`` (``prepack``) and at most ``AMX_MAX_M`` (AMX) or ``AVX512_MAX_M``
+    (AVX-512) rows, the packed kernel runs: float32 accumulation in a fixed order, one rounding,
+    so row ``i`` equals ``linear(x[i:i+1])`` bit for bit. Otherwise, on CPU with at most
+    ``LINEAR_MAX_M[dtype]`` rows the plain C++ kernel (same guarantee); else torch.
     """
     if isinstance(weight, PackedWeight):
-        rows = _amx_rows(x, weight)
+        rows = weight.rows_for(x)
         if rows and not weight.glu:
-            n = weight.weight.shape[0]
-            y = ext().linear_amx(x.reshape(rows, x.shape[-1]), weight.packed, n, bias)
-            return y.view(*x.shape[:-1], n)
+            return _packed_linear(x, weight, rows, bias, out_f32=out_f32)
         weight = weight.weight
     mod = _cpp(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (mod is None or rows == 0 or rows > LINEAR_MAX_M[x.dtype] or weight.dtype != x.dtype
             or not weight.is_contiguous()):
-        return F.linear(x, weight, bias)
-    y = mod.linear(x.reshape(rows, x.shape[-1]), weight, bias)
-    return y.view(*x.shape[:-1], weight.shape[0])
+        y = F.linear(x, weight, bias)
+    else:
+        y = mod.linear(x.reshape(rows, x.shape[-1]), weight, bias).view(
+            *x.shape[:-1], weight.shape[0])
+    return y.float() if out_f32 else y
 
 
 def linear_glu(x: torch.Tensor, gate_up: torch.Tensor | PackedWeight) -> torch.Tensor:
     """``silu_and_mul(linear(x, gate_up))``: SwiGLU with a fused gate_up weight ``[2I, K]``.
 
-    With a ``PackedWeight(glu=True)`` and AMX rows, one kernel computes both halves and writes
-    ``silu(gate) * up`` with the same roundings as the unfused ops (bit-identical to them).
+    With a ``PackedWeight(glu=True)`` and rows for its kernel, one kernel computes both halves
+    and writes ``silu(gate) * up`` with the same roundings as the unfused ops (bit-identical
+    to them).
     """
     if isinstance(gate_up, PackedWeight):
-        rows = _amx_rows(x, gate_up)
+        rows = gate_up.rows_for(x)
         if rows and gate_up.glu:
-            n = gate_up.weight.shape[0]
-            y = ext().linear_amx(x.reshape(rows, x.shape[-1]), gate_up.packed, n, None, True)
-            return y.view(*x.shape[:-1], n // 2)
+            return _packed_linear(x, gate_up, rows, None, glu=True)
         if gate_up.glu:
             gate_up = gate_up.weight
     return silu_and_mul(linear(x, gate_up))

@@ -1,0 +1,293 @@
+// Linear layers on AVX-512 CPUs without AMX, over weights packed once (bf16: AVX-512 BF16
+// dot products; float32: AVX-512 FMA).
+//
+// Packed layout: output features in groups of 64; per group and per K step, the 64 features'
+// weights lie next to each other, so a thread streams each group's weights from one contiguous
+// run of memory and no horizontal sums are needed:
+//   bf16: [G, ceil(K/2), 64, 2]  (pairs of K for VDPBF16PS, the "VNNI" layout)
+//   f32:  [G, K, 64]
+// A tile is up to 6 rows of x times the 64 features of a group (24 accumulators); x values are
+// broadcast. In `glu` mode (fused gate_up [2I, K]) group g holds gate features 32g..32g+31 and
+// the matching up features, and the epilogue writes silu(gate) * up -> [M, I]; for bf16 it
+// rounds gate, up, silu(gate) and the product to bf16 as silu_and_mul does (the fusion changes
+// no bits).
+//
+// Every output element is one row of x times one column of w accumulated over K in a fixed
+// order, whatever M, the tile or the thread: row i of the result equals linear(x[i:i+1]) bit for
+// bit (batch invariance), which keeps speculative verification (many rows) and plain decoding
+// (one row) on identical numbers.
+#include <ATen/ATen.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "ops.h"
+#include "pool.h"
+#include "vec.h"
+
+namespace specengine {
+namespace {
+
+constexpr int64_t kGroup = 64;  // output features per group
+constexpr int kMaxRows = 6;     // rows of x per tile
+
+struct Args {
+  const void* x;     // [M, xs]: bf16 (K padded to even with zeros) or f32
+  int64_t xs;        // row stride of x in elements
+  const void* w;     // packed
+  const float* bias;  // [N] or nullptr
+  void* y;           // [M, ldy] bf16 or f32
+  int64_t ldy, M, N, K;  // N: valid output features (glu: I); K: padded K (bf16: even)
+  bool glu, out_f32;
+  bool bf16;  // x and w are bf16: the glu epilogue rounds its intermediates to bf16
+};
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define SE_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#define SE_BF16_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+
+// float -> bf16 bits, round to nearest even with NaN kept quiet: c10::BFloat16's rounding.
+SE_AVX512_TARGET inline __m256i to_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb,
+                                                   _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+SE_AVX512_TARGET inline __m512 from_bf16(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+SE_AVX512_TARGET inline __m512 round_bf16(__m512 v) { return from_bf16(to_bf16(v)); }
+
+SE_AVX512_TARGET inline __m512 silu(__m512 g) {
+  f32x16 v;
+  std::memcpy(&v, &g, sizeof(v));
+  v = vsilu(v);
+  __m512 r;
+  std::memcpy(&r, &v, sizeof(r));
+  return r;
+}
+
+SE_AVX512_TARGET inline void store(const Args& a, int64_t row, int64_t col, __m512 v,
+                                   __mmask16 mask) {
+  if (a.out_f32) {
+    _mm512_mask_storeu_ps(static_cast<float*>(a.y) + row * a.ldy + col, mask, v);
+  } else {
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(a.y) + row * a.ldy + col, mask,
+                             to_bf16(v));
+  }
+}
+
+inline __mmask16 lanes(int64_t valid) {
+  return valid >= 16 ? __mmask16(0xffff) : valid <= 0 ? 0 : __mmask16((1u << valid) - 1);
+}
+
+// acc[i][j]: row m0 + i, features 16j..16j+15 of group g.
+template <int MB>
+SE_AVX512_TARGET inline void epilogue(const Args& a, int64_t g, int64_t m0, __m512 (&acc)[MB][4]) {
+  if (a.glu) {  // features 32g.. of the [M, I] output: silu(gate) * up
+    const int64_t col = g * 32;
+    for (int h = 0; h < 2; ++h) {
+      const __mmask16 mask = lanes(a.N - col - 16 * h);
+      for (int i = 0; i < MB; ++i) {
+        if (a.bf16) {
+          const __m512 act = round_bf16(silu(round_bf16(acc[i][h])));
+          store(a, m0 + i, col + 16 * h, _mm512_mul_ps(act, round_bf16(acc[i][2 + h])), mask);
+        } else {
+          store(a, m0 + i, col + 16 * h, _mm512_mul_ps(silu(acc[i][h]), acc[i][2 + h]), mask);
+        }
+      }
+    }
+    return;
+  }
+  for (int j = 0; j < 4; ++j) {
+    const int64_t col = g * kGroup + 16 * j;
+    const __mmask16 mask = lanes(a.N - col);
+    if (!mask) break;
+    const __m512 b = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + col) : _mm512_setzero_ps();
+    for (int i = 0; i < MB; ++i) store(a, m0 + i, col, _mm512_add_ps(acc[i][j], b), mask);
+  }
+}
+
+template <int MB>
+SE_BF16_TARGET void tile_bf16(const Args& a, int64_t g, int64_t m0) {
+  const int64_t kp_n = a.K / 2;
+  const auto* w = static_cast<const uint16_t*>(a.w) + g * kp_n * 2 * kGroup;
+  const auto* x = static_cast<const uint16_t*>(a.x) + m0 * a.xs;
+  __m512 acc[MB][4];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < kp_n; ++kp) {
+    const uint16_t* wk = w + kp * 2 * kGroup;
+    _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * 2 * kGroup), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * 2 * kGroup + 64), _MM_HINT_T0);
+    const __m512i w0 = _mm512_loadu_si512(wk), w1 = _mm512_loadu_si512(wk + 32);
+    const __m512i w2 = _mm512_loadu_si512(wk + 64), w3 = _mm512_loadu_si512(wk + 96);
+    for (int i = 0; i < MB; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, x + i * a.xs + 2 * kp, 4);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xb, (__m512bh)w0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xb, (__m512bh)w1);
+      acc[i][2] = _mm512_dpbf16_ps(acc[i][2], xb, (__m512bh)w2);
+      acc[i][3] = _mm512_dpbf16_ps(acc[i][3], xb, (__m512bh)w3);
+    }
+  }
+  epilogue<MB>(a, g, m0, acc);
+}
+
+template <int MB>
+SE_AVX512_TARGET void tile_f32(const Args& a, int64_t g, int64_t m0) {
+  const auto* w = static_cast<const float*>(a.w) + g * a.K * kGroup;
+  const auto* x = static_cast<const float*>(a.x) + m0 * a.xs;
+  __m512 acc[MB][4];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < a.K; ++k) {
+    const float* wk = w + k * kGroup;
+    _mm_prefetch(reinterpret_cast<const char*>(wk + 8 * kGroup), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wk + 8 * kGroup + 32), _MM_HINT_T0);
+    const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
+    const __m512 w2 = _mm512_loadu_ps(wk + 32), w3 = _mm512_loadu_ps(wk + 48);
+    for (int i = 0; i < MB; ++i) {
+      const __m512 xb = _mm512_set1_ps(x[i * a.xs + k]);
+      acc[i][0] = _mm512_fmadd_ps(xb, w0, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(xb, w1, acc[i][1]);
+      acc[i][2] = _mm512_fmadd_ps(xb, w2, acc[i][2]);
+      acc[i][3] = _mm512_fmadd_ps(xb, w3, acc[i][3]);
+    }
+  }
+  epilogue<MB>(a, g, m0, acc);
+}
+
+template <bool BF16>
+void run_groups(const Args& a, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g)
+    for (int64_t m = 0; m < a.M; m += kMaxRows) {
+      const int64_t rows = std::min<int64_t>(kMaxRows, a.M - m);
+#define SE_TILE(R) \
+  case R: BF16 ? tile_bf16<R>(a, g, m) : tile_f32<R>(a, g, m); break;
+      switch (rows) {
+        SE_TILE(1) SE_TILE(2) SE_TILE(3) SE_TILE(4) SE_TILE(5) SE_TILE(6)
+        default: break;
+      }
+#undef SE_TILE
+    }
+}
+#endif
+
+bool has_avx512(bool bf16) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool f = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                        __builtin_cpu_supports("fma");
+  static const bool b = f && __builtin_cpu_supports("avx512bf16");
+  return bf16 ? b : f;
+#else
+  (void)bf16;
+  return false;
+#endif
+}
+
+}  // namespace
+
+bool avx512_linear_available(bool bf16) { return has_avx512(bf16); }
+
+at::Tensor avx512_pack_weight(const at::Tensor& w, bool glu) {
+  TORCH_CHECK_VALUE(w.dim() == 2 && w.device().is_cpu(), "weight must be a 2-D CPU tensor, got ",
+                    w.sizes());
+  const bool bf16 = w.scalar_type() == at::kBFloat16;
+  TORCH_CHECK_TYPE(bf16 || w.scalar_type() == at::kFloat, "weight must be bfloat16 or float32, got ",
+                   w.scalar_type());
+  TORCH_CHECK_VALUE(has_avx512(bf16), "this CPU lacks AVX-512", bf16 ? " BF16" : "");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK_VALUE(!glu || N % 64 == 0, "glu packing needs 2*I rows with I % 32 == 0, got ", N);
+  const int64_t G = glu ? N / 64 : (N + kGroup - 1) / kGroup;
+  const int64_t I = N / 2;
+  auto wc = w.contiguous();
+  // source row of feature slot s (0..63) of group g, or -1 for padding
+  auto row_of = [&](int64_t g, int64_t s) -> int64_t {
+    if (glu) return (s < 32 ? 0 : I) + g * 32 + s % 32;
+    const int64_t r = g * kGroup + s;
+    return r < N ? r : -1;
+  };
+  if (bf16) {
+    const int64_t kp_n = (K + 1) / 2;
+    auto packed = at::zeros({G, kp_n, kGroup, 2}, w.options());
+    const auto* src = reinterpret_cast<const uint16_t*>(wc.data_ptr());
+    auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t s = 0; s < kGroup; ++s) {
+        const int64_t r = row_of(g, s);
+        if (r < 0) continue;
+        for (int64_t k = 0; k < K; ++k)
+          dst[((g * kp_n + k / 2) * kGroup + s) * 2 + k % 2] = src[r * K + k];
+      }
+    return packed;
+  }
+  auto packed = at::zeros({G, K, kGroup}, w.options());
+  const float* src = wc.data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t s = 0; s < kGroup; ++s) {
+      const int64_t r = row_of(g, s);
+      if (r < 0) continue;
+      for (int64_t k = 0; k < K; ++k) dst[(g * K + k) * kGroup + s] = src[r * K + k];
+    }
+  return packed;
+}
+
+at::Tensor avx512_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                         const std::optional<at::Tensor>& bias, bool glu, bool out_f32) {
+  const bool bf16 = packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK_TYPE(x.scalar_type() == packed.scalar_type(), "x dtype ", x.scalar_type(),
+                   " differs from the packed weight's ", packed.scalar_type());
+  TORCH_CHECK_VALUE(has_avx512(bf16), "this CPU lacks AVX-512", bf16 ? " BF16" : "");
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.device().is_cpu(), "x must be [M, K] on the CPU, got ",
+                    x.sizes());
+  TORCH_CHECK_VALUE(packed.is_contiguous() && packed.size(-1) == (bf16 ? 2 : kGroup) &&
+                        packed.dim() == (bf16 ? 4 : 3),
+                    "packed weight must come from avx512_pack_weight, got ", packed.sizes());
+  const int64_t M = x.size(0), K = x.size(1), G = packed.size(0);
+  const int64_t Kpad = bf16 ? 2 * packed.size(1) : packed.size(1);
+  TORCH_CHECK_VALUE(bf16 ? (K + 1) / 2 * 2 == Kpad : K == Kpad, "x has K=", K,
+                    " but the packed weight has ", Kpad, " input features");
+  TORCH_CHECK_VALUE(glu ? (N % 64 == 0 && G == N / 64) : (G == (N + kGroup - 1) / kGroup),
+                    "N=", N, " does not match the packed weight (", G, " groups)");
+  const int64_t out_n = glu ? N / 2 : N;
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK_VALUE(!glu, "glu mode takes no bias");
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N, "bias must be [N=", N, "], got ",
+                      bias->sizes());
+    b = bias->scalar_type() == at::kFloat && bias->is_contiguous()
+            ? *bias
+            : bias->to(at::kFloat).contiguous();
+  }
+  auto y = at::empty({M, out_n}, x.options().dtype(out_f32 ? at::kFloat : x.scalar_type()));
+  if (M == 0 || out_n == 0) return y;
+  at::Tensor xc = x;
+  if (x.stride(1) != 1 || Kpad != K || x.stride(0) < K) {
+    xc = at::zeros({M, Kpad}, x.options());
+    xc.narrow(1, 0, K).copy_(x);
+  }
+  Args a{xc.data_ptr(), xc.stride(0), packed.data_ptr(), b.defined() ? b.data_ptr<float>() : nullptr,
+         y.data_ptr(), out_n, M, out_n, Kpad, glu, out_f32 || !bf16, bf16};
+#if defined(__x86_64__) && defined(__GNUC__)
+  const int64_t group_bytes = Kpad * kGroup * packed.element_size();
+  const int64_t grain = std::max<int64_t>(1, (32 << 10) / group_bytes);
+  parallel_ranges(G, grain, 4, [&](int64_t g0, int64_t g1) {
+    if (bf16) run_groups<true>(a, g0, g1);
+    else run_groups<false>(a, g0, g1);
+  });
+#endif
+  return y;
+}
+
+}  // namespace specengine
