@@ -3,6 +3,7 @@
 
 #include "allocator.h"
 #include "ops.h"
+#include "pool.h"
 
 namespace py = pybind11;
 using specengine::BlockAllocator;
@@ -61,6 +62,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"), py::arg("eps"));
   m.def("silu_and_mul", &specengine::silu_and_mul_cpu, py::arg("x"));
   m.def("cpu_isa", &specengine::cpu_isa);
+  m.def("set_pool_threads", &specengine::set_pool_threads, py::arg("n"),
+        "Threads of the kernels' pool (0: follow torch.get_num_threads()).");
+  m.def("pool_threads", &specengine::pool_threads, "Threads the kernels' pool uses now.");
 #ifdef SPECENGINE_WITH_CUDA
   m.def("paged_attention_cuda", &specengine::paged_attention_cuda, py::arg("query"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("query_seq"),

@@ -12,7 +12,6 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <mutex>
-#include <string>
 #include <thread>
 #include <vector>
 
@@ -135,41 +134,24 @@ Pool& pool() {
   return *g_pool;
 }
 
-bool use_spin_pool() {
-  static const bool spin = [] {
-    const char* s = std::getenv("SPECENGINE_POOL");
-    return s != nullptr && std::string(s) == "spin";
-  }();
-  return spin;
-}
-
-// OpenMP (torch's own threads): chunks are claimed from a counter, so a thread that starts
-// late only runs what is left.
-void run_openmp(int64_t n, ChunkFn fn, void* ctx, int threads) {
-  std::atomic<int64_t> next{0};
-  const int nt = static_cast<int>(std::min<int64_t>(threads, n));
-#pragma omp parallel num_threads(nt)
-  {
-    in_pool_job = true;
-    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
-         i = next.fetch_add(1, std::memory_order_relaxed))
-      fn(ctx, i);
-    in_pool_job = false;
-  }
-}
-
 }  // namespace
 
-int pool_threads() { return std::max(1, at::get_num_threads()); }
+std::atomic<int> g_threads{0};
+
+int pool_threads() {
+  const int n = g_threads.load(std::memory_order_relaxed);
+  return std::max(1, n > 0 ? n : at::get_num_threads());
+}
+
+void set_pool_threads(int n) { g_threads.store(std::max(0, n), std::memory_order_relaxed); }
 
 void parallel_chunks_impl(int64_t n, ChunkFn fn, void* ctx) {
   const int threads = pool_threads();
-  if (n == 1 || threads <= 1 || in_pool_job || at::in_parallel_region()) {
+  if (n == 1 || threads <= 1 || in_pool_job || n > static_cast<int64_t>(kMask16)) {
     for (int64_t i = 0; i < n; ++i) fn(ctx, i);
     return;
   }
-  if (use_spin_pool() && n <= static_cast<int64_t>(kMask16)) return pool().run(n, fn, ctx, threads);
-  run_openmp(n, fn, ctx, threads);
+  pool().run(n, fn, ctx, threads);
 }
 
 }  // namespace specengine

@@ -1,21 +1,17 @@
-// Thread pool for the decode-sized kernels.
+// A small work-claiming thread pool for the decode-sized kernels.
 //
-// parallel_chunks(n, f) calls f(i) once for each i in [0, n) and returns when all calls are
-// done. By default the chunks run in an OpenMP parallel region, on torch's own OpenMP threads
-// (at::get_num_threads()), claimed one by one from an atomic counter. Sharing torch's threads
-// matters: a second pool would compete with OpenMP workers that spin after every torch op, and
-// on a 2-core machine that halves the speed of both (measured: a memory-bound linear ran at 15
-// instead of 30 GB/s).
+// Why not at::parallel_for (OpenMP): a parallel region ends in a barrier, so on a machine whose
+// other cores are busy a call waits for the slowest OpenMP thread to be scheduled at all
+// (milliseconds per call, measured: 24 ms for a 30 us linear on a loaded 2-core machine). Here
+// the caller claims chunks itself from an atomic counter and only waits for chunks that a helper
+// has already claimed (and is running); a helper that wakes up late finds no work and goes back
+// to waiting. Helpers spin briefly (SPECENGINE_SPIN_US, default 200 us) before sleeping, so the
+// back-to-back kernel calls of a decode step do not pay for a wake-up each.
 //
-// SPECENGINE_POOL=spin selects our own work-claiming pool instead, for machines whose other
-// cores are busy: an OpenMP region ends in a barrier, so there a call waits for the slowest
-// thread to be scheduled at all (24 ms for a 30 us linear, measured on a loaded 2-core machine),
-// while with this pool the caller only waits for chunks a helper has already claimed. Its helpers
-// spin briefly (SPECENGINE_SPIN_US, default 200 us) before sleeping.
-//
-// Which thread runs which chunk varies from call to call: f must write disjoint outputs (results
-// then do not depend on the schedule). f must not throw. Nested calls and calls with one thread
-// run inline.
+// parallel_chunks(n, f) calls f(i) once for each i in [0, n), on the caller and up to
+// pool_threads() - 1 helpers; it returns when all calls are done. Which thread runs
+// which chunk varies from call to call: f must write disjoint outputs (results then do not
+// depend on the schedule). f must not throw. Nested calls and calls with one thread run inline.
 #pragma once
 
 #include <cstdint>
@@ -27,8 +23,14 @@ using ChunkFn = void (*)(void* ctx, int64_t chunk);
 
 void parallel_chunks_impl(int64_t n, ChunkFn fn, void* ctx);
 
-// Threads the pool would use for a call now (at::get_num_threads(), at least 1).
+// Threads the pool would use for a call now: the count given to set_pool_threads, or (0, the
+// default) at::get_num_threads(); at least 1.
 int pool_threads();
+// The engine sets its own count so it can run decode steps with torch's OpenMP pool at one
+// thread: OpenMP workers spin for milliseconds after every parallel torch op, and on a machine
+// with as many threads as cores they would take turns with these helpers (measured: a
+// memory-bound linear at 15 instead of 30 GB/s on 2 cores).
+void set_pool_threads(int n);
 
 template <class F>
 void parallel_chunks(int64_t n, F&& f) {

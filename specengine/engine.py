@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specengine import ops
 from specengine.config import EngineConfig
 from specengine.kv.block_manager import BlockManager
 from specengine.model_runner import ModelRunner, make_backend
@@ -177,11 +178,17 @@ class Engine:
         schedule -> draft (speculation) -> one target forward -> sample / verify -> KV commit
         -> append tokens one at a time with the stop rules.
         """
-        m = self.metrics
         strategy = None
         if self.proposer is not None:
             strategy = self.policy.choose(len(self.scheduler.running))
         entries = self.scheduler.schedule(lookahead=strategy.budget if strategy else 0)
+        rows = sum(e.num_new + (strategy.budget if strategy and not e.is_prefill else 0)
+                   for e in entries)
+        with ops.kernel_threads(ops.packed_covers(rows)):  # decode-sized: kernels' threads only
+            return self._step(entries, strategy)
+
+    def _step(self, entries: list[BatchEntry], strategy: Strategy | None) -> list[RequestOutput]:
+        m = self.metrics
         t0 = time.perf_counter()
         if strategy is not None:
             self._draft(entries, strategy)

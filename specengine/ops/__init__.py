@@ -3,7 +3,9 @@
 Every op has a pure-torch path (``*_torch``) that is the reference in tests. The C++ paths run
 for CPU float32/bfloat16 tensors when ``specengine._C`` is built; anything else takes the torch
 path. Threads: the C++ ops use ``torch.get_num_threads()`` threads (their own work-claiming
-pool, see csrc/pool.h: a busy core delays a call by at most the chunks it already claimed).
+pool, see csrc/pool.h: a busy core delays a call by at most the chunks it already claimed);
+inside ``kernel_threads`` (decode-sized engine steps) they keep that count while torch runs on
+one thread, so torch's spinning OpenMP workers do not compete with them.
 
 Weights can be prepared once with ``prepack`` (the tile layout of ``csrc/linear_amx.cpp`` for
 bfloat16 on CPUs with AMX, else the 64-feature groups of ``csrc/linear_avx512.cpp`` on AVX-512
@@ -12,6 +14,7 @@ CPUs); ``linear`` and ``linear_glu`` accept the result in place of a weight.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -25,10 +28,10 @@ LINEAR_MAX_M = {torch.bfloat16: 4, torch.float32: 8}
 # With a prepacked weight, up to this many rows go to the packed kernel (AMX tiles, or the
 # AVX-512 64-feature groups on CPUs without AMX); more go to torch. Measured with
 # bench/bench_kernels.py on 2 cores (AMD EPYC, AVX-512 BF16): the AVX-512 kernel reads weights
-# at ~40 GB/s up to 8 rows (torch ~20) and stays faster than torch up to 64 rows and beyond;
-# so decode, verify and small prefill chunks all take it and every row is batch-invariant.
+# at ~40 GB/s up to 8 rows (torch ~20) and stays faster than torch at every row count measured;
+# so decode, verify and prefill all take it and every row is batch-invariant.
 AMX_MAX_M = 32
-AVX512_MAX_M = 256
+AVX512_MAX_M = 4096
 
 _FLOATS = (torch.float32, torch.bfloat16)
 
@@ -180,6 +183,38 @@ def linear_glu(x: torch.Tensor, gate_up: torch.Tensor | PackedWeight) -> torch.T
         if gate_up.glu:
             gate_up = gate_up.weight
     return silu_and_mul(linear(x, gate_up))
+
+
+def packed_covers(rows: int) -> bool:
+    """True when a forward of ``rows`` tokens runs all its linear layers in the extension's
+    packed kernels on this CPU (so torch's own threads are not needed for it)."""
+    if amx_available():
+        return rows <= AMX_MAX_M
+    return avx512_available(torch.bfloat16) and rows <= AVX512_MAX_M
+
+
+@contextlib.contextmanager
+def kernel_threads(active: bool = True):
+    """Within the block, torch runs on one thread and the extension's kernels on the threads
+    torch had (its thread pool, ``csrc/pool.h``), when ``active`` and the extension is built.
+
+    Why: after each parallel op torch's OpenMP workers spin for milliseconds; with as many
+    threads as cores they take turns with the kernels' own threads (measured on 2 cores: a
+    memory-bound linear at 15 instead of 30 GB/s). The engine wraps decode-sized steps in this,
+    whose linear layers and attention all run in the kernels (``packed_covers``).
+    """
+    mod = ext()
+    n = torch.get_num_threads()
+    if not active or mod is None or n <= 1:
+        yield
+        return
+    mod.set_pool_threads(n)
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+        mod.set_pool_threads(0)
 
 
 def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
