@@ -14,6 +14,7 @@ speculative sampling gives token for token the plain sampling output of the same
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -111,23 +112,33 @@ class SamplingParams:
 class SampleNoise:
     """The sampling noise of one sample: ``E_j ~ Exp(1)^V`` per output position ``j``.
 
+    The last ``CACHE_SIZE`` draws are kept (keyed by position and vocabulary size): drafting
+    and verification ask for the same few positions every step.
+
     Args:
         seed: the request's seed. sample_index: which of its ``n`` samples.
     """
 
+    CACHE_SIZE = 10  # positions: a draft of depth <= 9 and its verification
+
     def __init__(self, seed: int, sample_index: int):
         self.key = hash((seed, sample_index)) & ((1 << 62) - 1)
         self._gen = torch.Generator()
-        self._cache: tuple[int, torch.Tensor] | None = None
+        self._cache: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
 
     def __call__(self, position: int, vocab: int) -> torch.Tensor:
-        """``[vocab]`` float32 noise of output position ``position`` (0 = first output token)."""
-        if self._cache is not None and self._cache[0] == position \
-                and self._cache[1].numel() == vocab:
-            return self._cache[1]
+        """``[vocab]`` float32 noise of output position ``position`` (0 = first output token);
+        shared with the cache, so callers must not modify it."""
+        key = (position, vocab)
+        e = self._cache.get(key)
+        if e is not None:
+            self._cache.move_to_end(key)
+            return e
         self._gen.manual_seed(hash((self.key, position)) & ((1 << 63) - 1))
-        e = torch.empty(vocab, dtype=torch.float32).exponential_(generator=self._gen)
-        self._cache = (position, e)
+        e = self._cache[key] = torch.empty(vocab, dtype=torch.float32).exponential_(
+            generator=self._gen)
+        if len(self._cache) > self.CACHE_SIZE:
+            self._cache.popitem(last=False)
         return e
 
 

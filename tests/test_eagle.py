@@ -11,7 +11,7 @@ from specengine import LLM, SamplingParams
 from specengine.kv.block_manager import BlockManager
 from specengine.model_runner import ModelRunner
 from specengine.models.loader import load_model, save_random_model
-from specengine.sampling import SampleNoise
+from specengine.sampling import SampleNoise, process_logits
 from specengine.scheduler import BatchEntry
 from specengine.sequence import Sequence
 from specengine.spec.eagle import (
@@ -89,35 +89,76 @@ def test_sampling_seeds_reproduce(target_dir):
     assert llm.get_metrics()["kv_blocks_free"] == llm.get_metrics()["kv_blocks_total"]
 
 
+def test_seeded_sampling_equals_plain_sampling(target_dir, target, plain, tmp_path):
+    """Coupled EAGLE drafting (full and permuted reduced draft vocabulary) commits exactly the
+    tokens plain sampling draws, at T=1 with top-p / top-k / min-p and mixed with greedy."""
+    em = EagleModel(EagleConfig.for_target(target, 200), target.model, torch.float32,
+                    torch.randperm(512, generator=torch.Generator().manual_seed(2))[:200])
+    save_drafter(em.random_init(7), tmp_path / "ck")
+    prompts = rand_prompts(6, seed=13)
+    sp = [SamplingParams(temperature=t, top_p=tp, top_k=k, min_p=mp, seed=i, max_tokens=20,
+                         ignore_eos=True)
+          for i, (t, tp, k, mp) in enumerate([(1.0, 1.0, 0, 0.0), (1.0, 0.9, 0, 0.0),
+                                              (1.0, 1.0, 8, 0.0), (1.0, 0.8, 30, 0.0),
+                                              (0.7, 1.0, 0, 0.05), (0.0, 1.0, 0, 0.0)])]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
+    for spec in (eagle(3, 2, 5), {"method": "eagle", "model": str(tmp_path / "ck"),
+                                  "num_speculative_tokens": 3}):
+        llm = make(target_dir, spec)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        assert got == want
+        assert llm.get_metrics()["kv_blocks_free"] == llm.get_metrics()["kv_blocks_total"]
+
+
 def test_paged_drafting_equals_dense_unroll(target):
     """The engine-side drafter (paged KV, tree attention) and the training forward
-    (``EagleModel.unroll``) compute the same distributions for every tree node."""
+    (``EagleModel.unroll``) compute the same distributions for every tree node, in one batch:
+    a greedy sequence drafts by the plain draft log-probabilities; a sampled one (7 tokens into
+    its output) by the noise-coupled ones, ``log_softmax(process(logits) - log E)`` with E its
+    noise at the child's output position (7 + depth - 1), read through ``vocab_map``."""
     tokens = torch.randint(0, 512, (19,), generator=torch.Generator().manual_seed(0)).tolist()
-    hidden, seq = features(target, tokens)
+    hidden, _ = features(target, tokens)
     vmap = torch.randperm(512, generator=torch.Generator().manual_seed(1))[:300]
     em = EagleModel(EagleConfig.for_target(target, 300), target.model, torch.float32,
                     vmap).random_init(3)
     drafter = EagleDrafter(Strategy(4), em, 64, 8)
     n = len(tokens)
-    drafter.observe(seq, 0, hidden[:n - 1])
+    sampled = SamplingParams(temperature=0.8, top_p=0.95, top_k=100)
+    seqs = [Sequence("g", 0, tokens[:12], greedy(), SampleNoise(0, 0)),
+            Sequence("s", 0, tokens[:12], sampled, SampleNoise(3, 0))]
+    for s in seqs:
+        s.token_ids = list(tokens)
+        drafter.observe(s, 0, hidden[:n - 1])
+
+    def dense_logprobs(seq, path):
+        """Log-probabilities over the draft vocabulary of the children of node ``path``."""
+        d = len(path) + 1
+        toks = torch.tensor([tokens + path])
+        feats = torch.zeros(1, toks.shape[1], 64)
+        feats[0, :n - 1] = hidden[:n - 1]
+        logits = em.draft_logits(em.unroll(toks, feats, d)[d - 1][0, n - 2][None])
+        if seq.params.greedy:
+            return torch.log_softmax(logits, -1)[0]
+        noise = seq.noise(seq.num_output_tokens + d - 1, 512)[vmap]
+        return torch.log_softmax(process_logits(logits, [seq.params]) - noise.log(), -1)[0]
+
     strategy = Strategy(4, 3, 12)
     for _ in range(2):  # the second call reuses the cached drafter KV
-        tree = drafter.propose([seq], strategy)[0]
-        assert tree.num_nodes == 12 and tree.max_depth <= 4
-        assert set(tree.tokens) <= set(vmap.tolist())
-        for i in range(tree.num_nodes):
-            path = [tree.tokens[j] for j in tree.path_to(i)]
-            d = len(path)
-            toks = torch.tensor([tokens + path[:-1]])
-            feats = torch.zeros(1, toks.shape[1], 64)
-            feats[0, :n - 1] = hidden[:n - 1]
-            out = em.unroll(toks, feats, d)[d - 1][0, n - 2]
-            logp = em.draft_logprobs(out[None])[0]
-            want = float(logp[(vmap == path[-1]).nonzero()[0, 0]])
-            assert abs(want - tree.draft_logprobs[i]) < 1e-4
-    # a chain is the greedy path
-    chain = drafter.propose([seq], Strategy(3))[0]
-    assert chain.parents == [-1, 0, 1]
+        for seq, tree in zip(seqs, drafter.propose(seqs, strategy)):
+            assert tree.num_nodes == 12 and tree.max_depth <= 4
+            assert set(tree.tokens) <= set(vmap.tolist())
+            for i in range(tree.num_nodes):
+                path = [tree.tokens[j] for j in tree.path_to(i)]
+                logp = dense_logprobs(seq, path[:-1])
+                got = logp[(vmap == path[-1]).nonzero()[0, 0]]
+                assert abs(float(got) - tree.draft_logprobs[i]) < 1e-4
+                assert int((logp > got).sum()) < 3  # among the top-k of its parent's row
+    # a chain is the greedy path: of the draft scores, or of the perturbed ones when sampled
+    for seq in seqs:
+        chain = drafter.propose([seq], Strategy(3))[0]
+        assert chain.parents == [-1, 0, 1]
+        for i, tok in enumerate(chain.tokens):
+            assert vmap[dense_logprobs(seq, chain.tokens[:i]).argmax()] == tok
 
 
 def test_checkpoint_round_trip(target, tmp_path):

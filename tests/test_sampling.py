@@ -2,6 +2,8 @@ import pytest
 import torch
 
 from specengine.sampling import SampleNoise, SamplingParams, process_logits, sample
+from specengine.sequence import Sequence
+from specengine.spec.coupling import TOP_P_WINDOW, coupled_logprobs, filter_logits
 
 
 def test_params_validation_names_the_field():
@@ -69,3 +71,69 @@ def test_noise_depends_on_seed_sample_and_position_only():
                                       SampleNoise(1, 3)(j, 100)])[1].item() for j in range(20)]
     assert batch == alone
     assert len(set(alone)) > 3  # really sampling, not a constant
+
+
+def test_noise_cache_keeps_the_last_positions_with_unchanged_values():
+    a = SampleNoise(5, 0)
+    # the values of today's (and every earlier) SampleNoise: the cache must not change them
+    assert a(3, 100)[:4].tolist() == [0.3140124976634979, 1.4662697315216064,
+                                      1.6686642169952393, 0.602264940738678]
+    assert SampleNoise(123456789, 7)(1000, 512)[[0, 17, 511]].tolist() == [
+        0.6083627343177795, 0.38755708932876587, 0.01669110544025898]
+    first = a(3, 100)
+    for j in range(4, 4 + SampleNoise.CACHE_SIZE - 1):
+        a(j, 100)
+    assert a(3, 100) is first  # still cached (and now the most recent)
+    assert a(4, 200) is not a(4, 100)  # keyed by the vocabulary size too
+    for j in range(100, 100 + SampleNoise.CACHE_SIZE):
+        a(j, 100)
+    again = a(3, 100)
+    assert again is not first and torch.equal(again, first)  # evicted, drawn again
+
+
+def test_batched_draft_filter_is_process_logits_within_the_window():
+    """``filter_logits`` keeps what ``process_logits`` keeps, except that a top-p nucleus
+    (without top-k) is cut at the ``TOP_P_WINDOW`` most likely tokens."""
+    g = torch.Generator().manual_seed(0)
+    V = 1000
+    scale = torch.tensor([0.5, 2.0, 8.0]).repeat_interleave(4)[:, None]  # flat .. peaked rows
+    logits = torch.randn(12, V, generator=g) * scale
+    cut_rows = 0
+    for params in [[p] * 12 for p in [
+            SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(top_k=5),
+            SamplingParams(top_k=400, temperature=1.3), SamplingParams(top_p=0.9),
+            SamplingParams(top_p=0.5, top_k=50), SamplingParams(min_p=0.1),
+            SamplingParams(temperature=0.8, top_p=0.95, min_p=0.02),
+            SamplingParams(top_p=0.99, top_k=300)]] + [
+            [SamplingParams(top_p=0.5), SamplingParams(top_k=3), SamplingParams(min_p=0.2),
+             SamplingParams(top_k=400, top_p=0.9)] * 3]:
+        want = process_logits(logits, params)
+        for row, p in zip(want, params):
+            if p.top_p < 1 and not p.top_k and torch.isfinite(row).sum() > TOP_P_WINDOW:
+                row[row < torch.topk(row, TOP_P_WINDOW).values[-1]] = -torch.inf
+                cut_rows += 1
+        assert torch.allclose(filter_logits(logits, params), want)
+    assert cut_rows >= 4
+
+
+def test_coupled_draft_argmax_is_the_targets_sample():
+    """With the draft equal to the target, the coupled draft's best token is exactly the token
+    sampling draws (also through a permuted draft vocabulary); greedy rows keep the plain
+    draft log-probabilities."""
+    g = torch.Generator().manual_seed(1)
+    V = 300
+    logits = torch.randn(40, V, generator=g) * 3
+    params = [SamplingParams(temperature=t, top_p=tp, top_k=k, seed=0)
+              for t, tp, k in [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.0, 1.0, 10), (0.0, 1.0, 0)]]
+    seqs = [Sequence("r", i % 3, [1], params[i % 4], SampleNoise(7, i % 3)) for i in range(40)]
+    positions = [i // 4 for i in range(40)]
+    noise = [s.noise(j, V) for s, j in zip(seqs, positions)]
+    want = sample(process_logits(logits, [s.params for s in seqs]), [s.params for s in seqs],
+                  noise)
+    lp = coupled_logprobs(logits, seqs, positions, V)
+    assert torch.equal(lp.argmax(-1), want)
+    greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
+    assert torch.equal(lp[greedy], torch.log_softmax(logits[greedy], -1))
+    vmap = torch.randperm(V, generator=g)
+    lp = coupled_logprobs(logits[:, vmap], seqs, positions, V, vmap)
+    assert torch.equal(vmap[lp.argmax(-1)], want)

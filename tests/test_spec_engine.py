@@ -1,10 +1,12 @@
 """Speculative decoding in the engine on tiny random models: lossless, KV accounting, metrics."""
 
 import pytest
+import torch
 from helpers import rand_prompts
 
 from specengine import LLM, SamplingParams
 from specengine.models.loader import save_random_model
+from specengine.spec import draft_model
 
 
 @pytest.fixture(scope="module")
@@ -178,21 +180,54 @@ def test_200_sequential_requests_leave_the_pool_at_baseline(target_dir):
 
 @pytest.mark.parametrize("spec", [
     {"method": "draft_model", "model": "DRAFT", "num_speculative_tokens": 3, "topk": 2},
+    {"method": "draft_model", "model": "SELF", "num_speculative_tokens": 4, "topk": 2,
+     "num_verify_tokens": 6},
     {"method": "ngram", "num_speculative_tokens": 4},
     {"method": "draft_model", "model": "DRAFT", "num_speculative_tokens": 3, "policy": "auto"},
-], ids=["draft-tree", "ngram-chain", "draft-auto-policy"])
+], ids=["draft-tree", "self-draft-tree", "ngram-chain", "draft-auto-policy"])
 def test_seeded_sampling_equals_plain_sampling_token_for_token(target_dir, draft_dir, plain,
                                                                 spec):
     """The sampling noise is keyed by output position, so speculation (any drafter, tree or
-    policy) commits exactly the tokens plain sampling draws with the same seed."""
-    spec = {**spec, "model": str(draft_dir)} if "model" in spec else spec
+    policy; drafting coupled to that noise, which the self-draft accepts almost always)
+    commits exactly the tokens plain sampling draws with the same seed."""
+    if "model" in spec:
+        spec = {**spec, "model": str(draft_dir if spec["model"] == "DRAFT" else target_dir)}
     llm = make(target_dir, spec)
-    prompts = rand_prompts(6, seed=21)
+    prompts = rand_prompts(8, seed=21)
     sp = [SamplingParams(temperature=t, top_p=tp, top_k=k, seed=i, max_tokens=24,
                          ignore_eos=True)
           for i, (t, tp, k) in enumerate([(1.0, 1.0, 0), (0.7, 0.9, 0), (1.0, 1.0, 5),
-                                          (0.0, 1.0, 0), (1.3, 0.8, 20), (0.6, 1.0, 0)])]
+                                          (0.0, 1.0, 0), (1.3, 0.8, 20), (0.6, 1.0, 0),
+                                          (1.0, 0.9, 0), (1.0, 0.95, 40)])]
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert got == want
     assert llm.get_metrics()["kv_blocks_free"] == llm.get_metrics()["kv_blocks_total"]
+
+
+def test_coupled_self_draft_accepts_almost_everything_at_t1(target_dir, monkeypatch):
+    """Drafting with the sampling noise (``specengine.spec.coupling``): a draft equal to the
+    target proposes the very tokens the target samples, so tau is about d + 1 at T=1 (with
+    top-p / top-k too); the same drafter ranking by its plain top-k gets far less, with the
+    same (lossless) output."""
+    d = 4
+    prompts = rand_prompts(6, seed=31)
+    sp = [SamplingParams(temperature=1.0, top_p=tp, top_k=k, seed=i, max_tokens=1 + 5 * 8,
+                         ignore_eos=True)  # 8 full verify steps of d + 1 tokens
+          for i, (tp, k) in enumerate([(1.0, 0), (0.9, 0), (1.0, 20), (0.8, 50), (1.0, 0),
+                                       (0.95, 0)])]
+
+    def run():
+        llm = make(target_dir, {"method": "draft_model", "model": str(target_dir),
+                                "num_speculative_tokens": d})
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        return llm.get_metrics()["acceptance_length"], [o.outputs[0].token_ids for o in outs]
+
+    coupled, want = run()
+    monkeypatch.setattr(draft_model, "coupled_logprobs",
+                        lambda logits, *args: torch.log_softmax(logits, -1))
+    uncoupled, got = run()
+    print(f"self-draft tau at T=1, d={d}: coupled {coupled:.3f}, uncoupled {uncoupled:.3f}")
+    assert coupled >= d + 0.9
+    assert uncoupled <= coupled - 1.0
+    assert got == want

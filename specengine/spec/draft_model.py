@@ -5,7 +5,10 @@ Per sequence the drafter keeps a shadow sequence whose cached prefix is the long
 prefix of what it last saw and the target sequence's committed tokens, so accepted draft tokens
 keep their draft KV and rejected ones are simply overwritten: the draft state always advances by
 exactly the accepted tokens. Trees: the draft's greedy chain, with the top-k alternatives at
-each depth as extra leaves, the best ``budget`` nodes by cumulative draft probability kept.
+each depth as extra leaves, the best ``budget`` nodes by cumulative draft probability kept. For
+a sampled sequence "greedy" and "top-k" are taken over the draft scores perturbed by the
+sequence's own sampling noise (``specengine.spec.coupling``): the chain is then the draft's
+sample coupled to the target's.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from specengine.kv.block_manager import BlockManager
 from specengine.model_runner import ModelRunner
 from specengine.scheduler import BatchEntry
 from specengine.sequence import Sequence
+from specengine.spec.coupling import coupled_logprobs
 from specengine.spec.proposer import Proposer
 from specengine.spec.strategy import Strategy
 from specengine.spec.tree import DraftTree
@@ -91,21 +95,22 @@ class DraftModelDrafter(Proposer):
         out: list[DraftTree | None] = [None] * len(seqs)
         if not live:
             return out
-        # per live sequence: chain tokens, and per depth the top-k (token, logprob) candidates
-        chains = {i: [] for i in live}
+        # per live sequence and depth: the top-k (token, logprob) candidates, chain token first
         cands = {i: [] for i in live}
+        live_seqs = [seqs[i] for i in live]
+        n_out = [s.num_output_tokens for s in live_seqs]  # output position of depth-1 tokens
         entries = [BatchEntry(shadows[i], len(shadows[i]) - shadows[i].num_cached, [],
                               is_prefill=True) for i in live]
         for step in range(d):
             logits, _ = self.runner.run(entries, self.blocks)
-            logp = torch.log_softmax(logits[:, :self.vocab_size].float(), dim=-1)
+            logp = coupled_logprobs(logits[:, :self.vocab_size].float(), live_seqs,
+                                    [n + step for n in n_out], self.vocab_size)
             top = torch.topk(logp, k, dim=-1)
             for row, i in enumerate(live):
                 sh = shadows[i]
                 sh.num_cached = len(sh)
                 toks, vals = top.indices[row].tolist(), top.values[row].tolist()
-                cands[i].append(list(zip(toks, vals)))
-                chains[i].append(toks[0])
+                cands[i].append([(t, lp) for t, lp in zip(toks, vals) if lp > -torch.inf])
                 sh.token_ids.append(toks[0])
             if step + 1 < d:
                 entries = [BatchEntry(shadows[i], 1, [], is_prefill=True) for i in live]

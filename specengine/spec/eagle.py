@@ -43,6 +43,7 @@ from specengine.model_runner import make_backend
 from specengine.models.config import ModelConfig
 from specengine.models.llama import DecoderLayer, add_rms_norm, apply_rope, rope_cache
 from specengine.sequence import Sequence
+from specengine.spec.coupling import coupled_logprobs
 from specengine.spec.proposer import Proposer
 from specengine.spec.strategy import Strategy
 from specengine.spec.tree import DraftTree
@@ -201,9 +202,9 @@ class EagleModel(nn.Module):
         return out
 
     @torch.no_grad()
-    def draft_logprobs(self, feats: torch.Tensor) -> torch.Tensor:
-        """``[N, Vd]`` float32 log-probabilities over the draft vocabulary."""
-        return torch.log_softmax(ops.linear(feats, self.head_weight()).float(), dim=-1)
+    def draft_logits(self, feats: torch.Tensor) -> torch.Tensor:
+        """``[N, Vd]`` float32 logits over the draft vocabulary for features ``[N, H]``."""
+        return ops.linear(feats, self.head_weight()).float()
 
     def to_full_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary indices -> target token ids."""
@@ -400,7 +401,10 @@ class EagleDrafter(Proposer):
 
     Per depth, the top-k nodes by cumulative draft log-probability are fed to the drafter and
     each gets its top-k children; after the last depth the best ``budget`` nodes overall are kept
-    (a child never outscores its parent, so they form a tree). Children are chosen
+    (a child never outscores its parent, so they form a tree). For a sampled sequence the
+    log-probabilities are those of the draft scores perturbed by the sequence's own sampling
+    noise (``specengine.spec.coupling``), so the tree follows what the target will sample;
+    tokens its top-k / top-p / min-p drop are not drafted. Children are chosen
     deterministically (``DraftTree.sampled=False``): lossless under greedy and sampling
     verification. Each depth is one drafter forward over all sequences (tree attention).
 
@@ -514,10 +518,17 @@ class EagleDrafter(Proposer):
             meta.tree_mask = mask
         return meta
 
-    def _topk(self, feats: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
-        logp = self.model.draft_logprobs(feats)
+    def _topk(self, feats: torch.Tensor, k: int, seqs: list[Sequence],
+              positions: list[int]) -> list[list[tuple[int, float]]]:
+        """Per row of ``feats`` ``[R, H]``: the top-k children as (target id, log-probability)
+        by ``coupled_logprobs`` (row r drafts for ``seqs[r]`` at output position
+        ``positions[r]``), best first; tokens of log-probability ``-inf`` are left out."""
+        m = self.model
+        logp = coupled_logprobs(m.draft_logits(feats), seqs, positions, m.config.vocab_size,
+                                m.vocab_map)
         top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
-        return self.model.to_full_ids(top.indices).tolist(), top.values.tolist()
+        rows = zip(m.to_full_ids(top.indices).tolist(), top.values.tolist())
+        return [[(t, lp) for t, lp in zip(ts, lps) if lp > -torch.inf] for ts, lps in rows]
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], strategy: Strategy) -> list[DraftTree | None]:
@@ -545,9 +556,11 @@ class EagleDrafter(Proposer):
         meta = self._meta(shadows, qseq, pos, kv_lens)
         f = model(torch.tensor(ids), torch.cat(feats), torch.tensor(pos), kv, meta, self.backend)
         f = f[last]  # [b, H]: predicted features of position n (next-token distribution)
-        toks, lps = self._topk(f, k)
+        live_seqs = [seqs[i] for i in live]
+        n_out = [s.num_output_tokens for s in live_seqs]  # output position of depth-1 tokens
         # candidates per sequence: (cum logprob, depth, token, parent candidate, logprob)
-        cands = [[(lp, 1, t, -1, lp) for t, lp in zip(toks[b], lps[b])] for b in range(len(live))]
+        cands = [[(lp, 1, t, -1, lp) for t, lp in kids]
+                 for kids in self._topk(f, k, live_seqs, n_out)]
         for i in live:
             states[i].shadow.num_cached = len(seqs[i]) - 1
         frontier = [list(range(len(c))) for c in cands]  # candidate indices to feed next
@@ -579,11 +592,12 @@ class EagleDrafter(Proposer):
             meta = self._meta(shadows, qseq, slot_pos, kv_lens, base, mask)
             f = model(torch.tensor(ids), torch.cat(feats), torch.tensor(pos), kv, meta,
                       self.backend)
-            toks, lps = self._topk(f, k)
+            kids = self._topk(f, k, [live_seqs[b] for b, _, _ in rows],
+                              [n_out[b] + depth - 1 for b, _, _ in rows])
             new = [[] for _ in live]
             for r, (b, ci, _) in enumerate(rows):
                 cum = cands[b][ci][0]
-                for t, lp in zip(toks[r], lps[r]):
+                for t, lp in kids[r]:
                     cands[b].append((cum + lp, depth, t, ci, lp))
                     new[b].append((len(cands[b]) - 1, r))
             if depth == d:

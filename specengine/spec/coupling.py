@@ -1,0 +1,98 @@
+"""Noise-coupled drafting: the drafter proposes the tokens the target is about to sample.
+
+Sampling draws the token at output position ``j`` as ``argmax(p_j / E_j)`` with noise ``E_j``
+that plain sampling and verification share (``specengine.sampling``). A drafter that ranks a
+node's children by the perturbed draft score ``log q_T(x) - log E_j[x]`` (``q_T``: the draft
+distribution after the request's temperature, top-k, top-p and min-p) proposes first exactly the
+token the target samples when ``q_T = p_j``, and agrees with it with probability at least
+``(1 - TV) / (1 + TV)`` otherwise: the shared-Gumbel coupling of Daliri et al. 2024, "Coupling
+without Communication and Drafter-Invariant Speculative Decoding" (arXiv 2408.07978).
+Verification (``verify_coupled``) is unchanged, so output stays lossless whatever is drafted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specengine.sampling import SamplingParams
+from specengine.sequence import Sequence
+
+TOP_P_WINDOW = 256  # drafting's top-p keeps at most this many tokens
+
+
+def coupled_logprobs(logits: torch.Tensor, seqs: list[Sequence], positions: list[int],
+                     vocab: int, vocab_map: torch.Tensor | None = None) -> torch.Tensor:
+    """Log-probabilities to rank each row's draft children by (top-k of a row = its children).
+
+    Args:
+        logits: ``[R, Vd]`` float32 draft logits; row ``r`` drafts the children of a node of
+            ``seqs[r]`` whose token goes to output position ``positions[r]`` (0 = the first
+            output token). Not modified.
+        seqs: the sequence of each row (its ``params`` and ``noise``).
+        positions: ``R`` output positions.
+        vocab: the target's vocabulary size V (the noise is ``seq.noise(position, V)``).
+        vocab_map: ``[Vd]`` int64 target ids of the draft vocabulary (EAGLE / FR-Spec), or
+            None when ``Vd == V``.
+
+    Returns:
+        ``[R, Vd]`` float32: greedy rows ``log_softmax(logits)`` (as uncoupled drafting);
+        sampled rows ``log_softmax(filtered(logits / T) - log E)`` with ``E`` the row's noise
+        (``[vocab_map]``), tokens the request's top-k / top-p / min-p drop being ``-inf``.
+    """
+    sampled = [r for r, s in enumerate(seqs) if not s.params.greedy]
+    if not sampled:
+        return torch.log_softmax(logits, -1)
+    slot: dict[tuple[int, int], int] = {}  # (sequence, position) -> noise row
+    first: list[int] = []
+    for r in sampled:
+        key = (seqs[r].seq_id, positions[r])
+        if key not in slot:
+            slot[key] = len(first)
+            first.append(r)
+    noise = torch.stack([seqs[r].noise(positions[r], vocab) for r in first])
+    log_e = (noise if vocab_map is None else noise[:, vocab_map]).log_()
+    if len(first) < len(sampled):
+        log_e = log_e[[slot[(seqs[r].seq_id, positions[r])] for r in sampled]]
+    every = len(sampled) == len(seqs)
+    z = filter_logits(logits if every else logits[sampled], [seqs[r].params for r in sampled])
+    lp = torch.log_softmax(z.sub_(log_e), -1)
+    if every:
+        return lp
+    out = torch.log_softmax(logits, -1)
+    out[sampled] = lp
+    return out
+
+
+def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """``process_logits`` for drafting, batched: temperature, top-k, top-p (Holtzman et al.
+    2019), min-p, except that top-p without top-k keeps at most ``TOP_P_WINDOW`` tokens (a
+    top-k, not the 49k-token sort that costs ~3.4 ms a row; a flat draft row's nucleus is cut
+    there) and that tokens tied at a cut are all kept.
+
+    Args:
+        logits: ``[R, V]`` float32 raw logits. params: one non-greedy SamplingParams per row.
+
+    Returns:
+        ``[R, V]`` float32 processed logits, filtered tokens ``-inf``.
+    """
+    V = logits.shape[1]
+    z = logits / torch.tensor([[p.temperature] for p in params])
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params])
+    top_p = torch.tensor([p.top_p if p.top_p < 1 else torch.inf for p in params])
+    cut = ((top_k < V) | (top_p < 1)).nonzero()[:, 0]
+    if len(cut):
+        k, zc = top_k[cut], z[cut]
+        most = k.masked_fill(k == V, min(V, TOP_P_WINDOW))  # the most tokens a row keeps
+        vals = torch.topk(zc, int(most.max()), dim=-1).values  # [C, w] descending
+        top = torch.arange(vals.shape[1]) < most[:, None]
+        norm = torch.where(k < V, torch.logsumexp(vals.masked_fill(~top, -torch.inf), -1),
+                           torch.logsumexp(zc, -1))  # of the top-k, else of the whole row
+        prob = (vals - norm[:, None]).exp().masked_fill(~top, 0.0)
+        keep = top & (prob.cumsum(-1) - prob < top_p[cut, None])
+        keep[:, 0] = True
+        n = keep.sum(-1)
+        z[cut] = zc.masked_fill(zc < vals.gather(1, (n - 1)[:, None]), -torch.inf)
+    min_p = torch.tensor([[p.min_p] for p in params])
+    if (min_p > 0).any():  # p < min_p * max p, in log space (log 0 = -inf keeps all)
+        z.masked_fill_(z < z.amax(-1, keepdim=True) + min_p.log(), -torch.inf)
+    return z
