@@ -113,7 +113,8 @@ def bench_forward(dtype: torch.dtype, ts: list[int], context: int = 200) -> None
                                  query_seq=torch.zeros(n, dtype=torch.int32),
                                  kv_lens=(pos + 1).to(torch.int32), max_kv_len=start + n)
         ids = torch.randint(c.vocab_size, (n,))
-        return model.compute_logits(model(ids, pos, kv, meta, backend))
+        with ops.kernel_threads(ops.packed_covers(n)):  # as the engine runs decode-sized steps
+            return model.compute_logits(model(ids, pos, kv, meta, backend))
 
     forward(0, context)
     print(f"model forward + logits at batch 1 after {context} tokens ({dtype}):")

@@ -194,6 +194,7 @@ def test_chat_prompts_skips_long_and_empty(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="only 2"):
         data.chat_prompts(3)
     assert len(data.chat_prompts(3, max_chars=5000)) == 3
+    assert data.chat_prompts(1, start=1) == [[{"role": "user", "content": "q1"}]]
 
 
 def test_sharegpt_truncated_file_read_past_limit(tmp_path, monkeypatch):

@@ -262,6 +262,9 @@ class TrainConfig:
         noise: half-width of uniform noise on step-0 input features.
         max_len: longest sequence used (longer ones are cut).
         seed: everything random derives from it.
+        autocast: run the drafter's matmuls in bfloat16 (float32 master weights and
+            optimizer; softmax and losses in float32); None: on where the CPU computes bfloat16
+            natively (AVX-512 BF16 or AMX), about 2x faster there.
     """
 
     steps: int = 1000
@@ -275,6 +278,16 @@ class TrainConfig:
     noise: float = 0.1
     max_len: int = 768
     seed: int = 0
+    autocast: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.autocast is None:
+            from specengine import ops
+            self.autocast = ops.amx_available() or ops.avx512_available(torch.bfloat16)
+
+    def amp(self):
+        """The autocast context of the drafter's forward (a no-op when ``autocast`` is off)."""
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(self.autocast))
 
 
 def _batches(data: list[Rollout], batch_tokens: int, rng: random.Random, max_len: int):
@@ -395,7 +408,8 @@ def evaluate(model: EagleModel, data: list[Rollout], cfg: TrainConfig,
                 break
             seen += len(group)
             tokens, feats, valid = _pad([data[i] for i in group], cfg.max_len)
-            st = drafter_loss(model, tokens, feats, valid, cfg, train=False)
+            with cfg.amp():
+                st = drafter_loss(model, tokens, feats, valid, cfg, train=False)
             w = st["rows"]
             tot += w
             top1 = [a + b * w for a, b in zip(top1, st["top1"])]
@@ -434,7 +448,8 @@ class Fitter:
     def step(self, batch: list[Rollout]) -> dict:
         self.model.train()
         tokens, feats, valid = _pad(batch, self.cfg.max_len)
-        st = drafter_loss(self.model, tokens, feats, valid, self.cfg, self.gen)
+        with self.cfg.amp():
+            st = drafter_loss(self.model, tokens, feats, valid, self.cfg, self.gen)
         for g in self.opt.param_groups:
             g["lr"] = self.lr()
         self.opt.zero_grad(set_to_none=True)
@@ -519,6 +534,8 @@ def add_cli(sub) -> None:
                    help="target dtype for generation and features")
     t.add_argument("--init", default=None, help="start from this drafter checkpoint")
     t.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps")
+    t.add_argument("--max-num-seqs", type=int, default=96,
+                   help="sequences decoded at once while generating responses")
     t.add_argument("--no-progress", action="store_true")
 
 
@@ -579,7 +596,7 @@ def train_drafter_main(args) -> int:
 
     torch.manual_seed(args.seed)
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_len + args.max_tokens,
-              seed=args.seed, max_num_seqs=48)
+              seed=args.seed, max_num_seqs=args.max_num_seqs)
     loaded = _loaded(llm)
     cache = out / "rollouts.pt"
     if cache.is_file():
@@ -617,7 +634,8 @@ def train_drafter_main(args) -> int:
         "data": str(args.data), "prompts": len(recs), "train_sequences": len(train),
         "val_sequences": len(val), "train_tokens": sum(len(r.token_ids) for r in train),
         "draft_vocab_coverage": round(covered / max(1, sum(counts.values())), 4),
-        "temperatures": temps, "max_tokens": args.max_tokens, **asdict(cfg)}
+        "temperatures": temps, "max_tokens": args.max_tokens, **asdict(cfg),
+        "args": {k: v for k, v in vars(args).items() if k != "func"}}
     summary = fit(model, train, val, cfg, out, save_every=args.save_every,
                   progress=not args.no_progress, log=log)
     model.config.training["val"] = summary
