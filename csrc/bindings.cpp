@@ -62,6 +62,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"), py::arg("eps"));
   m.def("silu_and_mul", &specengine::silu_and_mul_cpu, py::arg("x"));
   m.def("cpu_isa", &specengine::cpu_isa);
+  m.def("exponential_noise", &specengine::exponential_noise, py::arg("key"),
+        py::arg("positions"), py::arg("vocab"),
+        "Exp(1) sampling noise [P, vocab] float32 of (key, position) rows, counter-based.");
   m.def("set_pool_threads", &specengine::set_pool_threads, py::arg("n"),
         "Threads of the kernels' pool (0: follow torch.get_num_threads()).");
   m.def("pool_threads", &specengine::pool_threads, "Threads the kernels' pool uses now.");

@@ -55,6 +55,10 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_cpu(const at::Tensor& x,
                                                     const at::Tensor& w, double eps);
 at::Tensor silu_and_mul_cpu(const at::Tensor& x);
 
+// Sampling noise E ~ Exp(1) [P, vocab] float32 for output positions [P] (int64) of the stream
+// `key`: counter-based, every row the same whatever else is asked (csrc/noise.cpp).
+at::Tensor exponential_noise(int64_t key, const at::Tensor& positions, int64_t vocab);
+
 // Which CPU code path the kernels take: "avx512_bf16", "avx512" or "generic".
 const char* cpu_isa();
 
