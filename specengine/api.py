@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Mapping
 
 import torch
 from tqdm.auto import tqdm
@@ -13,8 +14,10 @@ from specengine.model_runner import kv_bytes_per_block
 from specengine.outputs import RequestOutput
 from specengine.sampling import SamplingParams
 from specengine.spec.config import SpeculativeConfig
+from specengine.spec.eagle import EagleDrafter
 from specengine.spec.factory import make_proposer
 from specengine.spec.policy import make_policy
+from specengine.spec.train import Harvester
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_KV_BYTES = 1 << 30
@@ -100,13 +103,54 @@ class LLM:
         """Engine counters since start: requests, prompt/generated tokens, steps, prefill and
         decode time (seconds), preemptions, KV blocks (total and free), wall time in
         ``generate`` (seconds); with speculation, the policy's ``stats()`` (strategies run,
-        steps, predicted and observed tokens/s, decision time)."""
+        steps, predicted and observed tokens/s, decision time); with an EAGLE drafter (also
+        inside a ``Harvester``), ``drafter_version`` and ``tau_per_version`` (version -> tokens
+        committed per verify step, see ``EagleDrafter.stats``)."""
         d = self.engine.metrics.as_dict()
         d.update(kv_blocks_total=self.engine.blocks.num_blocks,
                  kv_blocks_free=self.engine.blocks.num_free, generate_time=self._wall_time)
-        if self.engine.proposer is not None:
+        proposer = self.engine.proposer
+        if proposer is not None:
             d.update(self.engine.policy.stats())
+        if isinstance(proposer, Harvester):
+            proposer = proposer.inner
+        if isinstance(proposer, EagleDrafter):
+            d.update(proposer.stats())
         return d
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor]
+                       | Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Overwrite some or all of the target's weights in place, between ``generate`` calls:
+        a trainer pushing a new policy (SGLang's ``update_weights_from_tensor``, vLLM's weight
+        sync). Later steps use the new weights: the kernels' packed copies are rebuilt.
+
+        An EAGLE drafter shares the target's embedding, final norm and LM head tensors, so
+        those follow automatically; its own layer does not (it is now stale: train it online,
+        ``specengine.spec.train.DrafterTrainer``). A ``draft_model`` drafter is a separate model
+        and is not changed.
+
+        Args:
+            weights: ``(name, tensor)`` pairs or a dict, with Hugging Face parameter names (as
+                a transformers model's ``named_parameters()`` / ``state_dict()`` and
+                ``LlamaForCausalLM.load_weights`` have them), any subset (e.g. some layers).
+                Tensors are cast to the engine's dtype and copied to its device.
+
+        Returns:
+            the names copied (``rotary_emb.inv_freq`` and a tied ``lm_head.weight`` are
+            skipped, as in ``load_weights``).
+
+        Raises:
+            ValueError: an unknown name or a shape that differs, naming the parameter.
+            TypeError: an entry that is not a tensor.
+            RuntimeError: requests are in flight (a ``generate_iter`` not run to its end).
+            Nothing is changed when any of these is raised: all entries are checked first.
+        """
+        if self.engine.has_unfinished():
+            raise RuntimeError("update_weights: requests are in flight; finish or abort them "
+                               "first (between generate calls)")
+        if isinstance(weights, Mapping):
+            weights = weights.items()
+        return self.engine.runner.model.update_weights(weights)
 
     def _to_token_ids(self, prompt, i: int) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

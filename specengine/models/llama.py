@@ -7,9 +7,10 @@ attention (Ainslie et al., arXiv 2305.13245) and a SwiGLU MLP (Shazeer, arXiv 20
 Tokens of all sequences in a step are packed flat into ``T`` rows (no batch dim, no padding);
 the attention backend finds each token's sequence and context through ``AttentionMetadata``.
 q/k/v and gate/up projections are fused into one matrix each (fewer GEMM calls); ``load_weights``
-maps Hugging Face parameter names onto the fused layout and then prepacks the linear weights
-(``ops.prepack``: AMX tiles for bfloat16 on CPUs that have them). Packed copies are checked
-against the parameters' version counters on use and rebuilt if a weight was modified.
+(all weights) and ``update_weights`` (a subset, in place) map Hugging Face parameter names onto
+the fused layout (``hf_parameters``) and then prepack the linear weights (``ops.prepack``: AMX
+tiles for bfloat16 on CPUs that have them). Packed copies are checked against the parameters'
+version counters on use and rebuilt if a weight was modified.
 
 Hot path per layer: norm, qkv linear, RoPE of q and k in place in the qkv output (float32
 cos/sin), K/V write, attention, o linear, fused add + norm, gate_up linear with SiLU-and-mul in
@@ -19,7 +20,7 @@ its epilogue, down linear.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -218,22 +219,20 @@ class LlamaForCausalLM(nn.Module):
         return ops.linear(hidden, pw, out_f32=True)
 
     def prepack(self) -> None:
-        """Pack the linear weights for the fast kernels (``ops.prepack``); ``load_weights``
-        calls it. Packed copies are rebuilt on use if a weight changes afterwards."""
+        """Pack the linear weights for the fast kernels (``ops.prepack``); ``load_weights`` and
+        ``update_weights`` call it. Packed copies are rebuilt on use if a weight changes
+        afterwards (each is checked against its parameter's version counter); this rebuilds
+        the stale ones now."""
         for layer in self.layers:
             layer.prepack()
-        self._lm_head_packed = ops.prepack(self.lm_head)
+        pw = self._lm_head_packed
+        if pw is None or not pw.is_current(self.lm_head):
+            self._lm_head_packed = ops.prepack(self.lm_head)
 
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors (``model.layers.N.self_attn.q_proj.weight``, ...)
-        into the fused parameters, casting to the model dtype.
-
-        ``lm_head.weight`` is ignored when embeddings are tied; ``rotary_emb.inv_freq`` always.
-
-        Raises:
-            ValueError: a name is unknown, a shape differs, or a parameter was not provided.
-        """
+    def hf_parameters(self) -> dict[str, torch.Tensor]:
+        """Hugging Face parameter name -> the tensor it fills: one of our parameters or a row
+        slice of a fused one (a view: copying into it writes the parameter). ``lm_head.weight``
+        is absent when embeddings are tied."""
         c = self.config
         q, kv, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, \
             c.intermediate_size
@@ -253,33 +252,82 @@ class LlamaForCausalLM(nn.Module):
             "mlp.up_proj.weight": ("gate_up_proj", inter, inter),
             "mlp.down_proj.weight": ("down_proj", 0, None),
         }
-        needed = {f"model.layers.{i}.{k}" for i, layer in enumerate(self.layers)
-                  for k, (attr, _, _) in layer_map.items() if getattr(layer, attr) is not None}
-        needed |= {"model.embed_tokens.weight", "model.norm.weight"}
+        out = {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm}
         if not c.tie_word_embeddings:
-            needed.add("lm_head.weight")
-        seen = set()
+            out["lm_head.weight"] = self.lm_head
+        for i, layer in enumerate(self.layers):
+            for suffix, (attr, start, rows) in layer_map.items():
+                p = getattr(layer, attr)
+                if p is not None:
+                    out[f"model.layers.{i}.{suffix}"] = p if rows is None else \
+                        p[start:start + rows]
+        return out
+
+    def _checked(self, weights: Iterable[tuple[str, torch.Tensor]],
+                 dests: dict[str, torch.Tensor]
+                 ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        """``(name, destination, tensor)`` per entry of ``weights`` (``dests``: from
+        ``hf_parameters``), lazily; skips ``rotary_emb.inv_freq`` and, when embeddings are
+        tied, ``lm_head.weight``.
+
+        Raises:
+            ValueError: an unknown name or a shape that differs. TypeError: not a tensor.
+        """
+        c = self.config
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (
                     name == "lm_head.weight" and c.tie_word_embeddings):
                 continue
-            if name not in needed:
+            dest = dests.get(name)
+            if dest is None:
                 raise ValueError(f"unexpected weight {name!r} for {c.architecture} "
                                  f"(attention_bias={c.attention_bias})")
-            if name.startswith("model.layers."):
-                idx, suffix = name[len("model.layers."):].split(".", 1)
-                attr, start, rows = layer_map[suffix]
-                dest = getattr(self.layers[int(idx)], attr)
-                if rows is not None:
-                    dest = dest[start:start + rows]
-            else:
-                dest = {"model.embed_tokens.weight": self.embed_tokens,
-                        "model.norm.weight": self.norm, "lm_head.weight": self.lm_head}[name]
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a tensor")
             if tuple(tensor.shape) != tuple(dest.shape):
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(dest.shape)}")
+            yield name, dest, tensor
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors (``model.layers.N.self_attn.q_proj.weight``, ...)
+        into the fused parameters, casting to the model dtype; every parameter must be given.
+        Tensors are copied as they come (one at a time from a safetensors stream).
+
+        ``lm_head.weight`` is ignored when embeddings are tied; ``rotary_emb.inv_freq`` always.
+
+        Raises:
+            ValueError: a name is unknown, a shape differs, or a parameter was not provided.
+            TypeError: an entry is not a tensor.
+        """
+        dests = self.hf_parameters()
+        seen = set()
+        for name, dest, tensor in self._checked(weights, dests):
             dest.copy_(tensor)
             seen.add(name)
-        if missing := needed - seen:
+        if missing := dests.keys() - seen:
             raise ValueError(f"{len(missing)} weights missing, e.g. {sorted(missing)[:3]}")
         self.prepack()
+
+    @torch.no_grad()
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Copy some Hugging Face-named tensors (any subset, names as ``load_weights``) into
+        the parameters in place, casting to the model dtype and device. All entries are
+        checked before any is copied, so a bad one changes nothing. The in-place copies bump
+        the parameters' version counters: packed kernel copies are rebuilt (now, by
+        ``prepack``) and anything sharing these tensors (an EAGLE drafter's embedding, final
+        norm and LM head) sees the new values.
+
+        Returns:
+            the names copied, in input order (skipped names, as in ``load_weights``, left out).
+
+        Raises:
+            ValueError: a name is unknown or a shape differs (the message names it).
+            TypeError: an entry is not a tensor.
+        """
+        checked = list(self._checked(weights, self.hf_parameters()))
+        for _, dest, tensor in checked:
+            dest.copy_(tensor)
+        self.prepack()
+        return [name for name, _, _ in checked]
