@@ -80,7 +80,7 @@ def main() -> int:
     ap.add_argument("--sharegpt", type=int, default=1500)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--max-len", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=1200)
+    ap.add_argument("--steps", type=int, default=900)
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--unroll", type=int, default=3)

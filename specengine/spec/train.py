@@ -338,57 +338,48 @@ def drafter_loss(model: EagleModel, tokens, feats, valid, cfg: TrainConfig,
     """
     outs = model.unroll(tokens, feats, cfg.unroll, noise=cfg.noise if train else 0.0,
                         generator=generator)
-    head = model.head_weight().detach().float()
-    n = tokens.shape[1] - 1
+    head = model.head_weight().detach()
+    head = head.to(torch.bfloat16) if cfg.autocast else head.float()
+    B, L = tokens.shape
+    n, H = L - 1, feats.shape[2]
+    with torch.no_grad():  # the target's next-token distribution after positions 1..L-1
+        t_logits = feats[:, 1:] @ head.T  # [B, n, Vd]; index i: feature of position i + 1
+        t_probs = torch.softmax(t_logits.float(), dim=-1)
+        t_top = t_logits.argmax(-1)
     loss = torch.zeros(())
     stats = {"top1": [], "ce": 0.0, "reg": 0.0}
-    run = None
-    prev_target = None
-    rows = 0
+    rows, run, acc, base = 0, None, None, None
     for s, out in enumerate(outs):
-        # row j predicts feature j+1+s, which needs to exist
-        idx = torch.arange(n) + 1 + s
-        ok = (idx < tokens.shape[1]) & valid[:, :].gather(
-            1, idx.clamp(max=tokens.shape[1] - 1).expand(tokens.shape[0], -1))
-        ok &= valid[:, :n]
-        true = feats.gather(1, idx.clamp(max=tokens.shape[1] - 1)[None, :, None]
-                            .expand(tokens.shape[0], -1, feats.shape[2]))
-        sel = ok.reshape(-1)
-        o, t = out.reshape(-1, out.shape[-1])[sel], true.reshape(-1, true.shape[-1])[sel]
-        if o.shape[0] == 0:
+        m = n - s  # rows j < m predict the feature of position j + 1 + s
+        if m <= 0:
             stats["top1"].append(0.0)
             continue
-        logq = torch.log_softmax(o @ head.T, dim=-1)
-        with torch.no_grad():  # target logits of feature j+1+s: shift the all-position ones
-            if s == 0:
-                all_logits = feats @ head.T  # [B, L, Vd]
-            tl = all_logits.gather(1, idx.clamp(max=tokens.shape[1] - 1)[None, :, None].expand(
-                tokens.shape[0], -1, all_logits.shape[2])).reshape(-1, all_logits.shape[2])[sel]
-            p = torch.softmax(tl, dim=-1)
+        ok = valid[:, :m] & valid[:, 1 + s:1 + s + m]  # [B, m]
+        sel = ok.reshape(-1)
+        if not sel.any():
+            stats["top1"].append(0.0)
+            continue
+        o = out[:, :m].reshape(-1, H)[sel]
+        true = feats[:, 1 + s:1 + s + m].reshape(-1, H)[sel]
+        p = t_probs[:, s:s + m].reshape(-1, t_probs.shape[2])[sel]
+        logq = torch.log_softmax((o @ head.T).float(), dim=-1)
         ce = -(p * logq).sum(-1).mean()
-        reg = F.smooth_l1_loss(o, t)
+        reg = F.smooth_l1_loss(o.float(), true)
         loss = loss + cfg.decay ** s * (ce + cfg.reg_weight * reg)
         with torch.no_grad():
-            hit = torch.zeros(ok.shape, dtype=torch.bool)
-            tgt_arg = torch.zeros(ok.shape, dtype=torch.int64)
-            tgt_arg.view(-1)[sel] = tl.argmax(-1)
-            hit.view(-1)[sel] = logq.argmax(-1) == tl.argmax(-1)
+            hit = torch.zeros(B, m, dtype=torch.bool)
+            hit.view(-1)[sel] = logq.argmax(-1) == t_top[:, s:s + m].reshape(-1)[sel]
             stats["top1"].append(float(hit.view(-1)[sel].float().mean()))
             stats["ce"] += float(ce) / len(outs)
             stats["reg"] += float(reg) / len(outs)
             if s == 0:
-                run = hit & ok
-                rows = int(ok.sum())
-                acc = run.clone().float()
-                base = ok.clone()
+                run, base, rows = hit, ok, int(ok.sum())
+                acc = hit.float()
             else:
                 # the token fed at step s is tok_{j+1+s}: it must be what the target chose
-                fed = tokens.gather(1, (torch.arange(n) + 1 + s).clamp(
-                    max=tokens.shape[1] - 1).expand(tokens.shape[0], -1))
-                fed_ok = fed == model.to_full_ids(prev_target)
-                run = run & hit & ok & fed_ok
-                acc += run.float()
-            prev_target = tgt_arg
+                fed_ok = tokens[:, 1 + s:1 + s + m] == model.to_full_ids(t_top[:, s - 1:s - 1 + m])
+                run = run[:, :m] & hit & fed_ok
+                acc[:, :m] += run.float()
     stats["loss"] = loss
     stats["tau"] = 1.0 + float(acc[base].mean()) if rows else 1.0
     stats["rows"] = rows
