@@ -14,8 +14,10 @@ Every run uses the same engine (one model load) with the policy swapped in, fres
 ``auto`` (the cost model; its start-up profile is done before the clock starts, as at engine
 start) and ``oracle``: per batch-size bucket the static strategy (or off) with the most committed
 tokens per second in that bucket over the static runs of the same workload, chosen in
-hindsight and then run. Throughput = generated tokens / wall seconds of ``generate``; at T = 1
-samples (and so lengths) differ between runs, hence tokens/s rather than raw wall time.
+hindsight and then run. Throughput = generated tokens / wall seconds of ``generate``. Every
+request is seeded and speculation is lossless, so every run generates exactly the same tokens
+and the throughput ratios are wall-time ratios. Prompts: GSM-style questions of generator seed
+1234 and ShareGPT records from 10,000 (the shipped EAGLE drafter trained on other ones).
 
     python bench/bench_adaptive.py [--quick] [--drafter ngram|eagle] [--out results.json]
 
@@ -56,13 +58,16 @@ FULL = {"prompts": 32, "n": 8, "rl_max_tokens": 512, "steady": [1, 4, 16, 64],
         "steady_tokens": 128, "depth": 6, "trees": [[6, 2, 12], [6, 4, 24]]}
 
 
+EVAL_GSM_SEED, EVAL_SHAREGPT_START = 1234, 10_000  # prompts the shipped drafter never saw
+
+
 def workloads(llm: LLM, cfg: dict, seed: int = 0) -> dict[str, tuple[list, list[SamplingParams]]]:
     """name -> (chat conversations, one SamplingParams each)."""
-    qs = gsm_questions(cfg["prompts"], seed=seed)
+    qs = gsm_questions(cfg["prompts"], seed=EVAL_GSM_SEED)
     rl = [[{"role": "user", "content": q["question"] + "\nThink step by step."}] for q in qs]
     out = {"rl": (rl, [SamplingParams(n=cfg["n"], temperature=1.0, seed=seed + i,
                                       max_tokens=cfg["rl_max_tokens"]) for i in range(len(rl))])}
-    chats = chat_prompts(max(cfg["steady"]))
+    chats = chat_prompts(max(cfg["steady"]), start=EVAL_SHAREGPT_START)
     for b in cfg["steady"]:
         out[f"steady-{b}"] = (chats[:b], [SamplingParams(
             temperature=1.0, seed=seed + i, max_tokens=cfg["steady_tokens"], ignore_eos=True)

@@ -264,7 +264,8 @@ class Engine:
                 num_committed=len(decodes) + sum(len(a) for a in accepted.values()),
                 accepted_per_seq=[len(a) for a in accepted.values()],
                 draft_time=t1 - t0, forward_time=t2 - t1,
-                other_time=time.perf_counter() - t2))
+                other_time=time.perf_counter() - t2,
+                verified=[(e.seq, e.tree, accepted[id(e)]) for e, _ in trees]))
         return finished
 
     def _observe(self, entries, offsets, hidden, accepted) -> None:
@@ -296,6 +297,12 @@ class Engine:
                        self.config.max_model_len - len(s)) - 1
             e.tree = prune_tree(tree, max_depth=room, max_nodes=self.config.max_model_len -
                                 len(s)) if tree is not None else None
+        refine = getattr(self.policy, "refine", None)  # the policy may cut trees further
+        if refine is not None and decodes:
+            base = sum(e.num_new for e in entries)
+            for e, tree in zip(decodes, refine([e.seq for e in decodes],
+                                               [e.tree for e in decodes], base)):
+                e.tree = tree
 
     def _verify(self, e: BatchEntry, logits: torch.Tensor):
         """Verify ``e.tree`` against the target's ``logits`` ``[1 + m, V]`` (root first), commit

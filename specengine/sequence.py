@@ -58,6 +58,9 @@ class Sequence:
         self.num_drafted = 0
         self.num_accepted = 0
         self.accepted_per_depth: list[int] = []  # [d]: verify steps that accepted depth d+1
+        # scored draft nodes verified: accepted, and predicted by the global calibration
+        self.calib_accepted = 0
+        self.calib_predicted = 0.0
 
     def spec_stats(self, drafted: int, accepted: int) -> None:
         """Record one verify step of this sequence."""

@@ -306,3 +306,87 @@ def test_samples_unchanged_by_a_switching_policy(target_dir, tmp_path):
     assert llm.get_metrics()["spec_steps"] > 0
     assert len(set(plain)) > 5  # really sampled
     assert spec == plain
+
+
+# ---- draft confidence: calibration and tree refinement ------------------------------------
+def scored_tree(rng, k=3, depth=4):
+    """A full k-ary tree of ``depth`` levels with random draft log-probabilities."""
+    from specengine.spec.tree import DraftTree
+
+    parents, lps, level = [], [], [-1]
+    for _ in range(depth):
+        nxt = []
+        for par in level:
+            probs = rng.dirichlet(np.ones(k + 1))[:k]
+            for p in probs:
+                parents.append(par)
+                lps.append(float(np.log(p)))
+                nxt.append(len(parents) - 1)
+        level = nxt
+    return DraftTree(list(range(len(parents))), parents, lps)
+
+
+def test_calibrator_learns_an_overconfident_drafter():
+    from specengine.spec.calibration import Calibrator, bins, confidences
+
+    rng = np.random.default_rng(0)
+    cal = Calibrator(decay=0.999)
+    seen = []
+    for _ in range(1500):  # true acceptance = confidence squared: an over-confident drafter
+        conf = confidences(scored_tree(rng, 2, 3))
+        hit = rng.random(conf.shape) < conf ** 2
+        cal.observe(conf, hit)
+        seen.append(conf)
+    rates = cal.rate_per_bin()
+    assert (np.diff(rates) >= 0).all()  # monotone in confidence
+    conf = np.concatenate(seen)
+    for lo, hi in [(0.05, 0.1), (0.2, 0.3), (0.5, 0.7)]:
+        sel = (conf >= lo) & (conf < hi)
+        want = (conf[sel] ** 2).mean()
+        got = cal.predict(conf[sel]).mean()
+        assert got == pytest.approx(want, rel=0.25, abs=0.02), (lo, hi)
+        assert got < 0.8 * conf[sel].mean()  # below the uncalibrated confidence
+    assert bins(np.array([1e-9, 1.0])).tolist() == [0, 15]
+
+
+def test_refine_keeps_trees_when_memory_bound_and_cuts_them_when_compute_bound():
+    from specengine.spec.calibration import confidences
+
+    rng = np.random.default_rng(3)
+    seqs = [SimpleNamespace(calib_accepted=0, calib_predicted=0.0) for _ in range(8)]
+    trees = [scored_tree(rng, 3, 3) for _ in seqs]
+    total = sum(t.num_nodes for t in trees)
+    kept_by = {}
+    for name, forward in [("memory", lambda n, c: 0.01 + 1e-7 * n),
+                          ("compute", lambda n, c: 0.01 + 2e-3 * n)]:
+        p = AutoPolicy(CHAINS + TREES)
+        p.latency = fit_latency(forward, np.random.default_rng(1), steps=300)
+        p.context_per_seq = 100
+        p._predicted = 8 * 2.5 / (forward(8 * 40, 800) + 1e-3)  # ~2.5 tokens per sequence
+        out = p.refine(seqs, trees, base_tokens=8)
+        kept = kept_by[name] = sum(t.num_nodes for t in out if t is not None)
+        if name == "memory":
+            assert kept >= 0.85 * total
+        else:
+            assert kept < 0.5 * total
+            for t, cut in zip(trees, out):  # the most confident node survives the cut
+                if cut is not None:
+                    assert max(confidences(cut)) == max(confidences(t))
+        for cut in out:  # every kept node's parent is kept: a valid tree
+            if cut is not None:
+                assert all(par < i for i, par in enumerate(cut.parents))
+    assert kept_by["memory"] > 2 * kept_by["compute"]
+
+
+def test_request_factor_follows_a_requests_own_acceptance():
+    from specengine.spec.calibration import Calibrator
+
+    cal = Calibrator()
+    good = SimpleNamespace(calib_accepted=40, calib_predicted=20.0)
+    bad = SimpleNamespace(calib_accepted=2, calib_predicted=20.0)
+    new = SimpleNamespace(calib_accepted=0, calib_predicted=0.0)
+    assert cal.request_factor(good) > 1.5 > 1.0 == cal.request_factor(new) > 0.5 > \
+        cal.request_factor(bad)
+    conf = np.array([0.3])
+    assert cal.predict(conf, cal.request_factor(good)) > cal.predict(conf) > \
+        cal.predict(conf, cal.request_factor(bad))

@@ -17,11 +17,12 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from specengine.spec.acceptance import AcceptanceModel
+from specengine.spec.calibration import Calibrator, confidences, is_scored, keep_worth
 from specengine.spec.config import POLICIES
 from specengine.spec.latency import LatencyModel, profile_forward
 from specengine.spec.strategy import Strategy
@@ -42,6 +43,7 @@ class StepRecord:
         accepted_per_seq: accepted draft tokens per decode sequence with a tree.
         draft_time, forward_time, other_time: seconds spent drafting, in the target forward,
             and sampling/verifying/bookkeeping.
+        verified: per verified tree ``(sequence, tree, accepted node indices)``.
     """
 
     strategy: Strategy | None
@@ -55,6 +57,7 @@ class StepRecord:
     draft_time: float
     forward_time: float
     other_time: float
+    verified: list = field(default_factory=list)
 
     @property
     def step_time(self) -> float:
@@ -178,7 +181,10 @@ class AutoPolicy(Policy):
     ``AcceptanceModel`` and ``T`` from the ``LatencyModel`` (draft + verify forward of
     ``B * (1 + E[nodes | s])`` tokens + the rest). The current strategy is kept unless another
     scores ``hysteresis`` better. While speculation is off, one step in ``probe_every`` runs the
-    best speculative strategy so the acceptance statistics stay current.
+    best speculative strategy so the acceptance statistics stay current. After drafting,
+    ``refine`` cuts each scored tree (EAGLE, draft model) to the nodes whose calibrated
+    acceptance probability (``calibration.Calibrator``: the drafter's own confidence, calibrated
+    online globally and per request) pays for the verify time they add.
 
     Args:
         candidates: strategies to choose from; ``None`` (no speculation) is always added.
@@ -207,6 +213,9 @@ class AutoPolicy(Policy):
         self._offered: int | None = None  # sequences ``select`` kept this step
         self._select_calls = 0
         self._depths = np.array([s.depth if s else 0 for s in self.candidates], dtype=float)
+        self.calibrator = Calibrator()
+        self.nodes_cut = 0  # draft nodes refine() removed
+        self.nodes_seen = 0
 
     def select(self, seqs: list, strategy: Strategy) -> list[bool]:
         """Per-sequence choice (the engine drafts only for sequences marked True): a sequence
@@ -238,6 +247,34 @@ class AutoPolicy(Policy):
         self._offered = sum(keep)
         self.decision_time += time.perf_counter() - t0
         return keep
+
+    def refine(self, seqs: list, trees: list, base_tokens: int) -> list:
+        """Per scored tree, keep the nodes whose acceptance probability ``p`` pays for its
+        verify token: ``p >= rate * dT/dn``, with ``rate`` the step's predicted committed tokens
+        per second and ``dT/dn`` the latency model's marginal seconds per forward token at this
+        step's size (``base_tokens``: the forward's tokens besides draft nodes). Memory-bound,
+        the bar is near 0 and trees stay whole; compute-bound, only confident nodes stay."""
+        rate = self._predicted
+        scored = [i for i, t in enumerate(trees) if t is not None and is_scored(t)]
+        if not scored or not rate:
+            return trees
+        t0 = time.perf_counter()
+        n = len(seqs)
+        tokens = base_tokens + sum(t.num_nodes for t in trees if t is not None)
+        ctx = self.context_per_seq * n
+        lat = self.latency
+        bar = rate * max(lat.forward_time(tokens + 1, ctx, n) - lat.forward_time(tokens, ctx, n),
+                         0.0)
+        cal = self.calibrator
+        out = list(trees)
+        for i in scored:
+            tree = trees[i]
+            p = cal.predict(confidences(tree), cal.request_factor(seqs[i]))
+            out[i] = tree.subset(keep_worth(tree, p, bar))
+            self.nodes_seen += tree.num_nodes
+            self.nodes_cut += tree.num_nodes - (out[i].num_nodes if out[i] else 0)
+        self.decision_time += time.perf_counter() - t0
+        return out
 
     def warm_start(self, engine) -> None:
         """Profile the engine's runner (and drafter) for about a second."""
@@ -284,6 +321,16 @@ class AutoPolicy(Policy):
 
     def record(self, rec: StepRecord) -> None:
         self._tally(rec)
+        cal = self.calibrator
+        for seq, tree, accepted in rec.verified:
+            if not is_scored(tree):
+                continue
+            conf = confidences(tree)
+            hit = np.zeros(tree.num_nodes, dtype=bool)
+            hit[accepted] = True
+            seq.calib_predicted += float(cal.predict(conf).sum())
+            seq.calib_accepted += len(accepted)
+            cal.observe(conf, hit)
         if rec.num_decode:
             self.context_per_seq = rec.context_tokens / rec.num_decode
         if rec.strategy is not None:
@@ -309,6 +356,8 @@ class AutoPolicy(Policy):
     def stats(self) -> dict:
         d = super().stats()
         d["policy_latency_knee_tokens"] = self.latency.knee
+        d["policy_nodes_cut_frac"] = self.nodes_cut / self.nodes_seen if self.nodes_seen else 0.0
+        d["policy_calibration"] = [round(x, 3) for x in self.calibrator.rate_per_bin().tolist()]
         d["policy_expected_committed"] = {
             strategy_name(s): round(self.acceptance.expected_committed(s), 3)
             for s in self.candidates}

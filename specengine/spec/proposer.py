@@ -44,14 +44,7 @@ def prune_tree(tree: DraftTree | None, max_depth: int, max_nodes: int) -> DraftT
     if tree is None or max_depth < 1 or max_nodes < 1:
         return None
     keep = [i for i, d in enumerate(tree.depths) if d <= max_depth][:max_nodes]
-    if len(keep) == tree.num_nodes:
-        return tree
-    new = {old: j for j, old in enumerate(keep)}
-    return DraftTree(
-        [tree.tokens[i] for i in keep], [new.get(tree.parents[i], -1) for i in keep],
-        [tree.draft_logprobs[i] for i in keep], sampled=tree.sampled,
-        draft_probs=tree.draft_probs[keep] if tree.draft_probs is not None else None,
-        replacement=tree.replacement)
+    return tree.subset(keep)
 
 
 class NgramDrafter(Proposer):

@@ -110,6 +110,20 @@ class DraftTree:
                 par = node
         return cls(tokens, parents)
 
+    def subset(self, keep: list[int]) -> DraftTree | None:
+        """The tree restricted to node indices ``keep`` (ascending, every kept node's parent
+        kept too); None when ``keep`` is empty."""
+        if not keep:
+            return None
+        if len(keep) == self.num_nodes:
+            return self
+        new = {old: j for j, old in enumerate(keep)}
+        return DraftTree(
+            [self.tokens[i] for i in keep], [new.get(self.parents[i], -1) for i in keep],
+            [self.draft_logprobs[i] for i in keep], sampled=self.sampled,
+            draft_probs=self.draft_probs[keep] if self.draft_probs is not None else None,
+            replacement=self.replacement)
+
     @property
     def num_nodes(self) -> int:
         """m, the number of draft nodes (the root excluded)."""

@@ -1,0 +1,117 @@
+"""Draft confidence, calibrated online: how likely a drafted node is to be accepted.
+
+A model drafter (EAGLE, a draft model) scores every node of its tree; ``exp`` of the node's
+cumulative draft log-probability (the product along its path, EAGLE-2 arXiv 2406.16858) is its
+*confidence* c, which predicts acceptance well but not exactly (an undertrained drafter is
+over-confident, a target that drifted in RL makes every drafter so). The calibrator maps c to
+the observed acceptance rate: decayed counts of verified nodes and of accepted ones in 16
+log-spaced confidence bins, with c itself as the prior (a perfectly calibrated drafter), made
+monotone in c (pool-adjacent-violators, isotonic regression). Per request, a factor
+``(accepted + k) / (predicted + k)`` over the request's own verified nodes scales the global map
+(a request whose text the drafter knows well, or not at all).
+
+``AutoPolicy.refine`` uses it to cut each drafted tree to the nodes worth verifying.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specengine.spec.tree import DraftTree
+
+NUM_BINS = 16
+MIN_LOG10 = -4.0  # confidences below 1e-4 share the lowest bin
+
+
+def confidences(tree: DraftTree) -> np.ndarray:
+    """``[m]`` float64 confidence per node: exp of its cumulative draft log-probability."""
+    cum = np.empty(tree.num_nodes)
+    for i, (par, lp) in enumerate(zip(tree.parents, tree.draft_logprobs)):
+        cum[i] = lp + (cum[par] if par >= 0 else 0.0)
+    return np.exp(cum)
+
+
+def is_scored(tree: DraftTree) -> bool:
+    """True when the drafter scored the nodes (n-gram trees carry no log-probabilities)."""
+    return any(lp != 0.0 for lp in tree.draft_logprobs)
+
+
+def bins(conf: np.ndarray) -> np.ndarray:
+    """Bin index (0..NUM_BINS-1) of each confidence."""
+    x = (np.log10(np.maximum(conf, 1e-30)) - MIN_LOG10) / -MIN_LOG10 * NUM_BINS
+    return np.clip(x.astype(int), 0, NUM_BINS - 1)
+
+
+class Calibrator:
+    """Online map from draft confidence to acceptance probability.
+
+    Args:
+        decay: factor applied to the counts per observed step (memory ~ 1 / (1 - decay) steps).
+        prior_count: pseudo-observations per bin at the prior (rate = the bin's confidence).
+        request_prior: ``k`` of the per-request factor.
+    """
+
+    def __init__(self, decay: float = 0.995, prior_count: float = 4.0,
+                 request_prior: float = 8.0):
+        self.decay, self.prior_count, self.request_prior = decay, prior_count, request_prior
+        edges = MIN_LOG10 + -MIN_LOG10 * np.arange(NUM_BINS + 1) / NUM_BINS
+        self.prior = 10.0 ** ((edges[:-1] + edges[1:]) / 2)  # bin centres
+        self.tried = np.zeros(NUM_BINS)
+        self.accepted = np.zeros(NUM_BINS)
+        self._map: np.ndarray | None = None
+
+    def rate_per_bin(self) -> np.ndarray:
+        """``[NUM_BINS]`` calibrated acceptance probability, non-decreasing in confidence."""
+        if self._map is None:
+            w = self.tried + self.prior_count
+            r = (self.accepted + self.prior_count * self.prior) / w
+            self._map = isotonic(r, w)
+        return self._map
+
+    def predict(self, conf: np.ndarray, factor: float = 1.0) -> np.ndarray:
+        """Acceptance probability of nodes of confidence ``conf`` (times a request's
+        ``factor``, capped at 1)."""
+        return np.minimum(self.rate_per_bin()[bins(conf)] * factor, 1.0)
+
+    def observe(self, conf: np.ndarray, accepted: np.ndarray) -> None:
+        """One verified tree: ``conf`` ``[m]`` and ``accepted`` ``[m]`` bool (on the accepted
+        path). Decays the counts first."""
+        self.tried *= self.decay
+        self.accepted *= self.decay
+        b = bins(conf)
+        np.add.at(self.tried, b, 1.0)
+        np.add.at(self.accepted, b, accepted.astype(float))
+        self._map = None
+
+    def request_factor(self, seq) -> float:
+        """``seq``'s own accepted / predicted nodes, shrunk toward 1 (``request_prior``)."""
+        k = self.request_prior
+        return (seq.calib_accepted + k) / (seq.calib_predicted + k)
+
+
+def isotonic(y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Weighted least-squares non-decreasing fit of ``y`` (pool adjacent violators)."""
+    vals, weights, sizes = [], [], []
+    for v, wt in zip(y.tolist(), w.tolist()):
+        vals.append(v)
+        weights.append(wt)
+        sizes.append(1)
+        while len(vals) > 1 and vals[-2] > vals[-1]:
+            v2, w2, n2 = vals.pop(), weights.pop(), sizes.pop()
+            tot = weights[-1] + w2
+            vals[-1] = (vals[-1] * weights[-1] + v2 * w2) / tot
+            weights[-1] = tot
+            sizes[-1] += n2
+    return np.repeat(vals, sizes)
+
+
+def keep_worth(tree: DraftTree, p_accept: np.ndarray, threshold: float) -> list[int]:
+    """Nodes of ``tree`` to verify: those whose acceptance probability reaches ``threshold``
+    and whose parent is kept (parents precede children, so the result is a tree)."""
+    kept: set[int] = set()
+    out = []
+    for i, par in enumerate(tree.parents):
+        if p_accept[i] >= threshold and (par < 0 or par in kept):
+            kept.add(i)
+            out.append(i)
+    return out
