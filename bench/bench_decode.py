@@ -25,10 +25,16 @@ import json
 import pstats
 import sys
 import time
-import warnings
 
 import torch
-from common import best_time, decode_weight_bytes, machine_info, markdown_table, memory_bandwidth
+from common import (
+    best_time,
+    decode_weight_bytes,
+    machine_info,
+    markdown_table,
+    memory_bandwidth,
+    quiet_transformers,
+)
 
 from specengine import LLM, SamplingParams
 from specengine.data import humaneval_prompts
@@ -151,11 +157,8 @@ def main() -> None:
     hf_batches = [int(b) for b in (args.hf_batches or ("1" if q else "1,8")).split(",")]
     dtypes = args.dtypes.split(",")
     repeats = args.repeats or (1 if q else 2)
-    warnings.filterwarnings("ignore")
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    quiet_transformers()
 
     info = machine_info()
     print(f"# decode benchmark: {MODEL}, {max_tokens} new tokens, greedy, HumanEval prompts",
@@ -190,12 +193,17 @@ def main() -> None:
         for b in hf_batches:
             hf[b] = run_hf(hf_model, all_ids[:b], max_tokens, pad_id, repeats)
             print(f"# hf {dtype} b={b}: {hf[b]['decode_tok_s']:.1f} tok/s", file=sys.stderr)
-        del hf_model
-        gc.collect()
         # same greedy tokens? (expected in float32; bfloat16 may drift after a near-tie)
         a, h = eng[batches[0]]["first_output"], hf[hf_batches[0]]["first_output"]
         same = next((i for i, (x, y) in enumerate(zip(a, h)) if x != y), min(len(a), len(h)))
         floors[dtype]["agree_prefix_with_hf"] = same
+        if same < min(len(a), len(h)):  # HF's own top-2 logit gap where the two part
+            with torch.inference_mode():
+                logits = hf_model(torch.tensor([all_ids[0] + a[:same]])).logits[0, -1].float()
+            top = torch.topk(logits, 2).values
+            floors[dtype]["hf_top2_gap_at_divergence"] = float(top[0] - top[1])
+        del hf_model
+        gc.collect()
         slower = 1 in eng and 1 in hf and eng[1]["decode_tok_s"] < hf[1]["decode_tok_s"]
         if dtype == "bfloat16" and 1 in eng and (args.profile or slower) and profile_text is None:
             profile_text = profile_decode_step(llm, all_ids[0])
@@ -216,7 +224,9 @@ def main() -> None:
     for dtype, f in floors.items():
         print(f"floor {dtype}: {f['weight_bytes'] / 1e6:.0f} MB / {bw['read_gbs']:.1f} GB/s = "
               f"{f['floor_ms']:.2f} ms/step; greedy tokens equal to HF for the first "
-              f"{f['agree_prefix_with_hf']} of {max_tokens}")
+              f"{f['agree_prefix_with_hf']} of {max_tokens}"
+              + (f" (HF's top-2 logit gap there: {f['hf_top2_gap_at_divergence']:.3f})"
+                 if "hf_top2_gap_at_divergence" in f else ""))
     for r in results:
         if r["engine"] == "specengine" and not r["clean"]:
             print(f"WARNING: {r['dtype']} b={r['batch']}: preemptions or mixed prefill/decode "

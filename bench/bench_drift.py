@@ -39,13 +39,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import sys
 import time
-import warnings
 
 import torch
 from bench_spec import llm_kwargs, mismatches, run_engine
-from common import machine_info, markdown_table
+from common import machine_info, markdown_table, quiet_transformers, stderr_logger
 
 from specengine import LLM, SamplingParams
 from specengine.data import gsm_questions, humaneval_prompts
@@ -164,16 +162,11 @@ def main() -> None:
     max_tokens = args.max_tokens or (64 if q else 128)
     train_steps = args.train_steps if args.train_steps is not None else (40 if q else 200)
     depth, topk, budget = (int(x) for x in args.tree.split(","))
-    warnings.filterwarnings("ignore")
     from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-
-    def log(msg: str) -> None:
-        print(f"# [{time.perf_counter() - start:6.0f}s] {msg}", file=sys.stderr, flush=True)
+    quiet_transformers()
 
     start = time.perf_counter()
+    log = stderr_logger(start)
     info = machine_info()
     model_dir = resolve_model(MODEL)
     log(f"drift benchmark: {MODEL} bfloat16, {n_eval} prompts at batch {args.batch}, "

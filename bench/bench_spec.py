@@ -46,13 +46,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 import time
 import traceback
-import warnings
 
 import torch
-from common import machine_info, markdown_table
+from common import machine_info, markdown_table, quiet_transformers, stderr_logger
 
 from specengine import LLM, SamplingParams
 from specengine.data import chat_prompts, gsm_questions, humaneval_prompts
@@ -328,16 +326,11 @@ def main() -> None:
     n_b1 = min(n, args.b1_prompts or (2 if q else n))
     max_tokens = args.max_tokens or (32 if q else 128)
     temps = (0.0, 1.0) if args.sampled else (0.0,)
-    warnings.filterwarnings("ignore")
     from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-
-    def log(msg: str) -> None:
-        print(f"# [{time.perf_counter() - start:6.0f}s] {msg}", file=sys.stderr, flush=True)
+    quiet_transformers()
 
     start = time.perf_counter()
+    log = stderr_logger(start)
     info = machine_info()
     log(f"spec benchmark: {target}" + (f" <- {draft}" if draft else "") + f", {args.dtype}, "
         f"{max_tokens} new tokens, sets {sets}, {n} prompts (batch 1: {n_b1}), temps {temps}")

@@ -83,3 +83,25 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def quiet_transformers() -> None:
+    """Silence Python warnings and transformers' logging and progress bars."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    warnings.filterwarnings("ignore")
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def stderr_logger(start: float):
+    """``log(msg)``: print ``msg`` to stderr with the seconds since ``start``."""
+    import sys
+    import time
+
+    def log(msg: str) -> None:
+        print(f"# [{time.perf_counter() - start:6.0f}s] {msg}", file=sys.stderr, flush=True)
+
+    return log

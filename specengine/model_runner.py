@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from specengine import ops
 from specengine.attention.base import AttentionBackend, AttentionMetadata
 from specengine.kv.block_manager import BlockManager
 from specengine.scheduler import BatchEntry
@@ -143,8 +144,9 @@ class ModelRunner:
             norm; the feature EAGLE drafters read) of every token fed, in ``prepare``'s order.
         """
         input_ids, positions, meta, rows = self.prepare(entries, blocks)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
-        return self.model.compute_logits(hidden[rows]), hidden
+        with ops.kernel_threads(ops.packed_covers(len(input_ids))):
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+            return self.model.compute_logits(hidden[rows]), hidden
 
     def move_kv(self, blocks: BlockManager, seq, src_positions: list[int],
                 dst_positions: list[int]) -> None:
