@@ -74,16 +74,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="specengine/drafters/smollm2-135m-instruct")
     ap.add_argument("--work", default=None, help="scratch dir (default: cache_dir()/drafter-train)")
-    ap.add_argument("--gen-gsm", type=int, default=1200)
-    ap.add_argument("--gen-chat", type=int, default=800)
-    ap.add_argument("--gsm", type=int, default=400)
-    ap.add_argument("--sharegpt", type=int, default=1500)
+    ap.add_argument("--gen-gsm", type=int, default=1800)
+    ap.add_argument("--gen-chat", type=int, default=1200)
+    ap.add_argument("--gsm", type=int, default=0)
+    ap.add_argument("--sharegpt", type=int, default=500)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--max-len", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=900)
-    ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=17000)
+    ap.add_argument("--batch-tokens", type=int, default=512)
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--unroll", type=int, default=3)
+    ap.add_argument("--warm-unroll-frac", type=float, default=0.6)
     args = ap.parse_args()
 
     from specengine.fetch import cache_dir
@@ -98,9 +99,10 @@ def main() -> int:
     cmd = ["train-drafter", "--model", "smollm2-135m-instruct", "--data", str(data),
            "--out", str(work / "ckpt"), "--steps", str(args.steps),
            "--batch-tokens", str(args.batch_tokens), "--unroll", str(args.unroll),
+           "--warm-unroll-frac", str(args.warm_unroll_frac),
            "--draft-vocab", str(args.draft_vocab), "--max-len", str(args.max_len),
            "--max-tokens", str(args.max_tokens), "--temperatures", "0,1", "--lr", "1e-3",
-           "--seed", "0", "--save-every", "100"]
+           "--seed", "0", "--save-every", "1000"]
     print("specengine " + " ".join(cmd), flush=True)
     from specengine.cli import main as cli
 
