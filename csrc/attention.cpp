@@ -69,29 +69,31 @@ SE_INLINE void attend(const AttnArgs& a, int64_t begin, int64_t end, float* scra
   float* m = s + group * SW;            // [group]
   float* l = m + group;                 // [group]
   const float ninf = -std::numeric_limits<float>::infinity();
+  std::vector<int64_t> keys;  // visible positions of the item's query, as one compact sequence
   for (int64_t item = begin; item < end; ++item) {
     const int64_t t = item / a.KVH, g = item % a.KVH;
     const int64_t n = a.kv_lens[t];
     const int32_t* table = a.block_tables + static_cast<int64_t>(a.query_seq[t]) * a.MB;
-    const int64_t base = a.tree_mask ? a.tree_base[t] : n;
+    const int64_t base = a.tree_mask ? std::min<int64_t>(a.tree_base[t], n) : n;
     const bool* mask = a.tree_mask ? a.tree_mask + t * a.W : nullptr;
+    // the context [0, base), then the visible tree positions: chunks of BS keys follow this
+    // sequence, not slots, so where the keys sit in the cache cannot change the result
+    keys.clear();
+    for (int64_t p = 0; p < base; ++p) keys.push_back(p);
+    for (int64_t p = base; p < n; ++p)
+      if (p - base < a.W && mask[p - base]) keys.push_back(p);
+    const int64_t count = static_cast<int64_t>(keys.size());
     const float* q = a.q + (t * a.H + g * group) * D;
     std::fill(acc, acc + group * D, 0.f);
     std::fill(m, m + group, ninf);
     std::fill(l, l + group, 0.f);
-    for (int64_t b0 = 0; b0 < n; b0 += BS) {
-      const int64_t block = table[b0 / BS];  // validated before the parallel region
-      const int64_t len = std::min(BS, n - b0);
-      const int64_t row0 = (block * BS * a.KVH + g) * D;  // (block, offset 0, head g)
-      bool any = false;
+    for (int64_t c0 = 0; c0 < count; c0 += BS) {
+      const int64_t len = std::min(BS, count - c0);
       for (int64_t o = 0; o < len; ++o) {
-        const int64_t p = b0 + o;
-        const bool seen = p < base || (p - base < a.W && mask[p - base]);
-        any |= seen;
-        const KT* k = kc + row0 + o * a.KVH * D;
-        for (int64_t h = 0; h < group; ++h) s[h * SW + o] = seen ? dot(q + h * D, k, D) : ninf;
+        const int64_t p = keys[c0 + o];
+        const int64_t row = ((static_cast<int64_t>(table[p / BS]) * BS + p % BS) * a.KVH + g) * D;
+        for (int64_t h = 0; h < group; ++h) s[h * SW + o] = dot(q + h * D, kc + row, D);
       }
-      if (!any) continue;
       for (int64_t h = 0; h < group; ++h) {
         float* sh = s + h * SW;
         const float bmax = *std::max_element(sh, sh + len);
@@ -102,19 +104,18 @@ SE_INLINE void attend(const AttnArgs& a, int64_t begin, int64_t end, float* scra
           l[h] *= alpha;
         }
         m[h] = mnew;
-        // probabilities of the block, 16 at a time; masked (-inf) positions get exactly 0
-        for (int64_t o = 0; o < len; o += 16) {
+        for (int64_t o = 0; o < len; o += 16) {  // s has BS + 16 floats per head: no overrun
           f32x16 sv;
-          std::memcpy(&sv, sh + o, sizeof(sv));  // s has BS + 16 floats per head: no overrun
+          std::memcpy(&sv, sh + o, sizeof(sv));
           const f32x16 pv = vexp(sv - mnew);
-          const f32x16 pz = sv == splat(ninf) ? splat(0.f) : pv;
-          std::memcpy(sh + o, &pz, sizeof(pz));
+          std::memcpy(sh + o, &pv, sizeof(pv));
         }
         for (int64_t o = 0; o < len; ++o) {
-          const float p = sh[o];
-          if (p == 0.f) continue;
-          l[h] += p;
-          axpy(acc + h * D, p, vc + row0 + o * a.KVH * D, D);
+          const int64_t p = keys[c0 + o];
+          const int64_t row =
+              ((static_cast<int64_t>(table[p / BS]) * BS + p % BS) * a.KVH + g) * D;
+          l[h] += sh[o];
+          axpy(acc + h * D, sh[o], vc + row, D);
         }
       }
     }
@@ -210,9 +211,32 @@ const int* reduce16_order() {
 
 // Scratch floats attend_fast needs for R rows and head_dim D.
 int64_t fast_scratch_floats(int64_t R, int64_t D) {
-  return R * D + 2 * R + R * kTileKeys + R * kTileKeys / 2 + kTileKeys * D / 2 + 2 * kTileKeys;
+  return R * D + 2 * R + R * kTileKeys + R * kTileKeys / 2 + 2 * (kTileKeys * D / 2) +
+         4 * kTileKeys;
 }
 
+// V rows of `n` keys (element offsets `offs`) interleaved in pairs for VDPBF16PS:
+// vi[kp][c][half] = unpack{lo,hi}(v[2kp][c], v[2kp+1][c]); a missing second key is zeros.
+SE_ATTN_TARGET inline void interleave_v(const uint16_t* vc, const int64_t* offs, int64_t n,
+                                        int64_t DC, uint16_t* vi) {
+  for (int64_t kp = 0; kp < (n + 1) / 2; ++kp) {
+    const int64_t o = 2 * kp;
+    for (int64_t c = 0; c < DC; ++c) {
+      const __m512i v0 = _mm512_loadu_si512(vc + offs[o] + 32 * c);
+      const __m512i v1 = o + 1 < n ? _mm512_loadu_si512(vc + offs[o + 1] + 32 * c)
+                                   : _mm512_setzero_si512();
+      _mm512_storeu_si512(vi + ((kp * DC + c) * 2) * 32, _mm512_unpacklo_epi16(v0, v1));
+      _mm512_storeu_si512(vi + ((kp * DC + c) * 2 + 1) * 32, _mm512_unpackhi_epi16(v0, v1));
+    }
+  }
+}
+
+// Every query row attends to its visible keys as one compact sequence: the context positions
+// [0, base) and then its visible tree positions in slot order. Tiles, 16-key score groups,
+// V pairs and the softmax steps all follow indices into that sequence, never slot positions,
+// so a row's result is bit for bit the same wherever its keys sit in the cache: a draft node
+// off the first branch of a tree (its ancestors are not the slots right before it) gets
+// exactly what decoding its path one token at a time gets.
 SE_ATTN_TARGET void attend_fast(const FastArgs& f, int64_t item, float* scratch) {
   const AttnArgs& a = *f.a;
   const int64_t KVH = a.KVH, D = a.D, BS = a.BS, group = a.H / a.KVH;
@@ -223,135 +247,147 @@ SE_ATTN_TARGET void attend_fast(const FastArgs& f, int64_t item, float* scratch)
   const auto* kc = static_cast<const uint16_t*>(a.k_cache) + g * D;
   const auto* vc = static_cast<const uint16_t*>(a.v_cache) + g * D;
   const int32_t* table = a.block_tables + static_cast<int64_t>(a.query_seq[t0]) * a.MB;
+  auto slot = [&](int64_t p) {
+    return (static_cast<int64_t>(table[p / BS]) * BS + p % BS) * stride;
+  };
   // scratch: acc [R, D] f32 (d permuted, see the end), m [R], l [R], scores [R, kTileKeys] f32,
-  // p [R, kTileKeys] bf16, vi [kTileKeys / 2, DC, 2, 32] bf16, row offsets [kTileKeys] int64
+  // p [R, kTileKeys] bf16, vi and a private vi [kTileKeys / 2, DC, 2, 32] bf16, key offsets
+  // and private key offsets [kTileKeys] int64
   float* acc = scratch;
   float* m = acc + R * D;
   float* l = m + R;
   float* sc = l + R;
   auto* pb = reinterpret_cast<uint16_t*>(sc + R * kTileKeys);
   auto* vi = pb + R * kTileKeys;
-  auto* rows = reinterpret_cast<int64_t*>(vi + kTileKeys * D);
+  auto* vi_own = vi + kTileKeys * D;
+  auto* rows = reinterpret_cast<int64_t*>(vi_own + kTileKeys * D);
+  int64_t* rows_own = rows + kTileKeys;
   const float ninf = -std::numeric_limits<float>::infinity();
+  // per token: visible keys `count`; `gap`: not simply positions [0, count), then `tree` lists
+  // its visible tree positions (after the context [0, base))
+  int64_t count[kRunTokens], base_of[kRunTokens], first[kRunTokens + 1];
+  bool gap[kRunTokens];
+  std::vector<int32_t> tree;
   int64_t n_max = 0;
-  for (int64_t i = 0; i < nt; ++i) n_max = std::max<int64_t>(n_max, a.kv_lens[t0 + i]);
+  for (int64_t i = 0; i < nt; ++i) {
+    const int64_t t = t0 + i, kv = a.kv_lens[t];
+    const int64_t base = a.tree_mask ? std::min<int64_t>(a.tree_base[t], kv) : kv;
+    first[i] = static_cast<int64_t>(tree.size());
+    int64_t c = base;
+    gap[i] = false;
+    for (int64_t p = base; p < kv; ++p) {
+      if (p - base < a.W && a.tree_mask[t * a.W + p - base]) {
+        gap[i] |= p != c;
+        tree.push_back(static_cast<int32_t>(p));
+        ++c;
+      }
+    }
+    count[i] = c;
+    base_of[i] = base;
+    n_max = std::max(n_max, c);
+  }
+  first[nt] = static_cast<int64_t>(tree.size());
   std::fill(m, m + R, ninf);  // row r: token t0 + r / group, query head g * group + r % group
   std::fill(l, l + R, 0.f);
   std::fill(acc, acc + R * D, 0.f);
   const int* order = reduce16_order();  // key j goes into slot order[j]: lane j of the sum
   const __m512 scale = _mm512_set1_ps(f.scale);
   for (int64_t p0 = 0; p0 < n_max; p0 += kTileKeys) {
-    const int64_t n = std::min<int64_t>(kTileKeys, n_max - p0), n16 = (n + 15) / 16;
-    for (int64_t o = 0; o < n; ++o) {
-      const int64_t p = p0 + o;
-      rows[o] = (static_cast<int64_t>(table[p / BS]) * BS + p % BS) * stride;
-    }
-    // V of key pairs interleaved: vi[kp][c][half] = unpack{lo,hi}(v[2kp][c], v[2kp+1][c]);
-    // a missing second key is zeros (never NaN times a zero probability)
-    for (int64_t kp = 0; kp < (n + 1) / 2; ++kp) {
-      const int64_t o = 2 * kp;
-      for (int64_t c = 0; c < DC; ++c) {
-        const __m512i v0 = _mm512_loadu_si512(vc + rows[o] + 32 * c);
-        const __m512i v1 = o + 1 < n ? _mm512_loadu_si512(vc + rows[o + 1] + 32 * c)
-                                     : _mm512_setzero_si512();
-        _mm512_storeu_si512(vi + ((kp * DC + c) * 2) * 32, _mm512_unpacklo_epi16(v0, v1));
-        _mm512_storeu_si512(vi + ((kp * DC + c) * 2 + 1) * 32, _mm512_unpackhi_epi16(v0, v1));
-      }
-    }
+    const int64_t n = std::min<int64_t>(kTileKeys, n_max - p0);
+    for (int64_t o = 0; o < n; ++o) rows[o] = slot(p0 + o);
+    interleave_v(vc, rows, n, DC, vi);
     for (int64_t tok = 0; tok < nt; ++tok) {
-      const int64_t t = t0 + tok;
-      const int64_t kv = a.kv_lens[t];
-      const int64_t base = a.tree_mask ? a.tree_base[t] : kv;
-      const bool* tmask = a.tree_mask ? a.tree_mask + t * a.W : nullptr;
-      for (int64_t j = 0; j < n16; ++j) {
-        // visible keys among p0 + 16j .. +15 for this token, as a lane mask
-        uint32_t vis = 0;
-        for (int64_t o = 0; o < 16; ++o) {
-          const int64_t p = p0 + 16 * j + o;
-          if (16 * j + o < n && p < kv && (p < base || (p - base < a.W && tmask[p - base])))
-            vis |= 1u << o;
+      const int64_t nk = std::min<int64_t>(n, count[tok] - p0);  // this token's keys here
+      if (nk <= 0) continue;
+      const int64_t* kr = rows;
+      const uint16_t* vt = vi;
+      if (gap[tok] && p0 + nk > base_of[tok]) {  // its own compact keys for this tile
+        for (int64_t o = 0; o < nk; ++o) {
+          const int64_t k = p0 + o;
+          rows_own[o] = k < base_of[tok] ? rows[o] : slot(tree[first[tok] + k - base_of[tok]]);
         }
-        for (int64_t h = 0; h < group; ++h) {
-          const int64_t r = tok * group + h;
-          float* out = sc + r * kTileKeys + 16 * j;
-          if (!vis) {
-            _mm512_storeu_ps(out, _mm512_set1_ps(ninf));
-            continue;
-          }
-          const uint16_t* q = f.q + (t * a.H + g * group + h) * D;
+        interleave_v(vc, rows_own, nk, DC, vi_own);
+        kr = rows_own;
+        vt = vi_own;
+      }
+      const int64_t n16 = (nk + 15) / 16;
+      const int64_t t = t0 + tok;
+      for (int64_t h = 0; h < group; ++h) {
+        const int64_t r = tok * group + h;
+        const uint16_t* q = f.q + (t * a.H + g * group + h) * D;
+        float* sr = sc + r * kTileKeys;
+        for (int64_t j = 0; j < n16; ++j) {
+          const int64_t valid = std::min<int64_t>(16, nk - 16 * j);
+          const __mmask16 vis = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
           __m512 dots[16];
           for (int o = 0; o < 16; ++o) {
             __m512 s = _mm512_setzero_ps();
-            if (vis >> o & 1)
+            if (o < valid)
               for (int64_t c = 0; c < DC; ++c)
                 s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(q + 32 * c),
-                                     (__m512bh)_mm512_loadu_si512(kc + rows[16 * j + o] + 32 * c));
+                                     (__m512bh)_mm512_loadu_si512(kc + kr[16 * j + o] + 32 * c));
             dots[order[o]] = s;
           }
-          const __m512 s = _mm512_mul_ps(reduce16(dots), scale);
-          _mm512_storeu_ps(out, _mm512_mask_mov_ps(_mm512_set1_ps(ninf), (__mmask16)vis, s));
+          const __m512 sv = _mm512_mul_ps(reduce16(dots), scale);
+          _mm512_storeu_ps(sr + 16 * j, _mm512_mask_mov_ps(_mm512_set1_ps(ninf), vis, sv));
         }
-      }
-    }
-    // online softmax over the tile, then P @ V, row by row
-    for (int64_t r = 0; r < R; ++r) {
-      float* sr = sc + r * kTileKeys;
-      __m512 mx = _mm512_set1_ps(ninf);
-      for (int64_t j = 0; j < n16; ++j) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + 16 * j));
-      const float tmax = _mm512_reduce_max_ps(mx);
-      if (tmax == ninf) continue;  // the row sees none of this tile
-      const float mnew = std::max(m[r], tmax);
-      float* ar = acc + r * D;
-      if (m[r] != ninf && mnew != m[r]) {
-        const float alpha = std::exp(m[r] - mnew);
-        const __m512 av = _mm512_set1_ps(alpha);
-        for (int64_t i = 0; i < D; i += 16)
-          _mm512_storeu_ps(ar + i, _mm512_mul_ps(_mm512_loadu_ps(ar + i), av));
-        l[r] *= alpha;
-      }
-      m[r] = mnew;
-      uint16_t* pr = pb + r * kTileKeys;
-      __m512 lsum = _mm512_setzero_ps();
-      for (int64_t j = 0; j < n16; ++j) {
-        const __m512 sv = _mm512_loadu_ps(sr + 16 * j);
-        f32x16 e;
-        const __m512 shifted = _mm512_sub_ps(sv, _mm512_set1_ps(mnew));
-        std::memcpy(&e, &shifted, sizeof(e));
-        e = vexp(e);
-        __m512 pv;
-        std::memcpy(&pv, &e, sizeof(pv));
-        const __mmask16 seen = _mm512_cmp_ps_mask(sv, _mm512_set1_ps(ninf), _CMP_NEQ_OQ);
-        const __m256i p16 = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(seen, pv));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + 16 * j), p16);
-        lsum = _mm512_add_ps(lsum, _mm512_castsi512_ps(
-                                       _mm512_slli_epi32(_mm512_cvtepu16_epi32(p16), 16)));
-      }
-      l[r] += _mm512_reduce_add_ps(lsum);
-      const auto* pairs = reinterpret_cast<const int32_t*>(pr);
-      const int64_t np = (n + 1) / 2;
-      for (int64_t c = 0; c < DC; ++c) {
-        // two accumulator sets (even / odd key pairs) for more independent chains
-        __m512 lo0 = _mm512_loadu_ps(ar + 32 * c), hi0 = _mm512_loadu_ps(ar + 32 * c + 16);
-        __m512 lo1 = _mm512_setzero_ps(), hi1 = _mm512_setzero_ps();
-        int64_t kp = 0;
-        for (; kp + 1 < np; kp += 2) {
-          const __m512bh p0v = (__m512bh)_mm512_set1_epi32(pairs[kp]);
-          const __m512bh p1v = (__m512bh)_mm512_set1_epi32(pairs[kp + 1]);
-          const uint16_t* v0 = vi + ((kp * DC + c) * 2) * 32;
-          const uint16_t* v1 = vi + (((kp + 1) * DC + c) * 2) * 32;
-          lo0 = _mm512_dpbf16_ps(lo0, p0v, (__m512bh)_mm512_loadu_si512(v0));
-          hi0 = _mm512_dpbf16_ps(hi0, p0v, (__m512bh)_mm512_loadu_si512(v0 + 32));
-          lo1 = _mm512_dpbf16_ps(lo1, p1v, (__m512bh)_mm512_loadu_si512(v1));
-          hi1 = _mm512_dpbf16_ps(hi1, p1v, (__m512bh)_mm512_loadu_si512(v1 + 32));
+        // online softmax over the tile, then P @ V
+        __m512 mx = _mm512_set1_ps(ninf);
+        for (int64_t j = 0; j < n16; ++j) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + 16 * j));
+        const float tmax = _mm512_reduce_max_ps(mx);
+        const float mnew = std::max(m[r], tmax);
+        float* ar = acc + r * D;
+        if (m[r] != ninf && mnew != m[r]) {
+          const float alpha = std::exp(m[r] - mnew);
+          const __m512 av = _mm512_set1_ps(alpha);
+          for (int64_t i = 0; i < D; i += 16)
+            _mm512_storeu_ps(ar + i, _mm512_mul_ps(_mm512_loadu_ps(ar + i), av));
+          l[r] *= alpha;
         }
-        if (kp < np) {
-          const __m512bh p0v = (__m512bh)_mm512_set1_epi32(pairs[kp]);
-          const uint16_t* v0 = vi + ((kp * DC + c) * 2) * 32;
-          lo0 = _mm512_dpbf16_ps(lo0, p0v, (__m512bh)_mm512_loadu_si512(v0));
-          hi0 = _mm512_dpbf16_ps(hi0, p0v, (__m512bh)_mm512_loadu_si512(v0 + 32));
+        m[r] = mnew;
+        uint16_t* pr = pb + r * kTileKeys;
+        __m512 lsum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n16; ++j) {
+          const __m512 s = _mm512_loadu_ps(sr + 16 * j);
+          f32x16 e;
+          const __m512 shifted = _mm512_sub_ps(s, _mm512_set1_ps(mnew));
+          std::memcpy(&e, &shifted, sizeof(e));
+          e = vexp(e);
+          __m512 pv;
+          std::memcpy(&pv, &e, sizeof(pv));
+          const __mmask16 seen = _mm512_cmp_ps_mask(s, _mm512_set1_ps(ninf), _CMP_NEQ_OQ);
+          const __m256i p16 = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(seen, pv));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + 16 * j), p16);
+          lsum = _mm512_add_ps(lsum, _mm512_castsi512_ps(
+                                         _mm512_slli_epi32(_mm512_cvtepu16_epi32(p16), 16)));
         }
-        _mm512_storeu_ps(ar + 32 * c, _mm512_add_ps(lo0, lo1));
-        _mm512_storeu_ps(ar + 32 * c + 16, _mm512_add_ps(hi0, hi1));
+        l[r] += _mm512_reduce_add_ps(lsum);
+        const auto* pairs = reinterpret_cast<const int32_t*>(pr);
+        const int64_t np = (nk + 1) / 2;
+        for (int64_t c = 0; c < DC; ++c) {
+          // two accumulator sets (even / odd key pairs) for more independent chains
+          __m512 lo0 = _mm512_loadu_ps(ar + 32 * c), hi0 = _mm512_loadu_ps(ar + 32 * c + 16);
+          __m512 lo1 = _mm512_setzero_ps(), hi1 = _mm512_setzero_ps();
+          int64_t kp = 0;
+          for (; kp + 1 < np; kp += 2) {
+            const __m512bh p0v = (__m512bh)_mm512_set1_epi32(pairs[kp]);
+            const __m512bh p1v = (__m512bh)_mm512_set1_epi32(pairs[kp + 1]);
+            const uint16_t* v0 = vt + ((kp * DC + c) * 2) * 32;
+            const uint16_t* v1 = vt + (((kp + 1) * DC + c) * 2) * 32;
+            lo0 = _mm512_dpbf16_ps(lo0, p0v, (__m512bh)_mm512_loadu_si512(v0));
+            hi0 = _mm512_dpbf16_ps(hi0, p0v, (__m512bh)_mm512_loadu_si512(v0 + 32));
+            lo1 = _mm512_dpbf16_ps(lo1, p1v, (__m512bh)_mm512_loadu_si512(v1));
+            hi1 = _mm512_dpbf16_ps(hi1, p1v, (__m512bh)_mm512_loadu_si512(v1 + 32));
+          }
+          if (kp < np) {
+            const __m512bh p0v = (__m512bh)_mm512_set1_epi32(pairs[kp]);
+            const uint16_t* v0 = vt + ((kp * DC + c) * 2) * 32;
+            lo0 = _mm512_dpbf16_ps(lo0, p0v, (__m512bh)_mm512_loadu_si512(v0));
+            hi0 = _mm512_dpbf16_ps(hi0, p0v, (__m512bh)_mm512_loadu_si512(v0 + 32));
+          }
+          _mm512_storeu_ps(ar + 32 * c, _mm512_add_ps(lo0, lo1));
+          _mm512_storeu_ps(ar + 32 * c + 16, _mm512_add_ps(hi0, hi1));
+        }
       }
     }
   }

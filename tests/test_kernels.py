@@ -392,3 +392,36 @@ def test_bf16_model_rows_are_batch_invariant(tiny_llama_dir):
     ref = F.linear(model.norm.new_ones(1, c.hidden_size), model.lm_head).float()
     torch.testing.assert_close(model.compute_logits(model.norm.new_ones(1, c.hidden_size)), ref,
                                **TOL[torch.bfloat16])
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ctx", [5, 37, 300])
+def test_tree_node_equals_decoding_its_path(dtype, ctx):
+    """A node off the first branch of a draft tree (its ancestors are not the slots right
+    before it) gets bit for bit the attention output of decoding its path one token at a time,
+    where the same keys sit next to each other: the kernel follows the visible keys as one
+    compact sequence, never their slots."""
+    g = torch.Generator().manual_seed(ctx)
+    parents = [-1, 0, 0, 2, 1, 1, 3, 3, 4, 6]  # node 9's path: 0, 2, 3, 6, 9
+    m, bs, kvh, group, D = len(parents), 16, 2, 3, 64
+    nb = -(-(ctx + m) // bs) + 1
+    k = torch.randn(nb, bs, kvh, D, generator=g).to(dtype)
+    v = torch.randn(nb, bs, kvh, D, generator=g).to(dtype)
+    q = torch.randn(m, kvh * group, D, generator=g).to(dtype)
+    table = torch.arange(nb, dtype=torch.int32).view(1, nb)
+    mask = tree_mask_of(parents)
+    tree = ext().paged_attention(q, k, v, table, torch.zeros(m, dtype=torch.int32),
+                                 torch.tensor([ctx + i + 1 for i in range(m)], dtype=torch.int32),
+                                 0.125, torch.full((m,), ctx, dtype=torch.int32), mask)
+    flat_k, flat_v = k.view(-1, kvh, D), v.view(-1, kvh, D)
+    for node in range(m):
+        path = [j for j in range(m) if mask[node, j]]  # ancestors and itself, in order
+        k2, v2 = k.clone(), v.clone()
+        for depth, j in enumerate(path):  # the path's keys moved next to the context
+            k2.view(-1, kvh, D)[ctx + depth] = flat_k[ctx + j]
+            v2.view(-1, kvh, D)[ctx + depth] = flat_v[ctx + j]
+        alone = ext().paged_attention(q[node:node + 1], k2, v2, table,
+                                      torch.zeros(1, dtype=torch.int32),
+                                      torch.tensor([ctx + len(path)], dtype=torch.int32), 0.125)
+        assert torch.equal(tree[node], alone[0]), node
