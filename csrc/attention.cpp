@@ -331,7 +331,11 @@ SE_ATTN_TARGET void attend_fast(const FastArgs& f, int64_t item, float* scratch)
           const __m512 sv = _mm512_mul_ps(reduce16(dots), scale);
           _mm512_storeu_ps(sr + 16 * j, _mm512_mask_mov_ps(_mm512_set1_ps(ninf), vis, sv));
         }
-        // online softmax over the tile, then P @ V
+      }
+      // online softmax over the tile, then P @ V (a second pass: the rows' chains overlap)
+      for (int64_t h = 0; h < group; ++h) {
+        const int64_t r = tok * group + h;
+        const float* sr = sc + r * kTileKeys;
         __m512 mx = _mm512_set1_ps(ninf);
         for (int64_t j = 0; j < n16; ++j) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + 16 * j));
         const float tmax = _mm512_reduce_max_ps(mx);
