@@ -1,7 +1,8 @@
 """Decode throughput of specengine vs HF transformers ``generate`` vs the memory floor, one run.
 
-Greedy decoding of raw HumanEval prompts with a fixed number of new tokens (EOS ignored), on the
-default model in bfloat16 and float32, at several batch sizes. Per row:
+Greedy decoding of raw HumanEval prompts with a fixed number of new tokens (EOS masked until
+then: the engine's ``min_tokens``, HF's ``min_new_tokens``, so both generate the same tokens),
+on the default model in bfloat16 and float32, at several batch sizes. Per row:
 
 - decode tok/s: tokens from decode steps only / time in decode steps. Engine: ``get_metrics()``
   deltas (model forward of decode steps; the first token of each request comes from prefill).
@@ -59,7 +60,7 @@ def engine_llm(dtype: str, prompts: list[list[int]], max_tokens: int) -> LLM:
 
 def run_engine(llm: LLM, prompts: list[list[int]], max_tokens: int, repeats: int) -> dict:
     """Best (least decode time) of ``repeats`` generate calls; metrics from ``get_metrics()``."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
     best = None
     for _ in range(repeats):
         m0 = llm.get_metrics()
