@@ -78,10 +78,10 @@ def engine_methods(pair: str, draft: str | None, quick: bool) -> list[tuple[str,
     eagle = {"method": "eagle"}
     eagle_rows = [
         ("eagle chain d5", {**eagle, "num_speculative_tokens": 5, **static}),
-        ("eagle tree d5 k2 m8", {**eagle, "num_speculative_tokens": 5, "topk": 2,
-                                 "num_verify_tokens": 8, **static}),
-        ("eagle tree d6 k3 m12", {**eagle, "num_speculative_tokens": 6, "topk": 3,
-                                  "num_verify_tokens": 12, **static}),
+        ("eagle tree d5 k2 m10", {**eagle, "num_speculative_tokens": 5, "topk": 2,
+                                  "num_verify_tokens": 10, **static}),
+        ("eagle tree d6 k3 m16", {**eagle, "num_speculative_tokens": 6, "topk": 3,
+                                  "num_verify_tokens": 16, **static}),
         ("eagle auto d6", {**eagle, "num_speculative_tokens": 6})]
     out: list[tuple[str, dict | None]] = [("no spec", None)]
     if pair == "default":

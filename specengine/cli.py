@@ -152,7 +152,9 @@ def generate(args: argparse.Namespace) -> int:
 
             print(f"policy {m['policy']}: " + ", ".join(
                 f"{name} {s['steps']} steps (predicted {rate(s['predicted_tok_s'])}, observed "
-                f"{rate(s['observed_tok_s'])} tokens/s)" for name, s in ran.items()))
+                f"{rate(s['observed_tok_s'])} tokens/s)" for name, s in ran.items())
+                + (f"; {100 * m['policy_nodes_cut_frac']:.0f}% of draft nodes cut as not worth "
+                   "verifying" if m.get("policy_nodes_cut_frac") else ""))
     for err in (errors[no] for no in sorted(errors)):
         print(f"  failed {err}")
     return 0
