@@ -190,6 +190,7 @@ class Engine:
     def _step(self, entries: list[BatchEntry], strategy: Strategy | None) -> list[RequestOutput]:
         m = self.metrics
         t0 = time.perf_counter()
+        self._num_proposed = None  # draft nodes built this step, before the policy's cuts
         if strategy is not None:
             self._draft(entries, strategy)
         t1 = time.perf_counter()
@@ -265,7 +266,8 @@ class Engine:
                 accepted_per_seq=[len(a) for a in accepted.values()],
                 draft_time=t1 - t0, forward_time=t2 - t1,
                 other_time=time.perf_counter() - t2,
-                verified=[(e.seq, e.tree, accepted[id(e)]) for e, _ in trees]))
+                verified=[(e.seq, e.tree, accepted[id(e)]) for e, _ in trees],
+                num_proposed=self._num_proposed))
         return finished
 
     def _observe(self, entries, offsets, hidden, accepted) -> None:
@@ -298,6 +300,7 @@ class Engine:
             e.tree = prune_tree(tree, max_depth=room, max_nodes=self.config.max_model_len -
                                 len(s)) if tree is not None else None
         refine = getattr(self.policy, "refine", None)  # the policy may cut trees further
+        self._num_proposed = sum(e.tree.num_nodes for e in decodes if e.tree is not None)
         if refine is not None and decodes:
             base = sum(e.num_new for e in entries)
             for e, tree in zip(decodes, refine([e.seq for e in decodes],

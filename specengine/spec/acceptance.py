@@ -9,10 +9,11 @@ Per depth i the model keeps the conditional acceptance rate
 per-depth rates as in EAGLE-2 arXiv 2406.16858 and RLHFSpec arXiv 2512.04752). A sequence the
 drafter found nothing for counts as a rejection at depth 1, so the estimate is what the
 strategy actually yields with this drafter, n-gram misses included. Chains of every depth share
-one set of rates (a deeper chain extends a shallower one); each tree shape has its own, with the
-chain's rates as its prior. Counts decay by ``decay`` per step, speculating or not (``age``), so
-the model follows a drafter or target that changes (a weight update in RL, a sequence that
-starts repeating itself) and stale low estimates do not keep speculation off for good.
+one set of rates (a deeper chain extends a shallower one); each tree shape has its own, with a
+prior derived from the chain's (``tree_prior``). Counts decay by ``decay`` per step,
+speculating or not (``age``), so the model follows a drafter or target that changes (a weight
+update in RL, a sequence that starts repeating itself) and stale low estimates do not keep
+speculation off for good.
 
 The expected number of draft nodes per sequence (``fill``) is learned per strategy too: an
 n-gram drafter often drafts fewer nodes than the strategy allows, and the verify cost depends
@@ -54,6 +55,17 @@ class DepthRates:
         return out
 
 
+def tree_prior(chain: np.ndarray, strategy: Strategy) -> np.ndarray:
+    """Prior conditional rates of a tree from the chain's: at each depth the tree offers
+    ``w = min(k, m / d)`` candidates on average, counted as independent tries,
+    ``1 - (1 - alpha_i) ** w``. It overestimates (candidates are correlated), so an untried
+    tree is tried; from then on its own counts decide, with the chain's rates as their prior
+    (used from the start, a tree could never look better than the chain and would never be
+    tried at all)."""
+    w = min(strategy.topk, strategy.budget / strategy.depth)
+    return 1.0 - (1.0 - chain) ** max(w, 1.0)
+
+
 class AcceptanceModel:
     """Online acceptance statistics for one drafter.
 
@@ -70,7 +82,8 @@ class AcceptanceModel:
         self.prior = np.full(max_depth, prior_rate)
         self.chain = DepthRates(max_depth)
         self.trees: dict[Strategy, DepthRates] = {}
-        self.fill: dict[Strategy, float] = {}  # mean fraction of strategy.num_nodes drafted
+        self.fill: dict[Strategy, float] = {}  # mean fraction of strategy.num_nodes verified
+        self.proposed_fill: dict[Strategy, float] = {}  # ... drafted (before the policy's cuts)
         self._cache: dict = {}  # cleared by observe: per-strategy results, "chain" rates
 
     def rates(self, strategy: Strategy) -> np.ndarray:
@@ -81,7 +94,9 @@ class AcceptanceModel:
         if strategy.is_chain:
             return chain
         tree = self.trees.get(strategy)
-        return chain if tree is None else tree.rates(chain, self.prior_count)
+        if tree is None:  # never tried: optimistic, so it gets tried
+            return tree_prior(chain, strategy)
+        return tree.rates(chain, self.prior_count)
 
     def expected_accepted(self, strategy: Strategy | None) -> float:
         """Expected accepted draft tokens per sequence (0 for no speculation)."""
@@ -103,6 +118,12 @@ class AcceptanceModel:
             return 0.0
         return self.fill.get(strategy, 1.0) * strategy.num_nodes
 
+    def expected_proposed(self, strategy: Strategy | None) -> float:
+        """Expected draft nodes the drafter builds per sequence (before the policy cuts any)."""
+        if strategy is None:
+            return 0.0
+        return self.proposed_fill.get(strategy, 1.0) * strategy.num_nodes
+
     def age(self) -> None:
         """One step without speculation: decay all counts, so statistics that are no longer
         refreshed drift back to the prior and the policy tries speculating again."""
@@ -112,20 +133,21 @@ class AcceptanceModel:
         self._cache.clear()
 
     def expected(self, strategies: tuple) -> tuple[np.ndarray, np.ndarray]:
-        """``(expected_committed, expected_nodes)`` per strategy of ``strategies`` as arrays,
-        cached until the next ``observe``."""
+        """``(expected_committed, expected_nodes, expected_proposed)`` per strategy of
+        ``strategies`` as arrays, cached until the next ``observe``."""
         got = self._cache.get(strategies)
         if got is None:
             got = self._cache[strategies] = (
                 np.array([self.expected_committed(s) for s in strategies]),
-                np.array([self.expected_nodes(s) for s in strategies]))
+                np.array([self.expected_nodes(s) for s in strategies]),
+                np.array([self.expected_proposed(s) for s in strategies]))
         return got
 
     def observe(self, strategy: Strategy, accepted_per_seq: list[int], num_decode: int,
-                num_drafted: int) -> None:
+                num_drafted: int, num_proposed: int | None = None) -> None:
         """One verify step with ``strategy``: ``accepted_per_seq`` for the sequences that had a
         tree, ``num_decode`` sequences in all (the rest drafted nothing), ``num_drafted`` nodes
-        sent in all."""
+        sent in all, ``num_proposed`` nodes drafted (default ``num_drafted``)."""
         if num_decode == 0 or strategy.depth > self.max_depth:
             return
         missing = num_decode - len(accepted_per_seq)
@@ -134,7 +156,8 @@ class AcceptanceModel:
             strategy, DepthRates(self.max_depth))
         # a sequence with no tree was "rejected" at depth 1: same as accepted = 0
         rates.observe(accepted, strategy.depth, self.decay)
-        fill = num_drafted / (num_decode * strategy.num_nodes)
-        old = self.fill.get(strategy)
-        self.fill[strategy] = fill if old is None else 0.9 * old + 0.1 * fill
+        for fills, n in ((self.fill, num_drafted), (self.proposed_fill, num_proposed)):
+            fill = (num_drafted if n is None else n) / (num_decode * strategy.num_nodes)
+            old = fills.get(strategy)
+            fills[strategy] = fill if old is None else 0.9 * old + 0.1 * fill
         self._cache.clear()

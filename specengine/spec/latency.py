@@ -245,15 +245,16 @@ class LatencyModel:
         return max(float(other_x(batch, nodes, committed) @ self.other.theta()), 0.0)
 
     def step_time(self, batch: float, context: float, depth: float, nodes: float,
-                  committed: float) -> float:
+                  committed: float, proposed: float | None = None) -> float:
         """Predicted seconds of a decode step: ``batch`` sequences with ``context`` context
-        tokens in all, ``nodes`` draft nodes in all (``depth`` deep), ``committed`` tokens."""
+        tokens in all, ``nodes`` draft nodes verified in all (``depth`` deep; ``proposed``
+        drafted, default ``nodes``), ``committed`` tokens."""
         return (self.forward_time(batch + nodes, context, batch)
-                + self.draft_time(batch, depth, nodes)
+                + self.draft_time(batch, depth, nodes if proposed is None else proposed)
                 + self.other_time(batch, nodes, committed))
 
     def step_times(self, batch: float, context: float, depth: np.ndarray, nodes: np.ndarray,
-                   committed: np.ndarray) -> np.ndarray:
+                   committed: np.ndarray, proposed: np.ndarray | None = None) -> np.ndarray:
         """``step_time`` for many candidates at once (arrays of the same length; depth 0 means
         no speculation): one small matrix product per part, for a cheap decision."""
         tokens = batch + nodes
@@ -262,7 +263,7 @@ class LatencyModel:
         total = np.maximum(fx @ self.forward.theta(self.knee_index), 0.0)
         if self.num_draft:
             dx = np.stack([np.ones_like(tokens), np.full_like(tokens, batch), depth,
-                           depth * batch, nodes], 1)
+                           depth * batch, nodes if proposed is None else proposed], 1)
             total += np.where(depth > 0, np.maximum(dx @ self.draft.theta(), 0.0), 0.0)
         ox = np.stack([np.ones_like(tokens), np.full_like(tokens, batch), nodes, committed], 1)
         return total + np.maximum(ox @ self.other.theta(), 0.0)

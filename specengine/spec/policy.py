@@ -39,6 +39,8 @@ class StepRecord:
         num_forward_tokens: all tokens in the target forward (prefill + roots + draft nodes).
         context_tokens: sum of the decode sequences' context lengths (KV positions attended).
         num_drafted: draft nodes sent to the target.
+        num_proposed: draft nodes the drafter built (before the policy's ``refine`` cut any;
+            None: ``num_drafted``).
         num_committed: tokens committed by the decode sequences (accepted + bonus/plain).
         accepted_per_seq: accepted draft tokens per decode sequence with a tree.
         draft_time, forward_time, other_time: seconds spent drafting, in the target forward,
@@ -58,6 +60,7 @@ class StepRecord:
     forward_time: float
     other_time: float
     verified: list = field(default_factory=list)
+    num_proposed: int | None = None
 
     @property
     def step_time(self) -> float:
@@ -181,7 +184,8 @@ class AutoPolicy(Policy):
     ``AcceptanceModel`` and ``T`` from the ``LatencyModel`` (draft + verify forward of
     ``B * (1 + E[nodes | s])`` tokens + the rest). The current strategy is kept unless another
     scores ``hysteresis`` better. While speculation is off, one step in ``probe_every`` runs the
-    best speculative strategy so the acceptance statistics stay current. After drafting,
+    best chain so the acceptance statistics stay current (a tree shape never tried looks
+    optimistic, ``acceptance.tree_prior``, so it gets tried once). After drafting,
     ``refine`` cuts each scored tree (EAGLE, draft model) to the nodes whose calibrated
     acceptance probability (``calibration.Calibrator``: the drafter's own confidence, calibrated
     online globally and per request) pays for the verify time they add.
@@ -215,6 +219,9 @@ class AutoPolicy(Policy):
         self._depths = np.array([s.depth if s else 0 for s in self.candidates], dtype=float)
         self.calibrator = Calibrator()
         self.nodes_cut = 0  # draft nodes refine() removed
+        self.rescore_every = 4  # steps a batch size's scores are reused (decision cost)
+        self._scored_for: tuple[int, int] = (-1, 0)  # (batch, steps since scored)
+        self._conf: dict[int, np.ndarray] = {}  # id(tree) -> confidences, this step's trees
         self.nodes_seen = 0
 
     def select(self, seqs: list, strategy: Strategy) -> list[bool]:
@@ -228,14 +235,14 @@ class AutoPolicy(Policy):
         rate = self._predicted
         if self.per_sequence and len(seqs) > 1 and rate and self.accept_ratio > 0:
             acc = self.acceptance
-            nodes = acc.expected_nodes(strategy)
+            nodes, built = acc.expected_nodes(strategy), acc.expected_proposed(strategy)
             n = len(seqs)
             ctx = self.context_per_seq * n
             lat = self.latency
             base = n * (1 + nodes)
             marginal = (lat.forward_time(base, ctx, n) - lat.forward_time(base - nodes, ctx, n)
-                        + lat.draft_time(n, strategy.depth, n * nodes)
-                        - lat.draft_time(n - 1, strategy.depth, (n - 1) * nodes))
+                        + lat.draft_time(n, strategy.depth, n * built)
+                        - lat.draft_time(n - 1, strategy.depth, (n - 1) * built))
             need = rate * marginal  # tokens one sequence's nodes must win back
             if need > 0:
                 e_acc, r, c = acc.expected_accepted(strategy), self.accept_ratio, self.prior_steps
@@ -269,8 +276,12 @@ class AutoPolicy(Policy):
         out = list(trees)
         for i in scored:
             tree = trees[i]
-            p = cal.predict(confidences(tree), cal.request_factor(seqs[i]))
-            out[i] = tree.subset(keep_worth(tree, p, bar))
+            conf = confidences(tree)
+            p = cal.predict(conf, cal.request_factor(seqs[i]))
+            keep = keep_worth(tree, p, bar)
+            out[i] = tree.subset(keep)
+            if out[i] is not None:  # a kept node's path is kept: same confidences
+                self._conf[id(out[i])] = conf[keep]
             self.nodes_seen += tree.num_nodes
             self.nodes_cut += tree.num_nodes - (out[i].num_nodes if out[i] else 0)
         self.decision_time += time.perf_counter() - t0
@@ -284,22 +295,30 @@ class AutoPolicy(Policy):
         """Predicted committed tokens per second of one step of ``s`` (tokens/s)."""
         acc = self.acceptance
         committed = batch * acc.expected_committed(s)
-        nodes = batch * acc.expected_nodes(s)
-        seconds = self.latency.step_time(batch, context, s.depth if s else 0, nodes, committed)
+        nodes, built = batch * acc.expected_nodes(s), batch * acc.expected_proposed(s)
+        seconds = self.latency.step_time(batch, context, s.depth if s else 0, nodes, committed,
+                                         built)
         return committed / max(seconds, 1e-9)
 
     def scores(self, batch: int, context: float) -> dict[Strategy | None, float]:
         """``score`` of every candidate, vectorised."""
-        per_seq_committed, per_seq_nodes = self.acceptance.expected(self.candidates)
+        per_seq_committed, per_seq_nodes, per_seq_built = self.acceptance.expected(self.candidates)
         committed, nodes = batch * per_seq_committed, batch * per_seq_nodes
-        seconds = self.latency.step_times(batch, context, self._depths, nodes, committed)
+        seconds = self.latency.step_times(batch, context, self._depths, nodes, committed,
+                                          batch * per_seq_built)
         return dict(zip(self.candidates, (committed / np.maximum(seconds, 1e-9)).tolist()))
 
     def choose(self, num_running: int) -> Strategy | None:
         t0 = time.perf_counter()
         batch = max(num_running, 1)
         context = self.context_per_seq * batch
-        scores = self.scores(batch, context)
+        last_batch, age = self._scored_for
+        if last_batch == batch and age < self.rescore_every and self.last_scores:
+            scores = self.last_scores  # re-scored when the batch changes, else every few steps
+            self._scored_for = (batch, age + 1)
+        else:
+            scores = self.scores(batch, context)
+            self._scored_for = (batch, 1)
         best = max(scores, key=scores.get)
         current = self.current if self.current in scores else None
         if scores[best] > scores[current] * (1 + self.hysteresis):
@@ -309,7 +328,8 @@ class AutoPolicy(Policy):
         if current is None:
             self.steps_off += 1
             if self.probe_every and self.steps_off % self.probe_every == 0:
-                spec = [s for s in self.candidates if s is not None]
+                # the best chain: cheap, and it refreshes the rates every prior builds on
+                spec = [s for s in self.candidates if s is not None and s.is_chain]
                 if spec:
                     choice = max(spec, key=scores.get)
         else:
@@ -322,21 +342,28 @@ class AutoPolicy(Policy):
     def record(self, rec: StepRecord) -> None:
         self._tally(rec)
         cal = self.calibrator
+        confs, hits = [], []
         for seq, tree, accepted in rec.verified:
-            if not is_scored(tree):
-                continue
-            conf = confidences(tree)
+            conf = self._conf.get(id(tree))
+            if conf is None:
+                if not is_scored(tree):
+                    continue
+                conf = confidences(tree)
             hit = np.zeros(tree.num_nodes, dtype=bool)
             hit[accepted] = True
             seq.calib_predicted += float(cal.predict(conf).sum())
             seq.calib_accepted += len(accepted)
-            cal.observe(conf, hit)
+            confs.append(conf)
+            hits.append(hit)
+        if confs:  # one update per step
+            cal.observe(np.concatenate(confs), np.concatenate(hits))
+        self._conf.clear()
         if rec.num_decode:
             self.context_per_seq = rec.context_tokens / rec.num_decode
         if rec.strategy is not None:
             offered = rec.num_decode if self._offered is None else self._offered
             self.acceptance.observe(rec.strategy, rec.accepted_per_seq, offered,
-                                    rec.num_drafted)
+                                    rec.num_drafted, rec.num_proposed)
             if rec.num_drafted:
                 ratio = sum(rec.accepted_per_seq) / rec.num_drafted
                 self.accept_ratio = ratio if self.accept_ratio == 0 else \
@@ -350,7 +377,8 @@ class AutoPolicy(Policy):
         lat.add_forward(rec.num_forward_tokens, rec.context_tokens, rec.num_decode,
                         rec.forward_time)
         if rec.strategy is not None:
-            lat.add_draft(rec.num_decode, rec.strategy.depth, rec.num_drafted, rec.draft_time)
+            built = rec.num_drafted if rec.num_proposed is None else rec.num_proposed
+            lat.add_draft(rec.num_decode, rec.strategy.depth, built, rec.draft_time)
         lat.add_other(rec.num_decode, rec.num_drafted, rec.num_committed, rec.other_time)
 
     def stats(self) -> dict:
