@@ -35,7 +35,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from common import machine_info, markdown_table
+from common import machine_info, markdown_table, write_json
 
 from specengine import LLM, SamplingParams
 from specengine.data import chat_prompts, gsm_questions
@@ -211,9 +211,8 @@ def main() -> int:
     if args.out:
         slim = {w: {k: {kk: vv for kk, vv in v.items() if kk != "trace"} for k, v in res.items()}
                 for w, res in all_results.items()}
-        Path(args.out).write_text(json.dumps({"machine": machine_info(), "config": cfg,
-                                              "drafter": args.drafter, "results": slim},
-                                             indent=1))
+        write_json(args.out, {"machine": machine_info(), "config": cfg,
+                              "drafter": args.drafter, "results": slim})
     print(f"total {time.perf_counter() - t_start:.0f} s, torch threads "
           f"{torch.get_num_threads()}", file=sys.stderr)
     return 0

@@ -38,12 +38,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import time
 
 import torch
 from bench_spec import llm_kwargs, mismatches, run_engine
-from common import machine_info, markdown_table, quiet_transformers, stderr_logger
+from common import machine_info, markdown_table, quiet_transformers, stderr_logger, write_json
 
 from specengine import LLM, SamplingParams
 from specengine.data import gsm_questions, humaneval_prompts
@@ -137,8 +136,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="batch of the measured runs")
     ap.add_argument("--tree", default="4,2,8",
                     help="depth,topk,budget of the static draft tree (4,1,4: a chain)")
-    ap.add_argument("--ft-steps", type=int, default=8, help="AdamW steps changing the target")
-    ap.add_argument("--ft-lr", type=float, default=1e-4)
+    ap.add_argument("--ft-steps", type=int, default=16, help="AdamW steps changing the target")
+    ap.add_argument("--ft-lr", type=float, default=5e-4)
     ap.add_argument("--ft-batch", type=int, default=2, help="sequences per fine-tuning step")
     ap.add_argument("--ft-len", type=int, default=128, help="tokens per fine-tuning sequence")
     ap.add_argument("--harvest-temperature", type=float, default=1.0)
@@ -290,8 +289,7 @@ def main() -> None:
                "tau_per_version": m["tau_per_version"], "results": results,
                "lossless": {"mismatched": mismatched, "compared": 3 * n_eval},
                "seconds": time.perf_counter() - start}
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_json(args.out, doc)
         log(f"wrote {args.out}")
     log("done")
 

@@ -45,12 +45,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import time
 import traceback
 
 import torch
-from common import machine_info, markdown_table, quiet_transformers, stderr_logger
+from common import machine_info, markdown_table, quiet_transformers, stderr_logger, write_json
 
 from specengine import LLM, SamplingParams
 from specengine.data import chat_prompts, gsm_questions, humaneval_prompts
@@ -82,6 +81,8 @@ def engine_methods(pair: str, draft: str | None, quick: bool) -> list[tuple[str,
                                   "num_verify_tokens": 10, **static}),
         ("eagle tree d6 k3 m16", {**eagle, "num_speculative_tokens": 6, "topk": 3,
                                   "num_verify_tokens": 16, **static}),
+        ("eagle tree d8 k4 m32", {**eagle, "num_speculative_tokens": 8, "topk": 4,
+                                  "num_verify_tokens": 32, **static}),
         ("eagle auto d6", {**eagle, "num_speculative_tokens": 6})]
     out: list[tuple[str, dict | None]] = [("no spec", None)]
     if pair == "default":
@@ -525,8 +526,7 @@ def main() -> None:
                "targets": {k: {"value": v, "need": need, "pass": v >= need}
                            for k, (v, need) in targets.items()},
                "notes": notes, "seconds": time.perf_counter() - start}
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_json(args.out, doc)
         log(f"wrote {args.out}")
     log("done")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import platform
 import time
 
@@ -105,3 +107,12 @@ def stderr_logger(start: float):
         print(f"# [{time.perf_counter() - start:6.0f}s] {msg}", file=sys.stderr, flush=True)
 
     return log
+
+
+def write_json(path: str, doc: dict) -> None:
+    """Write ``doc`` to ``path`` as indented JSON, atomically (a temporary file renamed into
+    place), so an interrupted run never leaves a half-written results file."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)

@@ -19,8 +19,8 @@ the repository), none of it from the prompts the benchmarks evaluate on:
 
 Either way the loss is against the *target's* distribution (soft labels from its LM head), so
 human-written responses still teach the drafter what the target would say next. Held out for
-evaluation: GSM-style questions from seed 1234 and ShareGPT records 10,000..11,999 (see
-``bench/bench_spec.py --eagle-eval``).
+evaluation: GSM-style questions from seed 1234 and ShareGPT records 10,000..11,999 (the
+prompts ``bench/bench_spec.py`` and ``bench/bench_adaptive.py`` measure on).
 """
 
 from __future__ import annotations
