@@ -390,3 +390,34 @@ def test_request_factor_follows_a_requests_own_acceptance():
     conf = np.array([0.3])
     assert cal.predict(conf, cal.request_factor(good)) > cal.predict(conf) > \
         cal.predict(conf, cal.request_factor(bad))
+
+
+def test_untried_tree_is_tried_once_then_judged_on_its_own_counts():
+    """A tree shape never observed gets ``tree_prior`` (better than the chain it derives from);
+    once observed, its own counts with the chain's rates as prior decide."""
+    rng = np.random.default_rng(0)
+    am = AcceptanceModel(max_depth=8)
+    for _ in range(50):
+        am.observe(Strategy(8), [int(min(rng.geometric(0.4) - 1, 8)) for _ in range(16)], 16,
+                   16 * 8)
+    tree = TREES[0]
+    chain = am.expected_committed(Strategy(8))
+    assert am.expected_committed(tree) > chain + 0.5  # optimistic: it will be tried
+    for _ in range(20):  # the tree turns out no better than the chain
+        am.observe(tree, [int(min(rng.geometric(0.4) - 1, 8)) for _ in range(16)], 16,
+                   16 * tree.num_nodes)
+    assert am.expected_committed(tree) == pytest.approx(chain, rel=0.15)
+
+
+def test_draft_time_is_fitted_on_built_nodes_not_the_refined_ones():
+    """The drafter's work is the tree it built; the policy's cuts shrink only the verify."""
+    pol = AutoPolicy([Strategy(4, 4, 16)])
+    s = Strategy(4, 4, 16)
+    for _ in range(40):
+        pol.record(StepRecord(strategy=s, num_decode=1, num_prefill_tokens=0,
+                              num_forward_tokens=3, context_tokens=100, num_drafted=2,
+                              num_committed=2, accepted_per_seq=[1], draft_time=0.004,
+                              forward_time=0.008, other_time=0.0005, num_proposed=16))
+    assert pol.acceptance.expected_proposed(s) == pytest.approx(16, rel=0.05)
+    assert pol.acceptance.expected_nodes(s) == pytest.approx(2, rel=0.05)
+    assert pol.latency.draft_time(1, 4, 16) == pytest.approx(0.004, rel=0.2)
