@@ -89,6 +89,11 @@ def generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(out_dir):
+        print(f"error: --output {args.output!r}: folder {out_dir!r} does not exist",
+              file=sys.stderr)
+        return 2
     if not os.path.isfile(args.input):
         print(f"error: --input {args.input!r} does not exist", file=sys.stderr)
         return 2

@@ -16,7 +16,8 @@ def read_records(path: str) -> list[tuple[int, dict | None, str | None]]:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                out.append((no, None, f"line {no}: invalid JSON ({e.msg} at column {e.colno})"))
+                why = e.msg.removesuffix(" at")  # some messages end in "at"
+                out.append((no, None, f"line {no}: invalid JSON ({why} at column {e.colno})"))
                 continue
             if not isinstance(rec, dict):
                 out.append((no, None, f"line {no}: expected a JSON object, got "

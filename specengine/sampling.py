@@ -15,6 +15,7 @@ same seed.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -70,7 +71,19 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        def is_int(x) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        def is_real(x) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        for name in ("temperature", "top_p", "min_p"):
+            if not is_real(getattr(self, name)):
+                raise bad(name, "must be a finite number")
+        for name in ("n", "top_k", "max_tokens", "min_tokens"):
+            if not is_int(getattr(self, name)):
+                raise bad(name, "must be an integer")
+        if self.n < 1:
             raise bad("n", "must be an integer >= 1")
         if self.temperature < 0:
             raise bad("temperature", "must be >= 0")

@@ -68,6 +68,9 @@ def test_generate_rejects_bad_arguments(tmp_path, capsys):
     assert main(["generate", "--input", str(tmp_path / "i.jsonl"),
                  "--output", str(tmp_path / "o.jsonl"), "--temperature", "-1"]) == 2
     assert "temperature" in capsys.readouterr().err
+    assert main(["generate", "--input", str(tmp_path / "i.jsonl"),  # before loading a model
+                 "--output", str(tmp_path / "no" / "o.jsonl")]) == 2
+    assert "does not exist" in capsys.readouterr().err
 
 
 def test_unknown_model_alias_is_named(tmp_path):

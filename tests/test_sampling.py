@@ -14,7 +14,11 @@ def test_params_validation_names_the_field():
                          ({"top_p": 1.5}, "top_p"), ({"n": 0}, "n"), ({"max_tokens": 0},
                          "max_tokens"), ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
                          ({"top_k": -2}, "top_k"), ({"min_p": 2}, "min_p"), ({"stop": [""]},
-                         "stop"), ({"logprobs": -1}, "logprobs")]:
+                         "stop"), ({"logprobs": -1}, "logprobs"),
+                         ({"temperature": float("nan")}, "temperature"),
+                         ({"temperature": float("inf")}, "temperature"),
+                         ({"top_p": float("nan")}, "top_p"), ({"n": True}, "n"),
+                         ({"max_tokens": 1.5}, "max_tokens")]:
         with pytest.raises(ValueError, match=name):
             SamplingParams(**kwargs)
     with pytest.raises(ValueError, match="unknown sampling parameter.*bogus"):

@@ -35,7 +35,7 @@ class Strategy:
             return ValueError(f"Strategy.{name}={getattr(self, name)!r}: {why}")
 
         if not isinstance(self.depth, int) or self.depth < 1:
-            raise bad("depth", "must be an integer >= 1 (use None for no speculation)")
+            raise bad("depth", "must be an integer >= 1")
         if not isinstance(self.topk, int) or self.topk < 1:
             raise bad("topk", "must be an integer >= 1")
         if self.budget is None:
