@@ -190,9 +190,8 @@ class Engine:
     def _step(self, entries: list[BatchEntry], strategy: Strategy | None) -> list[RequestOutput]:
         m = self.metrics
         t0 = time.perf_counter()
-        self._num_proposed = None  # draft nodes built this step, before the policy's cuts
-        if strategy is not None:
-            self._draft(entries, strategy)
+        # draft nodes built this step, before the policy's cuts
+        num_proposed = self._draft(entries, strategy) if strategy is not None else None
         t1 = time.perf_counter()
         logits, hidden = self.runner.run(entries, self.blocks)
         logits = logits.cpu()  # sampling and verification run on the CPU
@@ -267,7 +266,7 @@ class Engine:
                 draft_time=t1 - t0, forward_time=t2 - t1,
                 other_time=time.perf_counter() - t2,
                 verified=[(e.seq, e.tree, accepted[id(e)]) for e, _ in trees],
-                num_proposed=self._num_proposed))
+                num_proposed=num_proposed))
         return finished
 
     def _observe(self, entries, offsets, hidden, accepted) -> None:
@@ -282,12 +281,13 @@ class Engine:
             for s in e.samplers or [e.seq]:
                 self.proposer.observe(s, s.num_cached - len(rows), feats)
 
-    def _draft(self, entries: list[BatchEntry], strategy: Strategy) -> None:
+    def _draft(self, entries: list[BatchEntry], strategy: Strategy) -> int:
         """Attach a draft tree to each decode entry, pruned to what the sequence may still
-        commit (``max_tokens``, ``max_model_len``)."""
+        commit (``max_tokens``, ``max_model_len``), then cut by the policy's ``refine``.
+        Returns the draft nodes built (before the policy's cuts)."""
         decodes = [e for e in entries if not e.is_prefill]
         if not decodes:
-            return
+            return 0
         select = getattr(self.policy, "select", None)  # per sequence: the policy may skip some
         if select is not None:
             decodes = [e for e, keep in zip(decodes, select([e.seq for e in decodes], strategy))
@@ -299,13 +299,14 @@ class Engine:
                        self.config.max_model_len - len(s)) - 1
             e.tree = prune_tree(tree, max_depth=room, max_nodes=self.config.max_model_len -
                                 len(s)) if tree is not None else None
+        built = sum(e.tree.num_nodes for e in decodes if e.tree is not None)
         refine = getattr(self.policy, "refine", None)  # the policy may cut trees further
-        self._num_proposed = sum(e.tree.num_nodes for e in decodes if e.tree is not None)
         if refine is not None and decodes:
             base = sum(e.num_new for e in entries)
             for e, tree in zip(decodes, refine([e.seq for e in decodes],
                                                [e.tree for e in decodes], base)):
                 e.tree = tree
+        return built
 
     def _verify(self, e: BatchEntry, logits: torch.Tensor):
         """Verify ``e.tree`` against the target's ``logits`` ``[1 + m, V]`` (root first), commit

@@ -89,17 +89,17 @@ class SamplingParams:
             raise bad("temperature", "must be >= 0")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if self.top_k < -1:
             raise bad("top_k", "must be an integer: -1 or 0 to disable, or >= 1")
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", "must be in [0, 1]")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if self.max_tokens < 1:
             raise bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}]")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise bad("logprobs", "must be None or an integer >= 0")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not is_int(self.seed):
             raise bad("seed", "must be an integer or None")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stop):

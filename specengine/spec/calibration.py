@@ -74,8 +74,8 @@ class Calibrator:
         return np.minimum(self.rate_per_bin()[bins(conf)] * factor, 1.0)
 
     def observe(self, conf: np.ndarray, accepted: np.ndarray) -> None:
-        """One verified tree: ``conf`` ``[m]`` and ``accepted`` ``[m]`` bool (on the accepted
-        path). Decays the counts first."""
+        """The nodes verified in one step (all its trees): ``conf`` ``[m]`` and ``accepted``
+        ``[m]`` bool (on an accepted path). Decays the counts first, once per step."""
         self.tried *= self.decay
         self.accepted *= self.decay
         b = bins(conf)

@@ -221,7 +221,6 @@ class AutoPolicy(Policy):
         self.nodes_cut = 0  # draft nodes refine() removed
         self.rescore_every = 4  # steps a batch size's scores are reused (decision cost)
         self._scored_for: tuple[int, int] = (-1, 0)  # (batch, steps since scored)
-        self._conf: dict[int, np.ndarray] = {}  # id(tree) -> confidences, this step's trees
         self.nodes_seen = 0
 
     def select(self, seqs: list, strategy: Strategy) -> list[bool]:
@@ -276,12 +275,8 @@ class AutoPolicy(Policy):
         out = list(trees)
         for i in scored:
             tree = trees[i]
-            conf = confidences(tree)
-            p = cal.predict(conf, cal.request_factor(seqs[i]))
-            keep = keep_worth(tree, p, bar)
-            out[i] = tree.subset(keep)
-            if out[i] is not None:  # a kept node's path is kept: same confidences
-                self._conf[id(out[i])] = conf[keep]
+            p = cal.predict(confidences(tree), cal.request_factor(seqs[i]))
+            out[i] = tree.subset(keep_worth(tree, p, bar))
             self.nodes_seen += tree.num_nodes
             self.nodes_cut += tree.num_nodes - (out[i].num_nodes if out[i] else 0)
         self.decision_time += time.perf_counter() - t0
@@ -344,11 +339,9 @@ class AutoPolicy(Policy):
         cal = self.calibrator
         confs, hits = [], []
         for seq, tree, accepted in rec.verified:
-            conf = self._conf.get(id(tree))
-            if conf is None:
-                if not is_scored(tree):
-                    continue
-                conf = confidences(tree)
+            if not is_scored(tree):
+                continue
+            conf = confidences(tree)
             hit = np.zeros(tree.num_nodes, dtype=bool)
             hit[accepted] = True
             seq.calib_predicted += float(cal.predict(conf).sum())
@@ -357,7 +350,6 @@ class AutoPolicy(Policy):
             hits.append(hit)
         if confs:  # one update per step
             cal.observe(np.concatenate(confs), np.concatenate(hits))
-        self._conf.clear()
         if rec.num_decode:
             self.context_per_seq = rec.context_tokens / rec.num_decode
         if rec.strategy is not None:
