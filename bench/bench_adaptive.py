@@ -19,7 +19,13 @@ request is seeded and speculation is lossless, so every run generates exactly th
 and the throughput ratios are wall-time ratios. Prompts: GSM-style questions of generator seed
 1234 and ShareGPT records from 10,000 (the shipped EAGLE drafter trained on other ones).
 
-    python bench/bench_adaptive.py [--quick] [--drafter ngram|eagle] [--out results.json]
+    python bench/bench_adaptive.py [--quick] [--drafter ngram|eagle] [--repeats 3]
+                                   [--workloads rl,steady-1] [--out results.json]
+
+Runs of 1-3 s on a shared CPU vary by +-10%, more than the 2% the targets resolve, so on the
+steady workloads the compared policies (off, bandit, auto, oracle) run ``--repeats`` times,
+interleaved, and the run with the median throughput is reported (all throughputs are kept in
+the JSON); static strategies run once (they only pick the oracle's table and the best static).
 
 Writes ``bench/plots/adaptive_<workload>.png`` (strategy, batch size and throughput over time)
 and prints a markdown table with PASS/FAIL against the issue's targets.
@@ -54,7 +60,7 @@ PLOTS = Path(__file__).parent / "plots"
 
 QUICK = {"prompts": 4, "n": 2, "rl_max_tokens": 160, "steady": [1, 4, 16], "steady_tokens": 16,
          "depth": 3, "trees": [[3, 2, 6]]}
-FULL = {"prompts": 32, "n": 8, "rl_max_tokens": 512, "steady": [1, 4, 16, 64],
+FULL = {"prompts": 16, "n": 8, "rl_max_tokens": 512, "steady": [1, 4, 16, 64],
         "steady_tokens": 128, "depth": 6, "trees": [[6, 2, 12], [6, 4, 24]]}
 
 
@@ -105,6 +111,19 @@ def oracle_table(static_runs: dict[str, dict]) -> dict[int, str]:
             for b, runs in per.items()}
 
 
+def compared_policy(name: str, candidates: list, oracle: dict, llm: LLM):
+    """A fresh policy of the compared kind ``name`` (off, bandit, auto, oracle)."""
+    if name == "off":
+        return StaticPolicy(None)
+    if name == "bandit":
+        return BanditPolicy(candidates)
+    if name == "oracle":
+        return BucketPolicy(oracle)
+    auto = AutoPolicy(candidates)
+    auto.warm_start(llm.engine)  # the start-up profile, before the clock starts
+    return auto
+
+
 def plot(name: str, results: dict[str, dict], path: Path) -> None:
     """Strategy, batch size and committed tokens/s over time for off, bandit, auto, oracle."""
     import matplotlib
@@ -149,6 +168,9 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", help="write all numbers (JSON) here")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of each compared policy on the steady workloads (median kept)")
+    ap.add_argument("--workloads", help="only these workloads, comma-separated (default: all)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -159,8 +181,14 @@ def main() -> int:
     llm = LLM(MODEL, dtype=args.dtype, max_num_seqs=256, speculative_config=spec)
     candidates = candidate_strategies(llm.speculative_config)
     loads = workloads(llm, cfg)
+    warm_load = loads[f"steady-{cfg['steady'][1]}"]
+    if args.workloads:
+        keep = args.workloads.split(",")
+        if unknown := [w for w in keep if w not in loads]:
+            ap.error(f"--workloads: unknown {unknown}; choose from {sorted(loads)}")
+        loads = {w: v for w, v in loads.items() if w in keep}
     for warm in (None, candidates[-1]):  # warm-up: allocator, kernels, both paths
-        run(llm, StaticPolicy(warm), *loads[f"steady-{cfg['steady'][1]}"])
+        run(llm, StaticPolicy(warm), *warm_load)
     print(json.dumps(machine_info()), file=sys.stderr)
 
     all_results, rows = {}, []
@@ -169,14 +197,20 @@ def main() -> int:
         for s in candidates:
             res[f"static:{s}"] = run(llm, StaticPolicy(s), convs, params)
         statics = {k: v for k, v in res.items() if k == "off" or k.startswith("static:")}
-        res["bandit"] = run(llm, BanditPolicy(candidates), convs, params)
-        auto = AutoPolicy(candidates)
-        auto.warm_start(llm.engine)
-        res["auto"] = run(llm, auto, convs, params)
         table = oracle_table(statics)
         by_name = {"off": None, **{f"static:{s}": s for s in candidates}}
-        res["oracle"] = run(llm, BucketPolicy({b: by_name[n] for b, n in table.items()}),
-                            convs, params)
+        oracle = {b: by_name[n] for b, n in table.items()}
+
+        compared = ("off", "bandit", "auto", "oracle")
+        runs = {k: [res["off"]] if k == "off" else [] for k in compared}
+        for i in range(args.repeats if wname.startswith("steady") else 1):
+            for k in compared:
+                if not (k == "off" and i == 0):
+                    runs[k].append(run(llm, compared_policy(k, candidates, oracle, llm), convs,
+                                       params))
+        for k, rs in runs.items():
+            res[k] = dict(sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2])  # median run
+            res[k]["tok_s_runs"] = [r["tok_s"] for r in rs]
         res["oracle"]["table"] = {bucket_label(b): n for b, n in sorted(table.items())}
         all_results[wname] = res
         best_static = max((k for k in statics if k != "off"), key=lambda k: res[k]["tok_s"])
@@ -200,9 +234,10 @@ def main() -> int:
         if r[0].startswith("steady"):
             checks.append((f"{r[0]}: auto no more than 2% slower than off", r[8] >= 0.98))
         checks.append((f"{r[0]}: decision < 2% of step time", r[10] < 2))
-    rl = next(r for r in rows if r[0] == "rl")
-    checks += [("rl: auto >= 1.2x best static", rl[9] >= 1.2),
-               ("rl: auto >= 1.6x off", rl[8] >= 1.6), ("rl: auto beats bandit", rl[5] > rl[4])]
+    for rl in (r for r in rows if r[0] == "rl"):
+        checks += [("rl: auto >= 1.2x best static", rl[9] >= 1.2),
+                   ("rl: auto >= 1.6x off", rl[8] >= 1.6)]
+    checks += [(f"{r[0]}: auto beats bandit", r[5] > r[4]) for r in rows]
     print(markdown_table(["target", "result"], [[c, "PASS" if ok else "FAIL"] for c, ok in checks]))
     print()
     for wname, res in all_results.items():

@@ -139,8 +139,28 @@ def test_auto_policy_probes_while_off():
     rng = np.random.default_rng(5)
     lm = fit_latency(lambda n, c: 0.001 * n, rng)
     pol = AutoPolicy(CHAINS, latency=lm, acceptance=AcceptanceModel(8), probe_every=10)
-    picks = [pol.choose(64) for _ in range(30)]
-    assert picks.count(None) == 27 and all(picks[i] is not None for i in (9, 19, 29))
+    picks = [pol.choose(64) for _ in range(40)]
+    # 4, 8, 16 steps after the last switch, then every 10
+    assert [i + 1 for i, p in enumerate(picks) if p is not None] == [4, 8, 16, 26, 36]
+
+
+def test_auto_policy_measures_the_baseline_on_a_close_call():
+    """Speculating but predicted only a little better than no speculation, the policy runs a
+    step without it now and then (so the off side is measured, not extrapolated); clearly
+    better, it does not."""
+    rng = np.random.default_rng(5)
+    flat = fit_latency(lambda n, c: 0.01 + 1e-6 * n, rng)  # memory-bound: deep chains win big
+    good = fit_acceptance(0.9, 0.9, rng)
+    pol = AutoPolicy(CHAINS, latency=flat, acceptance=good, probe_every=10)
+    assert None not in [pol.choose(4) for _ in range(40)]
+    steep = fit_latency(lambda n, c: 0.01 + 0.001 * n, rng)  # 4 more tokens: 30% longer
+    close = fit_acceptance(0.45, 0.45, rng)
+    pol = AutoPolicy([Strategy(1)], latency=steep, acceptance=close, probe_every=10,
+                     hysteresis=0.0)
+    s = pol.score(Strategy(1), 4, 400) / pol.score(None, 4, 400)
+    assert 1.0 < s < 1.25  # a close call
+    picks = [pol.choose(4) for _ in range(40)]
+    assert [i + 1 for i, p in enumerate(picks) if p is None] == [4, 8, 16, 26, 36]
 
 
 def test_per_sequence_choice_skips_requests_whose_drafts_do_not_pay():
@@ -263,6 +283,17 @@ def test_start_up_profile_warms_the_latency_model_and_returns_the_kv(target_dir)
     assert lat.draft_time(4, 3, 12) > 0
     blocks, drafter = llm.engine.blocks, llm.engine.proposer.blocks
     assert blocks.num_free == blocks.num_blocks and drafter.num_free == drafter.num_blocks
+
+
+def test_start_up_profile_times_eagle_chains_and_trees(target_dir):
+    """An EAGLE drafter needs target features to draft: the profile gives it some, so its
+    drafting is timed (not fitted as free), trees included; its KV and state are returned."""
+    llm = make(target_dir, {"method": "eagle", "model": "random", "num_speculative_tokens": 3})
+    lat, drafter = llm.engine.policy.latency, llm.engine.proposer
+    assert lat.num_draft >= 4
+    assert lat.draft_time(1, 3, 3) > 0
+    assert lat.draft_time(4, 6, 96) > lat.draft_time(4, 6, 24)
+    assert drafter.blocks.num_free == drafter.blocks.num_blocks and not drafter.states
 
 
 def test_ngram_auto_policy_greedy_unchanged(target_dir):
@@ -392,21 +423,51 @@ def test_request_factor_follows_a_requests_own_acceptance():
         cal.predict(conf, cal.request_factor(bad))
 
 
-def test_untried_tree_is_tried_once_then_judged_on_its_own_counts():
-    """A tree shape never observed gets ``tree_prior`` (better than the chain it derives from);
-    once observed, its own counts with the chain's rates as prior decide."""
+def test_untried_tree_is_predicted_from_the_chain_then_judged_on_its_own_counts():
+    """A tree shape never observed gets ``tree_prior`` of the chain's rates (better than the
+    chain, not as good as independent candidates); once observed, its own counts decide."""
     rng = np.random.default_rng(0)
     am = AcceptanceModel(max_depth=8)
     for _ in range(50):
         am.observe(Strategy(8), [int(min(rng.geometric(0.4) - 1, 8)) for _ in range(16)], 16,
                    16 * 8)
-    tree = TREES[0]
+    tree = TREES[0]  # w = 2 candidates per depth
+    chain_rate = am.rates(Strategy(8))[0]
+    assert chain_rate == pytest.approx(0.6, abs=0.05)
+    assert am.rates(tree)[0] == pytest.approx(1 - (1 - chain_rate) ** np.sqrt(2))
     chain = am.expected_committed(Strategy(8))
-    assert am.expected_committed(tree) > chain + 0.5  # optimistic: it will be tried
+    assert am.expected_committed(tree) > chain + 0.5
     for _ in range(20):  # the tree turns out no better than the chain
         am.observe(tree, [int(min(rng.geometric(0.4) - 1, 8)) for _ in range(16)], 16,
                    16 * tree.num_nodes)
     assert am.expected_committed(tree) == pytest.approx(chain, rel=0.15)
+
+
+def test_probe_drafts_for_a_few_sequences_and_rotates():
+    """While off, a probe runs the best chain for ``probe_seqs`` sequences, different ones each
+    probe; the acceptance statistics count only those."""
+    rng = np.random.default_rng(5)
+    lm = fit_latency(lambda n, c: 0.001 * n, rng)  # compute-bound: off is best at batch 16
+    pol = AutoPolicy(CHAINS, latency=lm, acceptance=AcceptanceModel(8), probe_every=5,
+                     probe_seqs=3)
+    seqs = [SimpleNamespace(num_accepted=0, num_drafted=0) for _ in range(16)]
+    kept = []
+    for _ in range(10):
+        s = pol.choose(16)
+        keep = pol.select(seqs, s) if s is not None else None
+        if s is not None:
+            assert sum(keep) == 3
+            kept.append(tuple(i for i, k in enumerate(keep) if k))
+            pol.record(StepRecord(strategy=s, num_decode=16, num_prefill_tokens=0,
+                                  num_forward_tokens=16 + 3 * s.depth, context_tokens=1600,
+                                  num_drafted=3 * s.depth, num_committed=16 + 3 * s.depth,
+                                  accepted_per_seq=[s.depth] * 3, draft_time=1e-5,
+                                  forward_time=0.001 * (16 + 3 * s.depth), other_time=1e-4))
+    assert len(kept) == 2 and kept[0] != kept[1]
+    # every probed sequence accepted everything: the chain rate rises towards 1 (3 of 3, not
+    # 3 of 16)
+    assert pol.acceptance.rates(Strategy(1))[0] > 0.7
+    assert any(name.startswith("probe ") for name in pol.stats()["policy_strategies"])
 
 
 def test_draft_time_is_fitted_on_built_nodes_not_the_refined_ones():
@@ -421,3 +482,26 @@ def test_draft_time_is_fitted_on_built_nodes_not_the_refined_ones():
     assert pol.acceptance.expected_proposed(s) == pytest.approx(16, rel=0.05)
     assert pol.acceptance.expected_nodes(s) == pytest.approx(2, rel=0.05)
     assert pol.latency.draft_time(1, 4, 16) == pytest.approx(0.004, rel=0.2)
+
+
+def test_correction_drops_a_strategy_slower_than_modelled():
+    """A strategy that keeps running slower than both models predict (a cost they miss) is
+    scored by what it achieved: the policy leaves it for the next best."""
+    rng = np.random.default_rng(5)
+    lm = fit_latency(lambda n, c: 0.01 + 1e-5 * n, rng)  # memory-bound: chains pay
+    pol = AutoPolicy([Strategy(2)], latency=lm, acceptance=fit_acceptance(0.6, 0.6, rng),
+                     probe_every=0)
+    s = pol.choose(4)
+    assert s == Strategy(2)
+    for _ in range(30):
+        if s is None:
+            break
+        predicted = pol._predicted
+        committed = 4 + 2 * 4 * 0.6  # as modelled, but each step takes 3x the modelled time
+        pol.record(StepRecord(strategy=s, num_decode=4, num_prefill_tokens=0,
+                              num_forward_tokens=12, context_tokens=400, num_drafted=8,
+                              num_committed=round(committed), accepted_per_seq=[1, 2, 1, 1],
+                              draft_time=0.0, forward_time=3 * committed / predicted,
+                              other_time=0.0))
+        s = pol.choose(4)
+    assert s is None

@@ -178,7 +178,7 @@ class LatencyModel:
         prior_weight: weight of each profile point relative to one online step.
     """
 
-    def __init__(self, decay: float = 0.998, prior_weight: float = 20.0):
+    def __init__(self, decay: float = 0.998, prior_weight: float = 3.0):
         self.prior_weight = prior_weight
         self.knees = np.array(KNEES, dtype=float)
         self.forward = WeightedLeastSquares(5, decay, copies=len(KNEES), refit_every=4)
@@ -270,12 +270,12 @@ class LatencyModel:
 
 
 def profile_forward(runner, blocks, model: LatencyModel, budget_s: float = 1.5,
-                    proposer=None) -> int:
+                    proposer=None, draft_budget_s: float = 0.5) -> int:
     """Warm-start ``model`` by timing dummy decode forwards of growing size with ``runner`` (a
     ``ModelRunner``) over KV blocks borrowed from ``blocks`` (returned afterwards), and, when a
-    ``proposer`` is given, drafting for dummy sequences. Stops before a point the fit so far
-    predicts would overrun ``budget_s`` seconds; skips points the KV pool cannot hold. Returns
-    the number of profile points added.
+    ``proposer`` is given, drafting chains and trees for dummy sequences (``profile_draft``).
+    Stops before a point the fit so far predicts would overrun ``budget_s`` seconds; skips
+    points the KV pool cannot hold. Returns the number of forward profile points added.
 
     The points span 1 .. 512 forward tokens, chains of 0, 3 and 7 nodes per sequence and short
     and long contexts, so each feature of the forward fit is seen. The KV contents are whatever
@@ -286,7 +286,6 @@ def profile_forward(runner, blocks, model: LatencyModel, budget_s: float = 1.5,
     from specengine.sampling import SamplingParams
     from specengine.scheduler import BatchEntry
     from specengine.sequence import Sequence
-    from specengine.spec.strategy import Strategy
     from specengine.spec.tree import DraftTree
 
     # (sequences, chain nodes per sequence, context per sequence)
@@ -295,6 +294,7 @@ def profile_forward(runner, blocks, model: LatencyModel, budget_s: float = 1.5,
     params = SamplingParams(temperature=0.0)
     start = time.perf_counter()
     added = 0
+    feature = None  # one hidden row of the target: what a drafter's dummy features are made of
     for i, (b, m, ctx) in enumerate(grid):
         left = budget_s - (time.perf_counter() - start)
         if left <= 0 or (added >= 3 and model.forward_time(b * (1 + m), b * ctx, b) > left):
@@ -312,21 +312,61 @@ def profile_forward(runner, blocks, model: LatencyModel, budget_s: float = 1.5,
             entries.append(BatchEntry(s, 1, [s], tree=tree))
         try:
             t0 = time.perf_counter()
-            runner.run(entries, blocks)[0].cpu()  # .cpu(): wait for an accelerator
+            logits, hidden = runner.run(entries, blocks)
+            logits.cpu()  # wait for an accelerator
             seconds = time.perf_counter() - t0
+            feature = hidden[:1]
             if i > 0:  # the first forward pays one-off allocations
                 model.add_forward(b * (1 + m), b * ctx, b, seconds, prior=True)
                 added += 1
-            if proposer is not None and m and b * ctx <= 1024:
-                proposer.propose(seqs, Strategy(m))  # a draft model catches up on the context
-                t0 = time.perf_counter()
-                trees = proposer.propose(seqs, Strategy(m))
-                seconds = time.perf_counter() - t0
-                nodes = sum(t.num_nodes for t in trees if t is not None)
-                model.add_draft(b, m, nodes, seconds, prior=True)
         finally:
             for s in seqs:
                 blocks.free(s)
-                if proposer is not None:
-                    proposer.release(s)
+    if proposer is not None and feature is not None:
+        profile_draft(proposer, model, feature, draft_budget_s)
+    return added
+
+
+def profile_draft(proposer, model: LatencyModel, feature, budget_s: float = 0.5) -> int:
+    """Warm-start the draft part of ``model`` by timing ``proposer`` (a ``Proposer``) on dummy
+    sequences: chains and trees of several depths, widths and batch sizes, so the fit sees
+    nodes apart from depth x batch (from chains alone a tree's drafting cost is a guess). A
+    drafter that reads target features (``wants_hidden``) is given ``feature`` (``[1, hidden]``,
+    a real hidden row of the target) at every position: drafting time does not depend on the
+    values. Each point is drafted twice and the second timed (the first lets a drafter catch
+    up on the context). Stops when ``budget_s`` seconds are spent. Returns points added."""
+    import torch
+
+    from specengine.sampling import SamplingParams
+    from specengine.sequence import Sequence
+    from specengine.spec.strategy import Strategy
+
+    grid = [(1, Strategy(3)), (1, Strategy(7)), (4, Strategy(3)), (1, Strategy(4, 4, 16)),
+            (4, Strategy(3, 2, 6)), (16, Strategy(2)), (1, Strategy(6, 2, 12)),
+            (16, Strategy(3, 2, 6)), (4, Strategy(6, 4, 24))]
+    params = SamplingParams(temperature=0.0)
+    ctx = 48
+    start = time.perf_counter()
+    added = 0
+    for b, strategy in grid:
+        if time.perf_counter() - start > budget_s:
+            break
+        seqs = [Sequence("profile", 0, [1] * (ctx + 1), params, torch.Generator())
+                for _ in range(b)]
+        try:
+            for s in seqs:
+                s.num_cached = ctx
+                if proposer.wants_hidden:
+                    proposer.observe(s, 0, feature.expand(ctx + 1, -1))
+            proposer.propose(seqs, strategy)
+            t0 = time.perf_counter()
+            trees = proposer.propose(seqs, strategy)
+            seconds = time.perf_counter() - t0
+            nodes = sum(t.num_nodes for t in trees if t is not None)
+            if nodes:
+                model.add_draft(b, strategy.depth, nodes, seconds, prior=True)
+                added += 1
+        finally:
+            for s in seqs:
+                proposer.release(s)
     return added

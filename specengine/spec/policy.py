@@ -116,11 +116,13 @@ class Policy:
     def warm_start(self, engine) -> None:
         """Called once after the engine is built (e.g. to profile it)."""
 
-    def _tally(self, rec: StepRecord) -> None:
+    def _tally(self, rec: StepRecord, label: str | None = None) -> None:
+        """Count the step under ``label`` (default: its strategy's name)."""
         self.step_time += rec.step_time
         if not rec.is_decode_only:
             return
-        st = self.per_strategy.setdefault(strategy_name(rec.strategy), {
+        label = label or strategy_name(rec.strategy)
+        st = self.per_strategy.setdefault(label, {
             "steps": 0, "tokens": 0, "seconds": 0.0, "predicted_sum": 0.0, "predicted_n": 0})
         st["steps"] += 1
         st["tokens"] += rec.num_committed
@@ -129,7 +131,7 @@ class Policy:
             st["predicted_sum"] += self._predicted
             st["predicted_n"] += 1
         if self.keep_trace:
-            self.trace.append((self.step_time, rec.num_decode, strategy_name(rec.strategy),
+            self.trace.append((self.step_time, rec.num_decode, label,
                                rec.num_committed, rec.step_time))
 
     def stats(self) -> dict:
@@ -183,9 +185,20 @@ class AutoPolicy(Policy):
     ``score(s) = B * E[committed | s] / T(B, C, s)``, with ``E[committed]`` from the
     ``AcceptanceModel`` and ``T`` from the ``LatencyModel`` (draft + verify forward of
     ``B * (1 + E[nodes | s])`` tokens + the rest). The current strategy is kept unless another
-    scores ``hysteresis`` better. While speculation is off, one step in ``probe_every`` runs the
-    best chain so the acceptance statistics stay current (a tree shape never tried looks
-    optimistic, ``acceptance.tree_prior``, so it gets tried once). After drafting,
+    scores ``hysteresis`` better. Probes measure what the current choice cannot: 4, 8, 16, ...
+    steps after a switch, then every ``probe_every`` steps. While speculation is off, a probe
+    runs the best chain for ``probe_seqs`` of the sequences only (rotating), so the acceptance
+    statistics stay current at the cost of a few forward tokens, not a speculative step of the
+    whole batch; while speculating and predicted less than ``probe_margin`` better than no
+    speculation, a probe runs a step without it, so the latency model sees both sides of a
+    close call instead of extrapolating to the one not taken. With probes disabled the
+    statistics decay towards the prior instead (``AcceptanceModel.age``) so speculation is
+    retried. A tree shape never run is predicted
+    from the chain's rates (``acceptance.tree_prior``), so trees compete only once the chain has
+    been measured on a few sequences. Each score is multiplied by a per-bucket correction,
+    the moving average of observed over modelled throughput of the steps that strategy ran
+    (what the two models miss, e.g. a drafter's real cost); an unrun strategy has 1. After
+    drafting,
     ``refine`` cuts each scored tree (EAGLE, draft model) to the nodes whose calibrated
     acceptance probability (``calibration.Calibrator``: the drafter's own confidence, calibrated
     online globally and per request) pays for the verify time they add.
@@ -194,29 +207,42 @@ class AutoPolicy(Policy):
         candidates: strategies to choose from; ``None`` (no speculation) is always added.
         hysteresis: relative margin a new strategy must win by (0.05 = 5%).
         probe_every: steps with speculation off between probes (0: never probe).
+        probe_seqs: sequences drafted for in a probe step.
         per_sequence: let ``select`` skip sequences whose own acceptance does not pay.
     """
 
     name = "auto"
 
     def __init__(self, candidates: list[Strategy | None], hysteresis: float = 0.05,
-                 probe_every: int = 50, latency: LatencyModel | None = None,
+                 probe_every: int = 50, probe_seqs: int = 4,
+                 latency: LatencyModel | None = None,
                  acceptance: AcceptanceModel | None = None, per_sequence: bool = True):
         super().__init__()
         self.candidates = (None, *(s for s in dict.fromkeys(candidates) if s is not None))
         max_depth = max((s.depth for s in self.candidates if s is not None), default=1)
         self.latency = latency or LatencyModel()
         self.acceptance = acceptance or AcceptanceModel(max_depth)
-        self.hysteresis, self.probe_every = hysteresis, probe_every
+        self.hysteresis, self.probe_every, self.probe_seqs = hysteresis, probe_every, probe_seqs
+        self.probe_margin = 0.25  # speculation predicted less than this much better: probe off
+        self._probing = False  # this step is a probe
+        self._probes = 0
+        self._held: Strategy | None = None  # the strategy held since the last switch
+        self._steps_held, self._next_probe = 0, 4
         self.current: Strategy | None = None
         self.context_per_seq = 0.0  # context tokens per decode sequence, last step
-        self.steps_off = 0
         self.last_scores: dict[Strategy | None, float] = {}
         self.per_sequence, self.prior_steps = per_sequence, 4.0
         self.accept_ratio = 0.0  # accepted per drafted node, all sequences (moving average)
         self._offered: int | None = None  # sequences ``select`` kept this step
         self._select_calls = 0
         self._depths = np.array([s.depth if s else 0 for s in self.candidates], dtype=float)
+        self._is_tree = np.array([s is not None and not s.is_chain for s in self.candidates])
+        # per batch bucket, per candidate: observed / modelled committed tokens per second
+        # (moving average over the steps it ran; 1 before any), what the models miss
+        self._correction: dict[int, np.ndarray] = {}
+        self._raw: dict[Strategy | None, float] = {}  # model scores before the correction
+        self._index = {s: i for i, s in enumerate(self.candidates)}
+        self.min_chain_trials = 8.0  # sequences drafted for by a chain before trees compete
         self.calibrator = Calibrator()
         self.nodes_cut = 0  # draft nodes refine() removed
         self.rescore_every = 4  # steps a batch size's scores are reused (decision cost)
@@ -232,7 +258,11 @@ class AutoPolicy(Policy):
         t0 = time.perf_counter()
         keep = [True] * len(seqs)
         rate = self._predicted
-        if self.per_sequence and len(seqs) > 1 and rate and self.accept_ratio > 0:
+        if self._probing:  # a probe drafts for a few sequences, a different few each time
+            n, k = len(seqs), min(self.probe_seqs, len(seqs))
+            first = self._probes * k % n
+            keep = [(i - first) % n < k for i in range(n)]
+        elif self.per_sequence and len(seqs) > 1 and rate and self.accept_ratio > 0:
             acc = self.acceptance
             nodes, built = acc.expected_nodes(strategy), acc.expected_proposed(strategy)
             n = len(seqs)
@@ -301,7 +331,12 @@ class AutoPolicy(Policy):
         committed, nodes = batch * per_seq_committed, batch * per_seq_nodes
         seconds = self.latency.step_times(batch, context, self._depths, nodes, committed,
                                           batch * per_seq_built)
-        return dict(zip(self.candidates, (committed / np.maximum(seconds, 1e-9)).tolist()))
+        rate = committed / np.maximum(seconds, 1e-9)
+        self._raw = dict(zip(self.candidates, rate.tolist()))
+        rate = rate * self._correction.get(batch_bucket(batch), 1.0)
+        if self.acceptance.chain.trials[0] < self.min_chain_trials:
+            rate[self._is_tree] = 0.0  # a tree's prior is the chain's rates: measure those first
+        return dict(zip(self.candidates, rate.tolist()))
 
     def choose(self, num_running: int) -> Strategy | None:
         t0 = time.perf_counter()
@@ -320,22 +355,28 @@ class AutoPolicy(Policy):
             current = best
         self.current = current
         choice = current
-        if current is None:
-            self.steps_off += 1
-            if self.probe_every and self.steps_off % self.probe_every == 0:
+        self._probing = False
+        if current != self._held:  # a switch restarts the probe schedule
+            self._held, self._steps_held, self._next_probe = current, 0, 4
+        self._steps_held += 1
+        if self.probe_every and self._steps_held >= self._next_probe:
+            self._next_probe = min(2 * self._next_probe, self._steps_held + self.probe_every)
+            if current is None:
                 # the best chain: cheap, and it refreshes the rates every prior builds on
                 spec = [s for s in self.candidates if s is not None and s.is_chain]
                 if spec:
                     choice = max(spec, key=scores.get)
-        else:
-            self.steps_off = 0
+                    self._probing = True
+                    self._probes += 1
+            elif scores[current] < (1 + self.probe_margin) * scores[None]:
+                choice, self._probing = None, True  # a close call: measure the baseline too
         self._predicted = scores[choice]
         self.last_scores = scores
         self.decision_time += time.perf_counter() - t0
         return choice
 
     def record(self, rec: StepRecord) -> None:
-        self._tally(rec)
+        self._tally(rec, f"probe {strategy_name(rec.strategy)}" if self._probing else None)
         cal = self.calibrator
         confs, hits = [], []
         for seq, tree, accepted in rec.verified:
@@ -360,11 +401,18 @@ class AutoPolicy(Policy):
                 ratio = sum(rec.accepted_per_seq) / rec.num_drafted
                 self.accept_ratio = ratio if self.accept_ratio == 0 else \
                     0.9 * self.accept_ratio + 0.1 * ratio
-        elif rec.num_decode:
+        elif rec.num_decode and not self.probe_every:
             self.acceptance.age()
         self._offered = None
         if not rec.is_decode_only:
             return
+        raw = self._raw.get(rec.strategy)
+        if raw and not self._probing and rec.step_time > 0:
+            corr = self._correction.setdefault(batch_bucket(rec.num_decode),
+                                               np.ones(len(self.candidates)))
+            i = self._index[rec.strategy]
+            ratio = min(max(rec.num_committed / rec.step_time / raw, 0.25), 4.0)
+            corr[i] = 0.9 * corr[i] + 0.1 * ratio
         lat = self.latency
         lat.add_forward(rec.num_forward_tokens, rec.context_tokens, rec.num_decode,
                         rec.forward_time)
