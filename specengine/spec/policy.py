@@ -197,7 +197,9 @@ class AutoPolicy(Policy):
     from the chain's rates (``acceptance.tree_prior``), so trees compete only once the chain has
     been measured on a few sequences. Each score is multiplied by a per-bucket correction,
     the moving average of observed over modelled throughput of the steps that strategy ran
-    (what the two models miss, e.g. a drafter's real cost); an unrun strategy has 1. After
+    (what the two models miss, e.g. a drafter's real cost); an unrun strategy has 1, and a
+    correction not refreshed fades back to 1 (1% per step of its bucket), so a strategy
+    judged on another workload is tried again. After
     drafting,
     ``refine`` cuts each scored tree (EAGLE, draft model) to the nodes whose calibrated
     acceptance probability (``calibration.Calibrator``: the drafter's own confidence, calibrated
@@ -410,6 +412,7 @@ class AutoPolicy(Policy):
         if raw and not self._probing and rec.step_time > 0:
             corr = self._correction.setdefault(batch_bucket(rec.num_decode),
                                                np.ones(len(self.candidates)))
+            corr += (1.0 - corr) * 0.01  # unrefreshed corrections fade (the workload changes)
             i = self._index[rec.strategy]
             ratio = min(max(rec.num_committed / rec.step_time / raw, 0.25), 4.0)
             corr[i] = 0.9 * corr[i] + 0.1 * ratio
