@@ -125,7 +125,7 @@ def test_auto_policy_hysteresis():
     a, b = Strategy(2), Strategy(4)
     pol = AutoPolicy([a, b], hysteresis=0.05, probe_every=0)
     table = {None: 50.0, a: 100.0, b: 90.0}
-    pol.scores = lambda batch, context: dict(table)
+    pol.scores = lambda batch, context, rates=None: dict(table)
     assert pol.choose(4) == a
     table[b] = 104.0  # 4% better: not enough to switch
     assert [pol.choose(4) for _ in range(3)] == [a] * 3

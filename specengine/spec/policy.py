@@ -193,17 +193,16 @@ class AutoPolicy(Policy):
     speculation, a probe runs a step without it, so the latency model sees both sides of a
     close call instead of extrapolating to the one not taken. With probes disabled the
     statistics decay towards the prior instead (``AcceptanceModel.age``) so speculation is
-    retried. A tree shape never run is predicted
-    from the chain's rates (``acceptance.tree_prior``), so trees compete only once the chain has
-    been measured on a few sequences. Each score is multiplied by a per-bucket correction,
-    the moving average of observed over modelled throughput of the steps that strategy ran
-    (what the two models miss, e.g. a drafter's real cost); an unrun strategy has 1, and a
-    correction not refreshed fades back to 1 (1% per step of its bucket), so a strategy
-    judged on another workload is tried again. After
-    drafting,
-    ``refine`` cuts each scored tree (EAGLE, draft model) to the nodes whose calibrated
-    acceptance probability (``calibration.Calibrator``: the drafter's own confidence, calibrated
-    online globally and per request) pays for the verify time they add.
+    retried. A tree shape never run is predicted from the chain's rates
+    (``acceptance.tree_prior``), so trees compete only once the chain has been measured on a
+    few sequences. Each score is multiplied by a per-bucket correction, the moving average of
+    observed over modelled throughput of the steps that strategy ran (what the two models
+    miss, e.g. a drafter's real cost); an unrun strategy has 1, and a correction not refreshed
+    fades back to 1 (1% per step of its bucket), so a strategy judged on another workload is
+    tried again. After drafting, ``refine`` cuts each scored tree (EAGLE, draft model) to the
+    nodes whose calibrated acceptance probability (``calibration.Calibrator``: the drafter's
+    own confidence, calibrated online globally and per request) pays for the verify time they
+    add.
 
     Args:
         candidates: strategies to choose from; ``None`` (no speculation) is always added.
@@ -228,8 +227,7 @@ class AutoPolicy(Policy):
         self.probe_margin = 0.25  # speculation predicted less than this much better: probe off
         self._probing = False  # this step is a probe
         self._probes = 0
-        self._held: Strategy | None = None  # the strategy held since the last switch
-        self._steps_held, self._next_probe = 0, 4
+        self._steps_held, self._next_probe = 0, 4  # steps since the last switch; next probe
         self.current: Strategy | None = None
         self.context_per_seq = 0.0  # context tokens per decode sequence, last step
         self.last_scores: dict[Strategy | None, float] = {}
@@ -319,7 +317,8 @@ class AutoPolicy(Policy):
         profile_forward(engine.runner, engine.blocks, self.latency, proposer=engine.proposer)
 
     def score(self, s: Strategy | None, batch: int, context: float) -> float:
-        """Predicted committed tokens per second of one step of ``s`` (tokens/s)."""
+        """Modelled committed tokens per second of one step of ``s`` (tokens/s; before the
+        observed/modelled correction ``scores`` applies)."""
         acc = self.acceptance
         committed = batch * acc.expected_committed(s)
         nodes, built = batch * acc.expected_nodes(s), batch * acc.expected_proposed(s)
@@ -327,14 +326,20 @@ class AutoPolicy(Policy):
                                          built)
         return committed / max(seconds, 1e-9)
 
-    def scores(self, batch: int, context: float) -> dict[Strategy | None, float]:
-        """``score`` of every candidate, vectorised."""
+    def model_rates(self, batch: int, context: float) -> np.ndarray:
+        """``score`` of every candidate (in ``candidates`` order), vectorised."""
         per_seq_committed, per_seq_nodes, per_seq_built = self.acceptance.expected(self.candidates)
         committed, nodes = batch * per_seq_committed, batch * per_seq_nodes
         seconds = self.latency.step_times(batch, context, self._depths, nodes, committed,
                                           batch * per_seq_built)
-        rate = committed / np.maximum(seconds, 1e-9)
-        self._raw = dict(zip(self.candidates, rate.tolist()))
+        return committed / np.maximum(seconds, 1e-9)
+
+    def scores(self, batch: int, context: float,
+               rates: np.ndarray | None = None) -> dict[Strategy | None, float]:
+        """What the choice compares (tokens/s): the modelled ``rates`` (default
+        ``model_rates``) times the bucket's observed/modelled correction; trees 0 until the
+        chain has been measured."""
+        rate = self.model_rates(batch, context) if rates is None else rates
         rate = rate * self._correction.get(batch_bucket(batch), 1.0)
         if self.acceptance.chain.trials[0] < self.min_chain_trials:
             rate[self._is_tree] = 0.0  # a tree's prior is the chain's rates: measure those first
@@ -349,17 +354,19 @@ class AutoPolicy(Policy):
             scores = self.last_scores  # re-scored when the batch changes, else every few steps
             self._scored_for = (batch, age + 1)
         else:
-            scores = self.scores(batch, context)
+            rates = self.model_rates(batch, context)
+            self._raw = dict(zip(self.candidates, rates.tolist()))
+            scores = self.scores(batch, context, rates)
             self._scored_for = (batch, 1)
         best = max(scores, key=scores.get)
         current = self.current if self.current in scores else None
         if scores[best] > scores[current] * (1 + self.hysteresis):
             current = best
+        if current != self.current:  # a switch restarts the probe schedule
+            self._steps_held, self._next_probe = 0, 4
         self.current = current
         choice = current
         self._probing = False
-        if current != self._held:  # a switch restarts the probe schedule
-            self._held, self._steps_held, self._next_probe = current, 0, 4
         self._steps_held += 1
         if self.probe_every and self._steps_held >= self._next_probe:
             self._next_probe = min(2 * self._next_probe, self._steps_held + self.probe_every)
