@@ -505,3 +505,95 @@ def test_correction_drops_a_strategy_slower_than_modelled():
                               other_time=0.0))
         s = pol.choose(4)
     assert s is None
+
+
+def test_refine_cuts_exactly_the_nodes_below_the_bar():
+    """refine's shortcut (a tree whose least confident node pays stays whole) changes nothing:
+    the result is keep_worth over every node's calibrated probability."""
+    from specengine.spec.calibration import confidences, keep_worth
+
+    rng = np.random.default_rng(11)
+    seqs = [SimpleNamespace(calib_accepted=float(a), calib_predicted=float(p))
+            for a, p in rng.uniform(0, 20, size=(6, 2))]
+    trees = [scored_tree(rng, 2, 3) for _ in seqs]
+    for forward in (lambda n, c: 0.01 + 1e-7 * n, lambda n, c: 0.01 + 5e-4 * n):
+        p = AutoPolicy(CHAINS + TREES)
+        p.latency = fit_latency(forward, np.random.default_rng(2), steps=200)
+        p.context_per_seq = 100
+        p._predicted = 6 * 2.5 / (forward(6 * 15, 600) + 1e-3)
+        out = p.refine(seqs, trees, base_tokens=6)
+        tokens = 6 + sum(t.num_nodes for t in trees)
+        lat = p.latency
+        bar = p._predicted * (lat.forward_time(tokens + 1, 600, 6)
+                              - lat.forward_time(tokens, 600, 6))
+        cal = p.calibrator
+        for seq, tree, got in zip(seqs, trees, out):
+            want = keep_worth(tree, cal.predict(confidences(tree), cal.request_factor(seq)), bar)
+            assert (list(range(tree.num_nodes)) if got is tree else
+                    [] if got is None else got.tokens) == [tree.tokens[i] for i in want]
+
+
+def synthetic_steps(rng, n=40):
+    """Decode-step records of chains and a tree with scored trees verified, for learning."""
+    seqs = [SimpleNamespace(calib_accepted=0, calib_predicted=0.0) for _ in range(4)]
+    out = []
+    for i in range(n):
+        s = [Strategy(2), Strategy(3), TREES[0], None][i % 4]
+        trees = [scored_tree(rng, 2, 2) for _ in seqs] if s is not None else []
+        acc = [sorted(rng.choice(t.num_nodes, size=int(rng.integers(0, 2)), replace=False)
+                      .tolist()) for t in trees]
+        out.append(StepRecord(
+            strategy=s, num_decode=4, num_prefill_tokens=0,
+            num_forward_tokens=4 + sum(t.num_nodes for t in trees), context_tokens=400 + 4 * i,
+            num_drafted=sum(t.num_nodes for t in trees), num_committed=4 + sum(map(len, acc)),
+            accepted_per_seq=[len(a) for a in acc], draft_time=1e-3 if s else 0.0,
+            forward_time=0.01 * rng.lognormal(0, 0.1), other_time=1e-3,
+            verified=list(zip(seqs, trees, acc))))
+    return out
+
+
+def test_deferred_learning_learns_what_immediate_learning_does():
+    """record defers the model updates to the next re-scoring; flushed, the models are the
+    same as when every step is learnt at once."""
+    models = []
+    for every in (1, 7):
+        pol = AutoPolicy(CHAINS + TREES, probe_every=0)
+        pol.rescore_every = every  # what choose sets from the decision budget
+        pol._raw = {s: 300.0 for s in pol.candidates}
+        for rec in synthetic_steps(np.random.default_rng(0)):
+            pol.record(rec)
+        assert len(pol._pending) == (0 if every == 1 else 40 % 7)
+        pol.flush()
+        models.append(pol)
+    a, b = models
+    assert a.acceptance.expected(a.candidates)[0] == pytest.approx(
+        b.acceptance.expected(b.candidates)[0])
+    assert a.latency.forward.theta(3) == pytest.approx(b.latency.forward.theta(3))
+    assert a.calibrator.tried == pytest.approx(b.calibrator.tried)
+    assert a.calibrator.accepted == pytest.approx(b.calibrator.accepted)
+    assert a._correction[batch_bucket(4)] == pytest.approx(b._correction[batch_bucket(4)])
+    assert a.decision_time > 0  # learning is counted as the policy's time
+
+
+def test_rescoring_is_spaced_by_the_decision_budget(monkeypatch):
+    """A re-scoring that costs much more than rescore_budget of a step is reused for up to 32
+    steps of the same batch size; a new batch size is scored at once."""
+    pol = AutoPolicy(CHAINS + TREES, probe_every=0)
+    calls = []
+    real = pol.model_rates
+
+    def slow(batch, context):
+        calls.append(batch)
+        time.sleep(0.002)
+        return real(batch, context)
+
+    monkeypatch.setattr(pol, "model_rates", slow)
+    pol._mean_step = 0.01  # 10 ms steps: the budget is 50 us per step
+    pol.choose(8)
+    assert pol.rescore_every == 32
+    for _ in range(31):
+        pol.choose(8)
+    assert calls == [8]
+    pol.choose(8)
+    pol.choose(3)
+    assert calls == [8, 8, 3]

@@ -15,6 +15,8 @@ monotone in c (pool-adjacent-violators, isotonic regression). Per request, a fac
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from specengine.spec.tree import DraftTree
@@ -72,6 +74,11 @@ class Calibrator:
         """Acceptance probability of nodes of confidence ``conf`` (times a request's
         ``factor``, capped at 1)."""
         return np.minimum(self.rate_per_bin()[bins(conf)] * factor, 1.0)
+
+    def predict_one(self, conf: float, factor: float = 1.0) -> float:
+        """``predict`` of one confidence (a float), without array work."""
+        x = (math.log10(max(conf, 1e-30)) - MIN_LOG10) / -MIN_LOG10 * NUM_BINS
+        return min(float(self.rate_per_bin()[min(max(int(x), 0), NUM_BINS - 1)]) * factor, 1.0)
 
     def observe(self, conf: np.ndarray, accepted: np.ndarray) -> None:
         """The nodes verified in one step (all its trees): ``conf`` ``[m]`` and ``accepted``

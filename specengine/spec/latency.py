@@ -132,11 +132,13 @@ class WeightedLeastSquares:
         t = self._last.get(i)
         return self.theta(i) if t is None else t
 
-    def residual(self, i: int = 0) -> float:
-        """Weighted sum of squared residuals of fit ``i`` (prior and online data)."""
-        t = self.theta(i)
-        a, b = self.prior_a[i] + self.a[i], self.prior_b[i] + self.b[i]
-        return float(self.prior_yy + self.yy - 2 * t @ b + t @ a @ t)
+    def residuals(self) -> np.ndarray:
+        """``[copies]`` weighted sums of squared residuals of the fits (prior and online
+        data)."""
+        t = np.stack([self.theta(i) for i in range(self.shape[0])])
+        a, b = self.prior_a + self.a, self.prior_b + self.b
+        quad = np.einsum("ci,cij,cj->c", t, a, t)
+        return self.prior_yy + self.yy - 2 * np.einsum("ci,ci->c", t, b) + quad
 
 
 def outlier_weight(seconds: float, predicted: float, limit: float = 3.0) -> float:
@@ -181,9 +183,9 @@ class LatencyModel:
     def __init__(self, decay: float = 0.998, prior_weight: float = 3.0):
         self.prior_weight = prior_weight
         self.knees = np.array(KNEES, dtype=float)
-        self.forward = WeightedLeastSquares(5, decay, copies=len(KNEES), refit_every=4)
-        self.draft = WeightedLeastSquares(5, decay, refit_every=4)
-        self.other = WeightedLeastSquares(4, decay, refit_every=4)
+        self.forward = WeightedLeastSquares(5, decay, copies=len(KNEES), refit_every=8)
+        self.draft = WeightedLeastSquares(5, decay, refit_every=8)
+        self.other = WeightedLeastSquares(4, decay, refit_every=8)
         self.knee_index = 0
         self.num_forward = 0  # forward observations (profile included)
         self.num_draft = 0
@@ -207,8 +209,13 @@ class LatencyModel:
             w *= outlier_weight(seconds, float(x @ self.forward.stale_theta(self.knee_index)))
         self.forward.add(forward_x(tokens, context, per_seq, self.knees), seconds, w, prior)
         self.num_forward += 1
-        if self.num_forward <= 64 or self.num_forward % 32 == 0:
-            self.knee_index = min(range(len(KNEES)), key=self.forward.residual)
+        # the knee is chosen again every few observations: each choice solves all the fits
+        if prior or self.num_forward % (16 if self.num_forward <= 64 else 64) == 0:
+            self.select_knee()
+
+    def select_knee(self) -> None:
+        """Take the candidate knee whose forward fit has the smallest weighted residual."""
+        self.knee_index = int(np.argmin(self.forward.residuals()))
 
     def add_draft(self, batch: int, depth: int, nodes: int, seconds: float,
                   prior: bool = False) -> None:
@@ -229,20 +236,26 @@ class LatencyModel:
         self.other.add(x, seconds, w)
 
     # ---- prediction -------------------------------------------------------------------------
+    # scalar predictions in plain float arithmetic: called per step, where small-array numpy
+    # costs more than the arithmetic
     def forward_time(self, tokens: float, context: float, num_seqs: float) -> float:
         """Predicted seconds of a target forward (never below 0)."""
-        x = forward_x(tokens, context, tokens / max(num_seqs, 1), self.knee)
-        return max(float(x @ self.forward.theta(self.knee_index)), 0.0)
+        c0, c1, c2, c3, c4 = self.forward.theta(self.knee_index).tolist()
+        y = (c0 + c1 * tokens + c2 * max(tokens - self.knee, 0.0) + c3 * context
+             + c4 * context * tokens / max(num_seqs, 1))
+        return max(y, 0.0)
 
     def draft_time(self, batch: float, depth: float, nodes: float) -> float:
         """Predicted seconds of drafting (0 for no speculation or before any observation)."""
         if depth == 0 or self.num_draft == 0:
             return 0.0
-        return max(float(draft_x(batch, depth, nodes) @ self.draft.theta()), 0.0)
+        d0, d1, d2, d3, d4 = self.draft.theta().tolist()
+        return max(d0 + d1 * batch + d2 * depth + d3 * depth * batch + d4 * nodes, 0.0)
 
     def other_time(self, batch: float, nodes: float, committed: float) -> float:
         """Predicted seconds of verify/sampling/bookkeeping."""
-        return max(float(other_x(batch, nodes, committed) @ self.other.theta()), 0.0)
+        o0, o1, o2, o3 = self.other.theta().tolist()
+        return max(o0 + o1 * batch + o2 * nodes + o3 * committed, 0.0)
 
     def step_time(self, batch: float, context: float, depth: float, nodes: float,
                   committed: float, proposed: float | None = None) -> float:

@@ -14,6 +14,7 @@ observed committed tokens per second).
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections import deque
@@ -97,7 +98,7 @@ class Policy:
 
     def __init__(self) -> None:
         self.per_strategy: dict[str, dict] = {}
-        self.decision_time = 0.0  # seconds inside choose()
+        self.decision_time = 0.0  # seconds deciding and learning (choose, record, ...)
         self.step_time = 0.0  # seconds of all recorded steps
         # per decode-only step when keep_trace: (end time in step seconds since start, batch,
         # strategy name, committed tokens, step seconds)
@@ -135,9 +136,10 @@ class Policy:
                                rec.num_committed, rec.step_time))
 
     def stats(self) -> dict:
-        """Metrics: ``policy``, ``policy_decision_s`` and ``policy_decision_frac`` (share of
-        step time spent choosing), ``policy_strategies``: per strategy the decode-only
-        ``steps``, ``observed_tok_s`` (committed tokens / seconds of those steps) and
+        """Metrics: ``policy``, ``policy_decision_s`` and ``policy_decision_frac`` (seconds
+        spent choosing and learning, ``AutoPolicy``'s ``choose``, ``select``, ``refine`` and
+        ``record``, and their share of step time), ``policy_strategies``: per strategy the
+        decode-only ``steps``, ``observed_tok_s`` (committed tokens / seconds of those steps) and
         ``predicted_tok_s`` (mean prediction when chosen; None if the policy predicts none)."""
         table = {}
         for name, st in self.per_strategy.items():
@@ -245,8 +247,14 @@ class AutoPolicy(Policy):
         self.min_chain_trials = 8.0  # sequences drafted for by a chain before trees compete
         self.calibrator = Calibrator()
         self.nodes_cut = 0  # draft nodes refine() removed
-        self.rescore_every = 4  # steps a batch size's scores are reused (decision cost)
+        # Scores of an unchanged batch size are reused for as many steps as keep re-scoring
+        # within ``rescore_budget`` of step time (the models move little per step).
+        self.rescore_budget = 0.005
+        self.rescore_every = 1
+        self._rescore_cost = 0.0  # seconds per re-scoring (moving average)
+        self._mean_step = 0.0  # seconds per step (moving average)
         self._scored_for: tuple[int, int] = (-1, 0)  # (batch, steps since scored)
+        self._pending: list[tuple] = []  # recorded steps not learnt from yet (``flush``)
         self.nodes_seen = 0
 
     def select(self, seqs: list, strategy: Strategy) -> list[bool]:
@@ -304,9 +312,11 @@ class AutoPolicy(Policy):
         cal = self.calibrator
         out = list(trees)
         for i in scored:
-            tree = trees[i]
-            p = cal.predict(confidences(tree), cal.request_factor(seqs[i]))
-            out[i] = tree.subset(keep_worth(tree, p, bar))
+            tree, factor = trees[i], cal.request_factor(seqs[i])
+            conf = confidences(tree)
+            # p rises with confidence: if the least confident node pays, all do (memory-bound)
+            if cal.predict_one(float(conf.min()), factor) < bar:
+                out[i] = tree.subset(keep_worth(tree, cal.predict(conf, factor), bar))
             self.nodes_seen += tree.num_nodes
             self.nodes_cut += tree.num_nodes - (out[i].num_nodes if out[i] else 0)
         self.decision_time += time.perf_counter() - t0
@@ -354,10 +364,17 @@ class AutoPolicy(Policy):
             scores = self.last_scores  # re-scored when the batch changes, else every few steps
             self._scored_for = (batch, age + 1)
         else:
+            self.flush()
             rates = self.model_rates(batch, context)
             self._raw = dict(zip(self.candidates, rates.tolist()))
             scores = self.scores(batch, context, rates)
             self._scored_for = (batch, 1)
+            cost = time.perf_counter() - t0
+            self._rescore_cost = cost if not self._rescore_cost else \
+                0.9 * self._rescore_cost + 0.1 * cost
+            if self._mean_step:
+                self.rescore_every = min(32, max(1, math.ceil(
+                    self._rescore_cost / (self.rescore_budget * self._mean_step))))
         best = max(scores, key=scores.get)
         current = self.current if self.current in scores else None
         if scores[best] > scores[current] * (1 + self.hysteresis):
@@ -385,25 +402,62 @@ class AutoPolicy(Policy):
         return choice
 
     def record(self, rec: StepRecord) -> None:
+        """Tally the step; its lessons are learnt with the next re-scoring (``flush``): a few
+        steps' updates run back to back cost much less than each alone after a forward has
+        flushed the caches."""
+        t0 = time.perf_counter()
         self._tally(rec, f"probe {strategy_name(rec.strategy)}" if self._probing else None)
-        cal = self.calibrator
-        confs, hits = [], []
-        for seq, tree, accepted in rec.verified:
-            if not is_scored(tree):
-                continue
-            conf = confidences(tree)
-            hit = np.zeros(tree.num_nodes, dtype=bool)
-            hit[accepted] = True
-            seq.calib_predicted += float(cal.predict(conf).sum())
-            seq.calib_accepted += len(accepted)
-            confs.append(conf)
-            hits.append(hit)
-        if confs:  # one update per step
-            cal.observe(np.concatenate(confs), np.concatenate(hits))
         if rec.num_decode:
             self.context_per_seq = rec.context_tokens / rec.num_decode
+        self._pending.append((rec, self._probing, self._offered, self._raw.get(rec.strategy)))
+        self._offered = None
+        self._mean_step = rec.step_time if not self._mean_step else \
+            0.95 * self._mean_step + 0.05 * rec.step_time
+        if len(self._pending) >= self.rescore_every:
+            self.flush()
+        self.decision_time += time.perf_counter() - t0
+
+    def flush(self) -> None:
+        """Learn from the recorded steps not learnt from yet (``record`` defers it)."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        self._calibrate([rec for rec, *_ in pending])
+        for rec, probing, offered, raw in pending:
+            self._learn(rec, probing, offered, raw)
+
+    def _calibrate(self, recs: list[StepRecord]) -> None:
+        """The calibrator's update from the scored trees verified in ``recs`` (one update per
+        step), and each request's predicted/accepted node counts (with the map as it was
+        before them: one lookup for all)."""
+        cal = self.calibrator
+        steps = [[(seq, tree, acc) for seq, tree, acc in rec.verified if is_scored(tree)]
+                 for rec in recs]
+        confs = [[confidences(tree) for _, tree, _ in step] for step in steps]
+        flat = [c for step in confs for c in step]
+        if not flat:
+            return
+        p, off = cal.predict(np.concatenate(flat)), 0
+        for step, step_confs in zip(steps, confs):
+            if not step:
+                continue
+            conf = np.concatenate(step_confs)
+            hit, start = np.zeros(len(conf), dtype=bool), 0
+            for (seq, _, accepted), c in zip(step, step_confs):
+                hit[[start + j for j in accepted]] = True
+                seq.calib_predicted += float(p[off + start:off + start + len(c)].sum())
+                seq.calib_accepted += len(accepted)
+                start += len(c)
+            off += len(conf)
+            cal.observe(conf, hit)
+
+    def _learn(self, rec: StepRecord, probing: bool, offered: int | None,
+               raw: float | None) -> None:
+        """One step's updates of the acceptance, correction and latency models; ``probing``,
+        ``offered`` (sequences ``select`` kept) and ``raw`` (the strategy's model rate) as they
+        were for that step."""
         if rec.strategy is not None:
-            offered = rec.num_decode if self._offered is None else self._offered
+            offered = rec.num_decode if offered is None else offered
             self.acceptance.observe(rec.strategy, rec.accepted_per_seq, offered,
                                     rec.num_drafted, rec.num_proposed)
             if rec.num_drafted:
@@ -412,11 +466,9 @@ class AutoPolicy(Policy):
                     0.9 * self.accept_ratio + 0.1 * ratio
         elif rec.num_decode and not self.probe_every:
             self.acceptance.age()
-        self._offered = None
         if not rec.is_decode_only:
             return
-        raw = self._raw.get(rec.strategy)
-        if raw and not self._probing and rec.step_time > 0:
+        if raw and not probing and rec.step_time > 0:
             corr = self._correction.setdefault(batch_bucket(rec.num_decode),
                                                np.ones(len(self.candidates)))
             corr += (1.0 - corr) * 0.01  # unrefreshed corrections fade (the workload changes)
@@ -432,6 +484,7 @@ class AutoPolicy(Policy):
         lat.add_other(rec.num_decode, rec.num_drafted, rec.num_committed, rec.other_time)
 
     def stats(self) -> dict:
+        self.flush()
         d = super().stats()
         d["policy_latency_knee_tokens"] = self.latency.knee
         d["policy_nodes_cut_frac"] = self.nodes_cut / self.nodes_seen if self.nodes_seen else 0.0
