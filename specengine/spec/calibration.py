@@ -33,6 +33,20 @@ def confidences(tree: DraftTree) -> np.ndarray:
     return np.exp(cum)
 
 
+def confidence_list(tree: DraftTree) -> list[float]:
+    """``confidences`` as a Python list (per-tree arrays are too small for numpy to pay)."""
+    cum: list[float] = []
+    for par, lp in zip(tree.parents, tree.draft_logprobs):
+        cum.append(lp + (cum[par] if par >= 0 else 0.0))
+    return [math.exp(c) for c in cum]
+
+
+def bin_of(conf: float) -> int:
+    """``bins`` of one confidence."""
+    x = (math.log10(max(conf, 1e-30)) - MIN_LOG10) / -MIN_LOG10 * NUM_BINS
+    return min(max(int(x), 0), NUM_BINS - 1)
+
+
 def is_scored(tree: DraftTree) -> bool:
     """True when the drafter scored the nodes (n-gram trees carry no log-probabilities)."""
     return any(lp != 0.0 for lp in tree.draft_logprobs)
@@ -75,19 +89,19 @@ class Calibrator:
         ``factor``, capped at 1)."""
         return np.minimum(self.rate_per_bin()[bins(conf)] * factor, 1.0)
 
-    def predict_one(self, conf: float, factor: float = 1.0) -> float:
-        """``predict`` of one confidence (a float), without array work."""
-        x = (math.log10(max(conf, 1e-30)) - MIN_LOG10) / -MIN_LOG10 * NUM_BINS
-        return min(float(self.rate_per_bin()[min(max(int(x), 0), NUM_BINS - 1)]) * factor, 1.0)
-
     def observe(self, conf: np.ndarray, accepted: np.ndarray) -> None:
         """The nodes verified in one step (all its trees): ``conf`` ``[m]`` and ``accepted``
         ``[m]`` bool (on an accepted path). Decays the counts first, once per step."""
+        self.observe_bins(bins(conf), accepted)
+
+    def observe_bins(self, node_bins, accepted) -> None:
+        """``observe`` with the nodes' bin indices (``bins``/``bin_of``) instead of their
+        confidences: ``node_bins`` ``[m]`` ints, ``accepted`` ``[m]`` bools."""
         self.tried *= self.decay
         self.accepted *= self.decay
-        b = bins(conf)
-        np.add.at(self.tried, b, 1.0)
-        np.add.at(self.accepted, b, accepted.astype(float))
+        self.tried += np.bincount(node_bins, minlength=NUM_BINS)
+        self.accepted += np.bincount(node_bins, weights=np.asarray(accepted, dtype=float),
+                                     minlength=NUM_BINS)
         self._map = None
 
     def request_factor(self, seq) -> float:

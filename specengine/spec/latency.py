@@ -98,18 +98,26 @@ class WeightedLeastSquares:
     def add(self, x: np.ndarray, y: float, weight: float = 1.0, prior: bool = False) -> None:
         """Add observation ``(x, y)`` (``x``: ``[dim]`` or ``[copies, dim]``); ``prior=True``
         adds it to the fixed prior instead."""
-        x = np.broadcast_to(x, self.shape)
-        outer = weight * x[:, :, None] * x[:, None, :]
+        self.add_many(np.asarray(x, dtype=float)[None], [y], [weight], prior)
+
+    def add_many(self, xs: np.ndarray, ys, weights, prior: bool = False) -> None:
+        """``add`` of ``k`` observations in the order made, in one batched update: ``xs``
+        ``[k, dim]`` or ``[k, copies, dim]``, ``ys`` and ``weights`` ``[k]``."""
+        ys, w = np.asarray(ys, dtype=float), np.asarray(weights, dtype=float)
+        k = len(ys)
+        xs = np.broadcast_to(np.asarray(xs, dtype=float).reshape(k, -1, self.shape[1]),
+                             (k, *self.shape))
         if prior:
-            self.prior_a += outer
-            self.prior_b += weight * y * x
-            self.prior_yy += weight * y * y
+            self.prior_a += np.einsum("k,kci,kcj->cij", w, xs, xs)
+            self.prior_b += np.einsum("k,kci->ci", w * ys, xs)
+            self.prior_yy += float((w * ys * ys).sum())
         else:
             d = self.decay
-            self.a = d * self.a + outer
-            self.b = d * self.b + weight * y * x
-            self.yy = d * self.yy + weight * y * y
-        self._adds += 1
+            f = w * d ** np.arange(k - 1, -1, -1.0)  # what each is worth after the later decays
+            self.a = d ** k * self.a + np.einsum("k,kci,kcj->cij", f, xs, xs)
+            self.b = d ** k * self.b + np.einsum("k,kci->ci", f * ys, xs)
+            self.yy = d ** k * self.yy + float((f * ys * ys).sum())
+        self._adds += k
         if prior or self._adds >= self.refit_every:
             self._theta.clear()
             self._adds = 0
@@ -141,35 +149,41 @@ class WeightedLeastSquares:
         return self.prior_yy + self.yy - 2 * np.einsum("ci,ci->c", t, b) + quad
 
 
-def outlier_weight(seconds: float, predicted: float, limit: float = 3.0) -> float:
+def outlier_weight(seconds, predicted, limit: float = 3.0) -> np.ndarray:
     """Down-weighting of a measurement more than ``limit`` times slower than predicted (a
     descheduled thread, a garbage collection): its relative residual counts as ``limit``
-    (Huber-style), so a machine that really got slower still moves the fit, only gradually."""
-    if predicted <= 0 or seconds <= limit * predicted:
-        return 1.0
-    return (limit * predicted / seconds) ** 2
+    (Huber-style), so a machine that really got slower still moves the fit, only gradually.
+    Elementwise over arrays of ``seconds`` and ``predicted``; 1 where ``predicted <= 0``."""
+    seconds, predicted = np.asarray(seconds, dtype=float), np.asarray(predicted, dtype=float)
+    slow = (predicted > 0) & (seconds > limit * predicted)
+    return np.where(slow, (limit * predicted / np.where(slow, seconds, 1.0)) ** 2, 1.0)
 
 
-def forward_x(tokens: float, context: float, per_seq: float,
-              knee: float | np.ndarray) -> np.ndarray:
-    """Features of the forward-time fit (see the module docstring); ``[len(knee), 5]`` for an
-    array of knees."""
-    knee = np.asarray(knee, dtype=float)
-    x = np.empty(knee.shape + (5,))
-    x[..., 0], x[..., 1], x[..., 3], x[..., 4] = 1.0, tokens, context, context * per_seq
-    x[..., 2] = np.maximum(tokens - knee, 0.0)
-    return x
+def _features(*columns) -> np.ndarray:
+    """Columns (scalars or arrays, broadcast together) stacked on a last axis."""
+    cols = np.broadcast_arrays(*(np.asarray(c, dtype=float) for c in columns))
+    return np.stack(cols, axis=-1)
 
 
-def draft_x(batch: float, depth: float, nodes: float) -> np.ndarray:
-    """Features of the draft-time fit: the work of drafting ``nodes`` nodes ``depth`` deep for
-    ``batch`` sequences."""
-    return np.array([1.0, batch, depth, depth * batch, nodes])
+def forward_x(tokens, context, per_seq, knee) -> np.ndarray:
+    """Features of the forward-time fit (see the module docstring), ``[..., 5]`` over the
+    broadcast shape of the arguments (``[len(knee), 5]`` for one forward and an array of
+    knees)."""
+    tokens, context, per_seq = (np.asarray(v, dtype=float) for v in (tokens, context, per_seq))
+    return _features(1.0, tokens, np.maximum(tokens - np.asarray(knee, dtype=float), 0.0),
+                     context, context * per_seq)
 
 
-def other_x(batch: float, nodes: float, committed: float) -> np.ndarray:
-    """Features of the verify/sample/bookkeeping-time fit."""
-    return np.array([1.0, batch, nodes, committed])
+def draft_x(batch, depth, nodes) -> np.ndarray:
+    """Features of the draft-time fit, ``[..., 5]``: the work of drafting ``nodes`` nodes
+    ``depth`` deep for ``batch`` sequences."""
+    batch, depth = np.asarray(batch, dtype=float), np.asarray(depth, dtype=float)
+    return _features(1.0, batch, depth, depth * batch, nodes)
+
+
+def other_x(batch, nodes, committed) -> np.ndarray:
+    """Features of the verify/sample/bookkeeping-time fit, ``[..., 4]``."""
+    return _features(1.0, batch, nodes, committed)
 
 
 class LatencyModel:
@@ -200,17 +214,27 @@ class LatencyModel:
                     prior: bool = False) -> None:
         """One measured target forward of ``tokens`` tokens over ``num_seqs`` sequences with
         ``context`` context tokens in all; ``prior`` marks a start-up profile point."""
-        if seconds <= 0 or tokens <= 0:
+        self.add_forwards([tokens], [context], [num_seqs], [seconds], prior)
+
+    def add_forwards(self, tokens, context, num_seqs, seconds, prior: bool = False) -> None:
+        """``add_forward`` of several forwards (arrays, in the order measured), one batched
+        update; the outlier check uses the coefficients from before them."""
+        t, c, n, s = (np.asarray(v, dtype=float) for v in (tokens, context, num_seqs, seconds))
+        ok = (s > 0) & (t > 0)
+        t, c, n, s = t[ok], c[ok], n[ok], s[ok]
+        if not len(s):
             return
-        w = (self.prior_weight if prior else 1.0) / seconds ** 2
-        per_seq = tokens / max(num_seqs, 1)
+        w = (self.prior_weight if prior else 1.0) / s ** 2
+        per_seq = t / np.maximum(n, 1)
         if not prior and self.num_forward:
-            x = forward_x(tokens, context, per_seq, self.knee)
-            w *= outlier_weight(seconds, float(x @ self.forward.stale_theta(self.knee_index)))
-        self.forward.add(forward_x(tokens, context, per_seq, self.knees), seconds, w, prior)
-        self.num_forward += 1
+            x = forward_x(t, c, per_seq, self.knee)
+            w = w * outlier_weight(s, x @ self.forward.stale_theta(self.knee_index))
+        self.forward.add_many(forward_x(t[:, None], c[:, None], per_seq[:, None], self.knees),
+                              s, w, prior)
+        before, self.num_forward = self.num_forward, self.num_forward + len(s)
         # the knee is chosen again every few observations: each choice solves all the fits
-        if prior or self.num_forward % (16 if self.num_forward <= 64 else 64) == 0:
+        every = 16 if self.num_forward <= 64 else 64
+        if prior or before // every != self.num_forward // every:
             self.select_knee()
 
     def select_knee(self) -> None:
@@ -221,19 +245,32 @@ class LatencyModel:
                   prior: bool = False) -> None:
         """Drafting ``nodes`` nodes up to ``depth`` deep for ``batch`` sequences took
         ``seconds``."""
-        w = (self.prior_weight if prior else 1.0) / max(seconds, 1e-4) ** 2
+        self.add_drafts([batch], [depth], [nodes], [seconds], prior)
+
+    def add_drafts(self, batch, depth, nodes, seconds, prior: bool = False) -> None:
+        """``add_draft`` of several steps (arrays, in order), one batched update."""
+        s = np.asarray(seconds, dtype=float)
+        if not len(s):
+            return
+        w = (self.prior_weight if prior else 1.0) / np.maximum(s, 1e-4) ** 2
         x = draft_x(batch, depth, nodes)
         if not prior and self.num_draft:
-            w *= outlier_weight(seconds, float(x @ self.draft.stale_theta()))
-        self.draft.add(x, seconds, w, prior)
-        self.num_draft += 1
+            w = w * outlier_weight(s, x @ self.draft.stale_theta())
+        self.draft.add_many(x, s, w, prior)
+        self.num_draft += len(s)
 
     def add_other(self, batch: int, nodes: int, committed: int, seconds: float) -> None:
         """Verify, sampling and bookkeeping of a step took ``seconds``."""
+        self.add_others([batch], [nodes], [committed], [seconds])
+
+    def add_others(self, batch, nodes, committed, seconds) -> None:
+        """``add_other`` of several steps (arrays, in order), one batched update."""
+        s = np.asarray(seconds, dtype=float)
+        if not len(s):
+            return
         x = other_x(batch, nodes, committed)
-        w = outlier_weight(seconds, float(x @ self.other.stale_theta())) \
-            / max(seconds, 1e-4) ** 2
-        self.other.add(x, seconds, w)
+        w = outlier_weight(s, x @ self.other.stale_theta()) / np.maximum(s, 1e-4) ** 2
+        self.other.add_many(x, s, w)
 
     # ---- prediction -------------------------------------------------------------------------
     # scalar predictions in plain float arithmetic: called per step, where small-array numpy
@@ -271,14 +308,12 @@ class LatencyModel:
         """``step_time`` for many candidates at once (arrays of the same length; depth 0 means
         no speculation): one small matrix product per part, for a cheap decision."""
         tokens = batch + nodes
-        fx = np.stack([np.ones_like(tokens), tokens, np.maximum(tokens - self.knee, 0.0),
-                       np.full_like(tokens, context), context * tokens / max(batch, 1)], 1)
+        fx = forward_x(tokens, context, tokens / max(batch, 1), self.knee)
         total = np.maximum(fx @ self.forward.theta(self.knee_index), 0.0)
         if self.num_draft:
-            dx = np.stack([np.ones_like(tokens), np.full_like(tokens, batch), depth,
-                           depth * batch, nodes if proposed is None else proposed], 1)
+            dx = draft_x(batch, depth, nodes if proposed is None else proposed)
             total += np.where(depth > 0, np.maximum(dx @ self.draft.theta(), 0.0), 0.0)
-        ox = np.stack([np.ones_like(tokens), np.full_like(tokens, batch), nodes, committed], 1)
+        ox = other_x(batch, nodes, committed)
         return total + np.maximum(ox @ self.other.theta(), 0.0)
 
 

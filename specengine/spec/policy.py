@@ -23,7 +23,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specengine.spec.acceptance import AcceptanceModel
-from specengine.spec.calibration import Calibrator, confidences, is_scored, keep_worth
+from specengine.spec.calibration import (
+    Calibrator,
+    bin_of,
+    confidence_list,
+    is_scored,
+    keep_worth,
+)
 from specengine.spec.config import POLICIES
 from specengine.spec.latency import LatencyModel, profile_forward
 from specengine.spec.strategy import Strategy
@@ -248,11 +254,13 @@ class AutoPolicy(Policy):
         self.calibrator = Calibrator()
         self.nodes_cut = 0  # draft nodes refine() removed
         # Scores of an unchanged batch size are reused for as many steps as keep re-scoring
-        # within ``rescore_budget`` of step time (the models move little per step).
-        self.rescore_budget = 0.005
+        # within ``rescore_budget`` of step time (the models move little per step), but at
+        # most 1 + (decode steps so far) / 4 steps while the models are young.
+        self.rescore_budget = 0.0025
         self.rescore_every = 1
         self._rescore_cost = 0.0  # seconds per re-scoring (moving average)
-        self._mean_step = 0.0  # seconds per step (moving average)
+        self._mean_step = 0.0  # seconds per decode step (moving average)
+        self._decode_steps = 0
         self._scored_for: tuple[int, int] = (-1, 0)  # (batch, steps since scored)
         self._pending: list[tuple] = []  # recorded steps not learnt from yet (``flush``)
         self.nodes_seen = 0
@@ -310,13 +318,12 @@ class AutoPolicy(Policy):
         bar = rate * max(lat.forward_time(tokens + 1, ctx, n) - lat.forward_time(tokens, ctx, n),
                          0.0)
         cal = self.calibrator
+        rates = cal.rate_per_bin().tolist()
         out = list(trees)
         for i in scored:
             tree, factor = trees[i], cal.request_factor(seqs[i])
-            conf = confidences(tree)
-            # p rises with confidence: if the least confident node pays, all do (memory-bound)
-            if cal.predict_one(float(conf.min()), factor) < bar:
-                out[i] = tree.subset(keep_worth(tree, cal.predict(conf, factor), bar))
+            p = [min(rates[bin_of(c)] * factor, 1.0) for c in confidence_list(tree)]
+            out[i] = tree.subset(keep_worth(tree, p, bar))
             self.nodes_seen += tree.num_nodes
             self.nodes_cut += tree.num_nodes - (out[i].num_nodes if out[i] else 0)
         self.decision_time += time.perf_counter() - t0
@@ -372,8 +379,8 @@ class AutoPolicy(Policy):
             cost = time.perf_counter() - t0
             self._rescore_cost = cost if not self._rescore_cost else \
                 0.9 * self._rescore_cost + 0.1 * cost
-            if self._mean_step:
-                self.rescore_every = min(32, max(1, math.ceil(
+            if self._mean_step:  # young models change fast: re-scored more often at first
+                self.rescore_every = min(32, 1 + self._decode_steps // 4, max(1, math.ceil(
                     self._rescore_cost / (self.rescore_budget * self._mean_step))))
         best = max(scores, key=scores.get)
         current = self.current if self.current in scores else None
@@ -411,8 +418,10 @@ class AutoPolicy(Policy):
             self.context_per_seq = rec.context_tokens / rec.num_decode
         self._pending.append((rec, self._probing, self._offered, self._raw.get(rec.strategy)))
         self._offered = None
-        self._mean_step = rec.step_time if not self._mean_step else \
-            0.95 * self._mean_step + 0.05 * rec.step_time
+        if rec.is_decode_only:  # the steps the re-scoring is spread over
+            self._decode_steps += 1
+            self._mean_step = rec.step_time if not self._mean_step else \
+                0.9 * self._mean_step + 0.1 * rec.step_time
         if len(self._pending) >= self.rescore_every:
             self.flush()
         self.decision_time += time.perf_counter() - t0
@@ -425,37 +434,44 @@ class AutoPolicy(Policy):
         self._calibrate([rec for rec, *_ in pending])
         for rec, probing, offered, raw in pending:
             self._learn(rec, probing, offered, raw)
+        lat = self.latency
+        fwd = [r for r, *_ in pending if r.is_decode_only]
+        lat.add_forwards([r.num_forward_tokens for r in fwd], [r.context_tokens for r in fwd],
+                         [r.num_decode for r in fwd], [r.forward_time for r in fwd])
+        spec = [r for r in fwd if r.strategy is not None]
+        lat.add_drafts([r.num_decode for r in spec], [r.strategy.depth for r in spec],
+                       [r.num_drafted if r.num_proposed is None else r.num_proposed
+                        for r in spec], [r.draft_time for r in spec])
+        lat.add_others([r.num_decode for r in fwd], [r.num_drafted for r in fwd],
+                       [r.num_committed for r in fwd], [r.other_time for r in fwd])
 
     def _calibrate(self, recs: list[StepRecord]) -> None:
         """The calibrator's update from the scored trees verified in ``recs`` (one update per
         step), and each request's predicted/accepted node counts (with the map as it was
         before them: one lookup for all)."""
         cal = self.calibrator
-        steps = [[(seq, tree, acc) for seq, tree, acc in rec.verified if is_scored(tree)]
-                 for rec in recs]
-        confs = [[confidences(tree) for _, tree, _ in step] for step in steps]
-        flat = [c for step in confs for c in step]
-        if not flat:
-            return
-        p, off = cal.predict(np.concatenate(flat)), 0
-        for step, step_confs in zip(steps, confs):
-            if not step:
-                continue
-            conf = np.concatenate(step_confs)
-            hit, start = np.zeros(len(conf), dtype=bool), 0
-            for (seq, _, accepted), c in zip(step, step_confs):
-                hit[[start + j for j in accepted]] = True
-                seq.calib_predicted += float(p[off + start:off + start + len(c)].sum())
+        rates = None
+        for rec in recs:
+            node_bins, hits = [], []
+            for seq, tree, accepted in rec.verified:
+                if not is_scored(tree):
+                    continue
+                if rates is None:
+                    rates = cal.rate_per_bin().tolist()
+                b = [bin_of(c) for c in confidence_list(tree)]
+                seq.calib_predicted += sum(rates[j] for j in b)
                 seq.calib_accepted += len(accepted)
-                start += len(c)
-            off += len(conf)
-            cal.observe(conf, hit)
+                acc = set(accepted)
+                hits += [j in acc for j in range(len(b))]
+                node_bins += b
+            if node_bins:
+                cal.observe_bins(node_bins, hits)
 
     def _learn(self, rec: StepRecord, probing: bool, offered: int | None,
                raw: float | None) -> None:
-        """One step's updates of the acceptance, correction and latency models; ``probing``,
-        ``offered`` (sequences ``select`` kept) and ``raw`` (the strategy's model rate) as they
-        were for that step."""
+        """One step's updates of the acceptance and correction models (``flush`` updates the
+        latency model for all steps at once); ``probing``, ``offered`` (sequences ``select``
+        kept) and ``raw`` (the strategy's model rate) as they were for that step."""
         if rec.strategy is not None:
             offered = rec.num_decode if offered is None else offered
             self.acceptance.observe(rec.strategy, rec.accepted_per_seq, offered,
@@ -475,13 +491,6 @@ class AutoPolicy(Policy):
             i = self._index[rec.strategy]
             ratio = min(max(rec.num_committed / rec.step_time / raw, 0.25), 4.0)
             corr[i] = 0.9 * corr[i] + 0.1 * ratio
-        lat = self.latency
-        lat.add_forward(rec.num_forward_tokens, rec.context_tokens, rec.num_decode,
-                        rec.forward_time)
-        if rec.strategy is not None:
-            built = rec.num_drafted if rec.num_proposed is None else rec.num_proposed
-            lat.add_draft(rec.num_decode, rec.strategy.depth, built, rec.draft_time)
-        lat.add_other(rec.num_decode, rec.num_drafted, rec.num_committed, rec.other_time)
 
     def stats(self) -> dict:
         self.flush()
