@@ -508,8 +508,8 @@ def test_correction_drops_a_strategy_slower_than_modelled():
 
 
 def test_refine_cuts_exactly_the_nodes_below_the_bar():
-    """refine's shortcut (a tree whose least confident node pays stays whole) changes nothing:
-    the result is keep_worth over every node's calibrated probability."""
+    """refine's plain-Python per-node probabilities (confidence_list, bin_of) cut exactly what
+    keep_worth over the calibrator's array prediction cuts."""
     from specengine.spec.calibration import confidences, keep_worth
 
     rng = np.random.default_rng(11)
