@@ -25,24 +25,22 @@ NUM_BINS = 16
 MIN_LOG10 = -4.0  # confidences below 1e-4 share the lowest bin
 
 
-def confidences(tree: DraftTree) -> np.ndarray:
-    """``[m]`` float64 confidence per node: exp of its cumulative draft log-probability."""
-    cum = np.empty(tree.num_nodes)
-    for i, (par, lp) in enumerate(zip(tree.parents, tree.draft_logprobs)):
-        cum[i] = lp + (cum[par] if par >= 0 else 0.0)
-    return np.exp(cum)
-
-
 def confidence_list(tree: DraftTree) -> list[float]:
-    """``confidences`` as a Python list (per-tree arrays are too small for numpy to pay)."""
+    """Confidence per node, exp of its cumulative draft log-probability, as a Python list
+    (per-tree arrays are too small for numpy to pay)."""
     cum: list[float] = []
     for par, lp in zip(tree.parents, tree.draft_logprobs):
         cum.append(lp + (cum[par] if par >= 0 else 0.0))
     return [math.exp(c) for c in cum]
 
 
+def confidences(tree: DraftTree) -> np.ndarray:
+    """``[m]`` float64 ``confidence_list``."""
+    return np.array(confidence_list(tree), dtype=float)
+
+
 def bin_of(conf: float) -> int:
-    """``bins`` of one confidence."""
+    """Bin index (0..NUM_BINS-1) of one confidence: log-spaced from 10**MIN_LOG10 to 1."""
     x = (math.log10(max(conf, 1e-30)) - MIN_LOG10) / -MIN_LOG10 * NUM_BINS
     return min(max(int(x), 0), NUM_BINS - 1)
 
@@ -53,9 +51,9 @@ def is_scored(tree: DraftTree) -> bool:
 
 
 def bins(conf: np.ndarray) -> np.ndarray:
-    """Bin index (0..NUM_BINS-1) of each confidence."""
-    x = (np.log10(np.maximum(conf, 1e-30)) - MIN_LOG10) / -MIN_LOG10 * NUM_BINS
-    return np.clip(x.astype(int), 0, NUM_BINS - 1)
+    """``bin_of`` of each confidence, int array of ``conf``'s shape."""
+    conf = np.asarray(conf, dtype=float)
+    return np.array([bin_of(c) for c in conf.ravel().tolist()], dtype=int).reshape(conf.shape)
 
 
 class Calibrator:

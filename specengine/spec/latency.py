@@ -294,19 +294,13 @@ class LatencyModel:
         o0, o1, o2, o3 = self.other.theta().tolist()
         return max(o0 + o1 * batch + o2 * nodes + o3 * committed, 0.0)
 
-    def step_time(self, batch: float, context: float, depth: float, nodes: float,
-                  committed: float, proposed: float | None = None) -> float:
-        """Predicted seconds of a decode step: ``batch`` sequences with ``context`` context
-        tokens in all, ``nodes`` draft nodes verified in all (``depth`` deep; ``proposed``
-        drafted, default ``nodes``), ``committed`` tokens."""
-        return (self.forward_time(batch + nodes, context, batch)
-                + self.draft_time(batch, depth, nodes if proposed is None else proposed)
-                + self.other_time(batch, nodes, committed))
-
     def step_times(self, batch: float, context: float, depth: np.ndarray, nodes: np.ndarray,
                    committed: np.ndarray, proposed: np.ndarray | None = None) -> np.ndarray:
-        """``step_time`` for many candidates at once (arrays of the same length; depth 0 means
-        no speculation): one small matrix product per part, for a cheap decision."""
+        """Predicted seconds of a decode step for many candidates at once: ``batch`` sequences
+        with ``context`` context tokens in all, ``nodes`` draft nodes verified in all per
+        candidate (``depth`` deep; ``proposed`` drafted, default ``nodes``), ``committed``
+        tokens (arrays of the same length; depth 0 means no speculation): one small matrix
+        product per part, for a cheap decision."""
         tokens = batch + nodes
         fx = forward_x(tokens, context, tokens / max(batch, 1), self.knee)
         total = np.maximum(fx @ self.forward.theta(self.knee_index), 0.0)

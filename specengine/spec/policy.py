@@ -337,17 +337,13 @@ class AutoPolicy(Policy):
         profile_forward(engine.runner, engine.blocks, self.latency, proposer=engine.proposer)
 
     def score(self, s: Strategy | None, batch: int, context: float) -> float:
-        """Modelled committed tokens per second of one step of ``s`` (tokens/s; before the
-        observed/modelled correction ``scores`` applies)."""
-        acc = self.acceptance
-        committed = batch * acc.expected_committed(s)
-        nodes, built = batch * acc.expected_nodes(s), batch * acc.expected_proposed(s)
-        seconds = self.latency.step_time(batch, context, s.depth if s else 0, nodes, committed,
-                                         built)
-        return committed / max(seconds, 1e-9)
+        """Modelled committed tokens per second of one step of candidate ``s`` (tokens/s;
+        before the observed/modelled correction ``scores`` applies)."""
+        return float(self.model_rates(batch, context)[self._index[s]])
 
     def model_rates(self, batch: int, context: float) -> np.ndarray:
-        """``score`` of every candidate (in ``candidates`` order), vectorised."""
+        """Modelled committed tokens per second (``[len(candidates)]``, in ``candidates``
+        order): batch x expected committed tokens over the modelled step time of each."""
         per_seq_committed, per_seq_nodes, per_seq_built = self.acceptance.expected(self.candidates)
         committed, nodes = batch * per_seq_committed, batch * per_seq_nodes
         seconds = self.latency.step_times(batch, context, self._depths, nodes, committed,
