@@ -518,6 +518,7 @@ def test_refine_cuts_exactly_the_nodes_below_the_bar():
     trees = [scored_tree(rng, 2, 3) for _ in seqs]
     for forward in (lambda n, c: 0.01 + 1e-7 * n, lambda n, c: 0.01 + 5e-4 * n):
         p = AutoPolicy(CHAINS + TREES)
+        p.verify_whole_every = 0  # every tree cut (the exploration is tested below)
         p.latency = fit_latency(forward, np.random.default_rng(2), steps=200)
         p.context_per_seq = 100
         p._predicted = 6 * 2.5 / (forward(6 * 15, 600) + 1e-3)
@@ -531,6 +532,48 @@ def test_refine_cuts_exactly_the_nodes_below_the_bar():
             want = keep_worth(tree, cal.predict(confidences(tree), cal.request_factor(seq)), bar)
             assert (list(range(tree.num_nodes)) if got is tree else
                     [] if got is None else got.tokens) == [tree.tokens[i] for i in want]
+
+
+def test_refine_leaves_one_tree_in_k_whole_rotating():
+    """Compute-bound, refine cuts low-confidence nodes; one tree in ``verify_whole_every``
+    stays whole, a different sequence's each call, so every confidence bin keeps being
+    verified and calibrated."""
+    rng = np.random.default_rng(3)
+    seqs = [SimpleNamespace(calib_accepted=0.0, calib_predicted=0.0) for _ in range(4)]
+    p = AutoPolicy(CHAINS + TREES)
+    p.latency = fit_latency(lambda n, c: 0.01 + 5e-4 * n, np.random.default_rng(2), steps=200)
+    p.context_per_seq = 100
+    p._predicted = 400.0
+    whole = []
+    for _ in range(8):
+        trees = [scored_tree(rng, 2, 3) for _ in seqs]
+        out = p.refine(seqs, trees, base_tokens=4)
+        whole.append([i for i, (t, o) in enumerate(zip(trees, out)) if o is t])
+        assert sum(o.num_nodes if o else 0 for o in out) < sum(t.num_nodes for t in trees)
+    # calls 1..8: sequence i is left whole when (call + i) % 8 == 0
+    assert whole == [[], [], [], [], [3], [2], [1], [0]]
+
+
+def test_probe_schedule_restarts_only_when_speculation_turns_on_or_off():
+    """Switching between two speculative strategies keeps the schedule of baseline probes
+    (4, 8, 16, ... steps after speculation was turned on); turning it off restarts it."""
+    rng = np.random.default_rng(5)
+    steep = fit_latency(lambda n, c: 0.01 + 0.001 * n, rng)
+    a, b = Strategy(1), Strategy(2)
+    pol = AutoPolicy([a, b], latency=steep, acceptance=fit_acceptance(0.45, 0.45, rng),
+                     probe_every=10, hysteresis=0.0)
+    table = {None: 100.0, a: 110.0, b: 105.0}  # close calls: off is probed
+    pol.scores = lambda batch, context, rates=None: dict(table)
+    picks = []
+    for i in range(20):
+        if i == 6:
+            table[b] = 120.0  # a switch from a to b after 6 steps
+        picks.append(pol.choose(4))
+    assert [i + 1 for i, s in enumerate(picks) if s is None] == [4, 8, 16]
+    assert picks[6:] == [b, None] + [b] * 7 + [None] + [b] * 4
+    table[None] = 200.0  # off wins: a new schedule of (chain) probes starts
+    picks = [pol.choose(4) for _ in range(8)]
+    assert [i + 1 for i, s in enumerate(picks) if s is not None] == [4, 8]
 
 
 def synthetic_steps(rng, n=40):

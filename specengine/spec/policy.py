@@ -194,12 +194,13 @@ class AutoPolicy(Policy):
     ``AcceptanceModel`` and ``T`` from the ``LatencyModel`` (draft + verify forward of
     ``B * (1 + E[nodes | s])`` tokens + the rest). The current strategy is kept unless another
     scores ``hysteresis`` better. Probes measure what the current choice cannot: 4, 8, 16, ...
-    steps after a switch, then every ``probe_every`` steps. While speculation is off, a probe
-    runs the best chain for ``probe_seqs`` of the sequences only (rotating), so the acceptance
-    statistics stay current at the cost of a few forward tokens, not a speculative step of the
-    whole batch; while speculating and predicted less than ``probe_margin`` better than no
-    speculation, a probe runs a step without it, so the latency model sees both sides of a
-    close call instead of extrapolating to the one not taken. With probes disabled the
+    steps after speculation was switched on or off (not between two strategies), then every
+    ``probe_every`` steps. While speculation is off, a probe runs the best chain for
+    ``probe_seqs`` of the sequences only (rotating), so the acceptance statistics stay current
+    at the cost of a few forward tokens, not a speculative step of the whole batch; while
+    speculating and predicted less than ``probe_margin`` better than no speculation, a probe
+    runs a step without it, so the latency model sees both sides of a close call instead of
+    extrapolating to the one not taken. With probes disabled the
     statistics decay towards the prior instead (``AcceptanceModel.age``) so speculation is
     retried. A tree shape never run is predicted from the chain's rates
     (``acceptance.tree_prior``), so trees compete only once the chain has been measured on a
@@ -246,6 +247,8 @@ class AutoPolicy(Policy):
         self.accept_ratio = 0.0  # accepted per drafted node, all sequences (moving average)
         self._offered: int | None = None  # sequences ``select`` kept this step
         self._select_calls = 0
+        self._refine_calls = 0
+        self.verify_whole_every = 8  # refine leaves one tree in this many whole (exploration)
         self._depths = np.array([s.depth if s else 0 for s in self.candidates], dtype=float)
         self._is_tree = np.array([s is not None and not s.is_chain for s in self.candidates])
         # per batch bucket, per candidate: observed / modelled committed tokens per second
@@ -258,7 +261,7 @@ class AutoPolicy(Policy):
         self.nodes_cut = 0  # draft nodes refine() removed
         # Scores of an unchanged batch size are reused for as many steps as keep re-scoring
         # within ``rescore_budget`` of step time (the models move little per step), but at
-        # most 1 + (decode steps so far) / 4 steps while the models are young.
+        # most 1 + (decode steps so far) / 2 steps while the models are young.
         self.rescore_budget = 0.0025
         self.rescore_every = 1
         self._rescore_cost = 0.0  # seconds per re-scoring (moving average)
@@ -308,12 +311,20 @@ class AutoPolicy(Policy):
         verify token: ``p >= rate * dT/dn``, with ``rate`` the step's predicted committed tokens
         per second and ``dT/dn`` the latency model's marginal seconds per forward token at this
         step's size (``base_tokens``: the forward's tokens besides draft nodes). Memory-bound,
-        the bar is near 0 and trees stay whole; compute-bound, only confident nodes stay."""
+        the bar is near 0 and trees stay whole; compute-bound, only confident nodes stay.
+
+        One tree in ``verify_whole_every`` (rotating over the sequences; 0: none) is left
+        whole: the calibrator learns only from verified nodes, and nodes below the bar would
+        otherwise never be verified, so a too pessimistic rate for their confidence bins (the
+        prior, or counts from another workload) would never be corrected."""
         rate = self._predicted
         scored = [i for i, t in enumerate(trees) if t is not None and is_scored(t)]
         if not scored or not rate:
             return trees
         t0 = time.perf_counter()
+        self._refine_calls += 1
+        if every := self.verify_whole_every:
+            scored = [i for i in scored if (self._refine_calls + i) % every]
         n = len(seqs)
         tokens = base_tokens + sum(t.num_nodes for t in trees if t is not None)
         ctx = self.context_per_seq * n
@@ -379,13 +390,13 @@ class AutoPolicy(Policy):
             self._rescore_cost = cost if not self._rescore_cost else \
                 0.9 * self._rescore_cost + 0.1 * cost
             if self._mean_step:  # young models change fast: re-scored more often at first
-                self.rescore_every = min(32, 1 + self._decode_steps // 4, max(1, math.ceil(
+                self.rescore_every = min(32, 1 + self._decode_steps // 2, max(1, math.ceil(
                     self._rescore_cost / (self.rescore_budget * self._mean_step))))
         best = max(scores, key=scores.get)
         current = self.current if self.current in scores else None
         if scores[best] > scores[current] * (1 + self.hysteresis):
             current = best
-        if current != self.current:  # a switch restarts the probe schedule
+        if (current is None) != (self.current is None):  # on <-> off restarts the probes
             self._steps_held, self._next_probe = 0, 4
         self.current = current
         choice = current
