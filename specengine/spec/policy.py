@@ -192,7 +192,7 @@ class AutoPolicy(Policy):
     For each candidate s and a batch of B sequences with total context C:
     ``score(s) = B * E[committed | s] / T(B, C, s)``, with ``E[committed]`` from the
     ``AcceptanceModel`` and ``T`` from the ``LatencyModel`` (draft + verify forward of
-    ``B * (1 + E[nodes | s])`` tokens + the rest). The current strategy is kept unless another
+    ``B*(1+E[nodes|s])`` tokens, plus the rest). The current strategy is kept unless another
     scores ``hysteresis`` better. Probes measure what the current choice cannot: 4, 8, 16, ...
     steps after speculation was switched on or off (not between two strategies), then every
     ``probe_every`` steps. While speculation is off, a probe runs the best chain for
@@ -200,21 +200,20 @@ class AutoPolicy(Policy):
     at the cost of a few forward tokens, not a speculative step of the whole batch; while
     speculating and predicted less than ``probe_margin`` better than no speculation, a probe
     runs a step without it, so the latency model sees both sides of a close call instead of
-    extrapolating to the one not taken. With probes disabled the
-    statistics decay towards the prior instead (``AcceptanceModel.age``) so speculation is
-    retried. A tree shape never run is predicted from the chain's rates
-    (``acceptance.tree_prior``), so trees compete only once the chain has been measured on a
-    few sequences. Each score is multiplied by a per-bucket correction, the moving average of
-    observed over modelled throughput of the steps that strategy ran (what the two models
-    miss, e.g. a drafter's real cost); an unrun strategy has 1, and a correction not refreshed
-    fades back to 1 (1% per step of its bucket), so a strategy judged on another workload is
-    tried again. After drafting, ``refine`` cuts each scored tree (EAGLE, draft model) to the
-    nodes whose calibrated acceptance probability (``calibration.Calibrator``: the drafter's
-    own confidence, calibrated online globally and per request) pays for the verify time they
-    add. Scores are recomputed when the batch size changes, else as often as re-scoring stays
-    within ``rescore_budget`` (0.25%) of step time; the updates from recorded steps are batched
-    into those re-scorings, so the policy's own time, choosing and learning, stays ~1-2% of a
-    step even on a CPU.
+    extrapolating to the one not taken. With probes disabled the statistics decay towards the
+    prior instead (``AcceptanceModel.age``) so speculation is retried. A tree shape never run is
+    predicted from the chain's rates (``acceptance.tree_prior``), so trees compete only once the
+    chain has been measured on a few sequences. Each score is multiplied by a per-bucket
+    correction, the moving average of observed over modelled throughput of the steps that
+    strategy ran (what the two models miss, e.g. a drafter's real cost); an unrun strategy has
+    1, and a correction not refreshed fades back to 1 (1% per step of its bucket), so a strategy
+    judged on another workload is tried again. After drafting, ``refine`` cuts each scored tree
+    (EAGLE, draft model) to the nodes whose calibrated acceptance probability
+    (``calibration.Calibrator``: the drafter's own confidence, calibrated online globally and
+    per request) pays for the verify time they add. Scores are recomputed when the batch size
+    changes, else as often as re-scoring stays within ``rescore_budget`` (0.25%) of step time;
+    the updates from recorded steps are batched into those re-scorings, so the policy's own
+    time, choosing and learning, stays ~1-2% of a step even on a CPU.
 
     Args:
         candidates: strategies to choose from; ``None`` (no speculation) is always added.
@@ -324,6 +323,8 @@ class AutoPolicy(Policy):
         t0 = time.perf_counter()
         self._refine_calls += 1
         if every := self.verify_whole_every:
+            whole = [i for i in scored if (self._refine_calls + i) % every == 0]
+            self.nodes_seen += sum(trees[i].num_nodes for i in whole)
             scored = [i for i in scored if (self._refine_calls + i) % every]
         n = len(seqs)
         tokens = base_tokens + sum(t.num_nodes for t in trees if t is not None)
