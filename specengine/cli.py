@@ -21,7 +21,12 @@ from specengine.sampling import SamplingParams
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="specengine", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="specengine", description="Offline batch generation (generate) and EAGLE drafter "
+        "training (train-drafter) with lossless speculative decoding.",
+        epilog="generate exits with 0 when the job finished, also if some input lines failed "
+        "(each is in the output with an 'error' field and listed in the summary), and with 2 "
+        "for bad arguments.")
     sub = ap.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate completions for a JSONL file of prompts")
     g.add_argument("--model", default="smollm2-135m-instruct",
@@ -95,7 +100,8 @@ def generate(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     if not os.path.isfile(args.input):
-        print(f"error: --input {args.input!r} does not exist", file=sys.stderr)
+        why = "is a folder, not a file" if os.path.isdir(args.input) else "does not exist"
+        print(f"error: --input {args.input!r} {why}", file=sys.stderr)
         return 2
     try:
         spec = json.loads(args.speculative_config) if args.speculative_config else None

@@ -14,7 +14,7 @@ def read_records(path: str) -> list[tuple[int, dict | None, str | None]]:
             if not line.strip():
                 continue
             try:
-                rec = json.loads(line)
+                rec = json.loads(line.rstrip("\r\n"))  # error columns within the line
             except json.JSONDecodeError as e:
                 why = e.msg.removesuffix(" at")  # some messages end in "at"
                 out.append((no, None, f"line {no}: invalid JSON ({why} at column {e.colno})"))

@@ -71,6 +71,19 @@ def test_generate_rejects_bad_arguments(tmp_path, capsys):
     assert main(["generate", "--input", str(tmp_path / "i.jsonl"),  # before loading a model
                  "--output", str(tmp_path / "no" / "o.jsonl")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert main(["generate", "--input", str(tmp_path), "--output", str(tmp_path / "o.jsonl")]) == 2
+    assert "is a folder, not a file" in capsys.readouterr().err
+
+
+def test_invalid_json_error_gives_the_column_in_the_line(tmp_path):
+    from specengine.jsonl import read_records
+
+    (tmp_path / "i.jsonl").write_text('{"prompt": "x"}\n{"prompt": "a", "n": 2\n')
+    (_, rec, err), (no, bad, why) = read_records(str(tmp_path / "i.jsonl"))
+    assert rec == {"prompt": "x"} and err is None
+    assert no == 2 and bad is None
+    # the missing "}" is just past the end of the line (with its newline parsed: "column 1")
+    assert why.startswith("line 2: invalid JSON") and "column 23" in why
 
 
 def test_unknown_model_alias_is_named(tmp_path):
