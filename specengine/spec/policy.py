@@ -238,7 +238,7 @@ class AutoPolicy(Policy):
         self.probe_margin = 0.25  # speculation predicted less than this much better: probe off
         self._probing = False  # this step is a probe
         self._probes = 0
-        self._steps_held, self._next_probe = 0, 4  # steps since the last switch; next probe
+        self._steps_held, self._next_probe = 0, 4  # steps since speculation went on/off; next probe
         self.current: Strategy | None = None
         self.context_per_seq = 0.0  # context tokens per decode sequence, last step
         self.last_scores: dict[Strategy | None, float] = {}
