@@ -45,7 +45,7 @@ from common import machine_info, markdown_table, write_json
 
 from specengine import LLM, SamplingParams
 from specengine.data import chat_prompts, gsm_questions
-from specengine.spec.policy import (
+from specengine.speculative.policy import (
     AutoPolicy,
     BanditPolicy,
     BucketPolicy,

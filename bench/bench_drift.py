@@ -47,7 +47,13 @@ from common import machine_info, markdown_table, quiet_transformers, stderr_logg
 from specengine import LLM, SamplingParams
 from specengine.data import gsm_questions, humaneval_prompts
 from specengine.models.loader import resolve_model
-from specengine.spec.train import DrafterTrainer, HiddenBuffer, TrainConfig, harvest, teacher_force
+from specengine.speculative.training.train import (
+    DrafterTrainer,
+    HiddenBuffer,
+    TrainConfig,
+    harvest,
+    teacher_force,
+)
 
 MODEL = "smollm2-135m-instruct"
 
@@ -184,7 +190,7 @@ def main() -> None:
                 "num_speculative_tokens": depth, "topk": topk, "num_verify_tokens": budget}
     plain = LLM(MODEL, **kw)
     spec = LLM(MODEL, speculative_config=spec_cfg, **kw)
-    drafter = spec.engine.proposer
+    drafter = spec.engine.drafter
     warm = SamplingParams(temperature=0.0, max_tokens=8)
     for llm in (plain, spec):
         llm.generate([{"prompt_token_ids": eval_ps[0]}], warm, use_tqdm=False)
@@ -234,7 +240,7 @@ def main() -> None:
     sampled = [SamplingParams(temperature=args.harvest_temperature, max_tokens=max_tokens,
                               seed=1000 + i) for i in range(n_train)]
     plain.generate([{"prompt_token_ids": p} for p in train_ps], sampled, use_tqdm=False)
-    plain.engine.proposer = h.inner
+    plain.engine.drafter = h.inner
     harvest_s = time.perf_counter() - t0
     tokens = sum(len(r.token_ids) for r in buf.snapshot())
     log(f"harvested {len(buf)} rollouts ({tokens} tokens) of the changed target in "

@@ -10,14 +10,14 @@ from tqdm.auto import tqdm
 
 from specengine.config import EngineConfig, parse_dtype
 from specengine.engine import Engine
-from specengine.model_runner import kv_bytes_per_block
+from specengine.kv import kv_bytes_per_block
 from specengine.outputs import RequestOutput
 from specengine.sampling import SamplingParams
-from specengine.spec.config import SpeculativeConfig
-from specengine.spec.eagle import EagleDrafter
-from specengine.spec.factory import make_proposer
-from specengine.spec.policy import make_policy
-from specengine.spec.train import Harvester
+from specengine.speculative.config import SpeculativeConfig
+from specengine.speculative.drafters import make_drafter
+from specengine.speculative.drafters.eagle import EagleDrafter
+from specengine.speculative.policy import make_policy
+from specengine.speculative.training.train import Harvester
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_KV_BYTES = 1 << 30
@@ -42,7 +42,7 @@ class LLM:
         device: ``"auto"`` (CUDA when available, else CPU), ``"cpu"`` or ``"cuda"``.
         attention_backend: ``"auto"``, ``"cpu"`` (C++), ``"cuda"``, ``"triton"`` or ``"torch"``.
         speculative_config: e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``; see
-            ``specengine.spec.config.SpeculativeConfig``. Outputs are unchanged by it: greedy
+            ``specengine.speculative.config.SpeculativeConfig``. Outputs are unchanged by it: greedy
             output is identical, sampled output has the same distribution.
 
     Raises:
@@ -85,11 +85,11 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or max(4096, max_model_len))
         self.speculative_config = SpeculativeConfig.from_dict(speculative_config)
-        proposer = make_proposer(self.speculative_config, loaded, num_blocks, block_size) \
+        drafter = make_drafter(self.speculative_config, loaded, num_blocks, block_size) \
             if self.speculative_config else None
-        policy = make_policy(self.speculative_config, seed) if proposer else None
+        policy = make_policy(self.speculative_config, seed) if drafter else None
         self.engine = Engine(loaded.model, self.tokenizer, self.engine_config, seed=seed,
-                             logprobs_mode=logprobs_mode, proposer=proposer, policy=policy,
+                             logprobs_mode=logprobs_mode, drafter=drafter, policy=policy,
                              attention_backend=attention_backend)
         if policy is not None:
             policy.warm_start(self.engine)
@@ -109,13 +109,13 @@ class LLM:
         d = self.engine.metrics.as_dict()
         d.update(kv_blocks_total=self.engine.blocks.num_blocks,
                  kv_blocks_free=self.engine.blocks.num_free, generate_time=self._wall_time)
-        proposer = self.engine.proposer
-        if proposer is not None:
+        drafter = self.engine.drafter
+        if drafter is not None:
             d.update(self.engine.policy.stats())
-        if isinstance(proposer, Harvester):
-            proposer = proposer.inner
-        if isinstance(proposer, EagleDrafter):
-            d.update(proposer.stats())
+        if isinstance(drafter, Harvester):
+            drafter = drafter.inner
+        if isinstance(drafter, EagleDrafter):
+            d.update(drafter.stats())
         return d
 
     def update_weights(self, weights: Mapping[str, torch.Tensor]
@@ -126,8 +126,8 @@ class LLM:
 
         An EAGLE drafter shares the target's embedding, final norm and LM head tensors, so
         those follow automatically; its own layer does not (it is now stale: train it online,
-        ``specengine.spec.train.DrafterTrainer``). A ``draft_model`` drafter is a separate model
-        and is not changed.
+        ``DrafterTrainer`` in ``speculative.training``). A ``draft_model`` drafter is a
+        separate model and is not changed.
 
         Args:
             weights: ``(name, tensor)`` pairs or a dict, with Hugging Face parameter names (as

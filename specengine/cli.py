@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    from specengine.spec.train import add_cli
+    from specengine.speculative.training.train import add_cli
     add_cli(sub)
     return ap.parse_args(argv)
 
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate":
         return generate(args)
     if args.command == "train-drafter":
-        from specengine.spec.train import train_drafter_main
+        from specengine.speculative.training.train import train_drafter_main
         return train_drafter_main(args)
     return 2
 

@@ -12,18 +12,20 @@ from dataclasses import dataclass, field
 import torch
 
 from specengine import ops
+from specengine.attention import make_backend
+from specengine.batch import BatchEntry
 from specengine.config import EngineConfig
 from specengine.kv.block_manager import BlockManager
-from specengine.model_runner import ModelRunner, make_backend
+from specengine.model_runner import ModelRunner
 from specengine.output_processor import OutputProcessor
 from specengine.outputs import CompletionOutput, RequestOutput
 from specengine.sampling import SampleNoise, SamplingParams, process_logits, sample
-from specengine.scheduler import BatchEntry, Scheduler
+from specengine.scheduler import Scheduler
 from specengine.sequence import Logprob, Sequence
-from specengine.spec.policy import StaticPolicy, StepRecord
-from specengine.spec.proposer import Proposer, prune_tree
-from specengine.spec.strategy import Strategy
-from specengine.spec.verify import verify
+from specengine.speculative.drafters.base import Drafter, prune_tree
+from specengine.speculative.policy import StaticPolicy, StepRecord
+from specengine.speculative.strategy import Strategy
+from specengine.speculative.verify import verify
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
@@ -85,14 +87,14 @@ class Engine:
             temperature/top-k/top-p/min-p; vLLM's default) or ``"processed_logprobs"`` (of the
             distribution actually sampled from, after them).
         eos_token_ids: ids that end a sample (default: from the model config and tokenizer).
-        proposer: drafter for speculative decoding (None: plain decoding).
-        policy: picks the strategy per step (default: the proposer's strategy, always).
+        drafter: drafter for speculative decoding (None: plain decoding).
+        policy: picks the strategy per step (default: the drafter's strategy, always).
         attention_backend: ``"auto"``, ``"torch"``, ``"cpu"``, ``"cuda"`` or ``"triton"``.
     """
 
     def __init__(self, model, tokenizer, config: EngineConfig, seed: int = 0,
                  logprobs_mode: str = "raw_logprobs", eos_token_ids: set[int] | None = None,
-                 proposer: Proposer | None = None, policy=None,
+                 drafter: Drafter | None = None, policy=None,
                  attention_backend: str = "auto"):
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode={logprobs_mode!r}: use one of {LOGPROBS_MODES}")
@@ -113,8 +115,8 @@ class Engine:
         self.seed_rng = torch.Generator().manual_seed(seed)
         self.requests: dict[str, Request] = {}
         self.metrics = EngineMetrics()
-        self.proposer = proposer
-        self.policy = policy or StaticPolicy(proposer.strategy if proposer else None)
+        self.drafter = drafter
+        self.policy = policy or StaticPolicy(drafter.strategy if drafter else None)
         self._next_id = 0
 
     # ---- requests -------------------------------------------------------------------------
@@ -163,8 +165,8 @@ class Engine:
             for s in req.seqs:
                 if not s.is_finished:
                     self.scheduler.finish(s)
-                    if self.proposer is not None:
-                        self.proposer.release(s)
+                    if self.drafter is not None:
+                        self.drafter.release(s)
         self.scheduler.waiting.clear()
         self.requests.clear()
 
@@ -179,7 +181,7 @@ class Engine:
         -> append tokens one at a time with the stop rules.
         """
         strategy = None
-        if self.proposer is not None:
+        if self.drafter is not None:
             strategy = self.policy.choose(len(self.scheduler.running))
         entries = self.scheduler.schedule(lookahead=strategy.budget if strategy else 0)
         rows = sum(e.num_new + (strategy.budget if strategy and not e.is_prefill else 0)
@@ -222,7 +224,7 @@ class Engine:
         for e, r in trees:
             seq, toks, lps, accepted[id(e)] = self._verify(e, logits[r:r + 1 + e.tree.num_nodes])
             commits.append((seq, toks, lps))
-        if self.proposer is not None and self.proposer.wants_hidden:
+        if self.drafter is not None and self.drafter.wants_hidden:
             self._observe(entries, offsets, hidden, accepted)
         t3 = time.perf_counter()
 
@@ -235,8 +237,8 @@ class Engine:
                 m.generated_tokens += 1
                 if self.output.append(seq, tok, lp):
                     self.scheduler.finish(seq)
-                    if self.proposer is not None:
-                        self.proposer.release(seq)
+                    if self.drafter is not None:
+                        self.drafter.release(seq)
                     if all(s.is_finished for s in req.seqs):
                         finished.append(self._request_output(req, now))
                     break
@@ -254,7 +256,7 @@ class Engine:
         m.draft_time += t1 - t0
         m.sample_time += t3 - t2
         m.preemptions = self.scheduler.num_preemptions
-        if self.proposer is not None:
+        if self.drafter is not None:
             decodes = [e for e in entries if not e.is_prefill]
             self.policy.record(StepRecord(
                 strategy=strategy, num_decode=len(decodes), num_prefill_tokens=num_prefill,
@@ -279,7 +281,7 @@ class Engine:
                 rows = [off] + [off + 1 + a for a in accepted[id(e)]]
             feats = hidden[rows]
             for s in e.samplers or [e.seq]:
-                self.proposer.observe(s, s.num_cached - len(rows), feats)
+                self.drafter.observe(s, s.num_cached - len(rows), feats)
 
     def _draft(self, entries: list[BatchEntry], strategy: Strategy) -> int:
         """Attach a draft tree to each decode entry, pruned to what the sequence may still
@@ -288,11 +290,9 @@ class Engine:
         decodes = [e for e in entries if not e.is_prefill]
         if not decodes:
             return 0
-        select = getattr(self.policy, "select", None)  # per sequence: the policy may skip some
-        if select is not None:
-            decodes = [e for e, keep in zip(decodes, select([e.seq for e in decodes], strategy))
-                       if keep]
-        trees = self.proposer.propose([e.seq for e in decodes], strategy) if decodes else []
+        keep = self.policy.select([e.seq for e in decodes], strategy)  # may skip some
+        decodes = [e for e, k in zip(decodes, keep) if k]
+        trees = self.drafter.propose([e.seq for e in decodes], strategy) if decodes else []
         for e, tree in zip(decodes, trees):
             s = e.seq
             room = min(s.params.max_tokens - s.num_output_tokens,
@@ -300,11 +300,10 @@ class Engine:
             e.tree = prune_tree(tree, max_depth=room, max_nodes=self.config.max_model_len -
                                 len(s)) if tree is not None else None
         built = sum(e.tree.num_nodes for e in decodes if e.tree is not None)
-        refine = getattr(self.policy, "refine", None)  # the policy may cut trees further
-        if refine is not None and decodes:
+        if decodes:  # the policy may cut trees further
             base = sum(e.num_new for e in entries)
-            for e, tree in zip(decodes, refine([e.seq for e in decodes],
-                                               [e.tree for e in decodes], base)):
+            cut = self.policy.refine([e.seq for e in decodes], [e.tree for e in decodes], base)
+            for e, tree in zip(decodes, cut):
                 e.tree = tree
         return built
 

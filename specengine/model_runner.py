@@ -6,45 +6,9 @@ from __future__ import annotations
 import torch
 
 from specengine import ops
-from specengine.attention.base import AttentionBackend, AttentionMetadata
+from specengine.attention import AttentionBackend, AttentionMetadata, make_backend
+from specengine.batch import BatchEntry
 from specengine.kv.block_manager import BlockManager
-from specengine.scheduler import BatchEntry
-
-
-def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V for one block in all layers."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
-
-
-BACKENDS = ("auto", "torch", "cpu", "cuda", "triton")
-
-
-def make_backend(name: str, device: torch.device) -> AttentionBackend:
-    """Attention backend ``name`` (``"auto"``: the fastest one available for ``device``: the
-    C++ kernel on CPU; on GPU the CUDA kernel, else Triton, else the torch reference).
-
-    Raises:
-        ValueError: an unknown name. ImportError: a backend whose kernel is not available.
-    """
-    from specengine.attention.cpu import CpuAttention
-    from specengine.attention.cuda import CudaAttention
-    from specengine.attention.torch_ref import TorchAttention
-    from specengine.attention.triton_backend import TritonAttention
-
-    named = {"torch": TorchAttention, "cpu": CpuAttention, "cuda": CudaAttention,
-             "triton": TritonAttention}
-    if name != "auto":
-        if name not in named:
-            raise ValueError(f"attention_backend={name!r}: use one of {BACKENDS}")
-        return named[name]()
-    order = [CpuAttention] if device.type == "cpu" else [CudaAttention, TritonAttention]
-    for cls in order:
-        try:
-            return cls()
-        except ImportError:
-            continue
-    return TorchAttention()
 
 
 class ModelRunner:

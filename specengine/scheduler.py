@@ -10,28 +10,11 @@ tokens so far (vLLM's recompute preemption). Outputs do not change; nothing cras
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
+from specengine.batch import BatchEntry
 from specengine.config import EngineConfig
 from specengine.kv.block_manager import BlockManager, cdiv
 from specengine.sequence import Sequence, SequenceStatus
-from specengine.spec.tree import DraftTree
-
-
-@dataclass
-class BatchEntry:
-    """Tokens of one sequence that go through the model this step.
-
-    ``seq`` owns the KV written at positions ``seq.num_cached ..`` for ``num_new`` tokens;
-    each sequence in ``samplers`` draws its next token from the logits of the last of them
-    (one sequence at decode; all samples of a prompt at its prefill).
-    """
-
-    seq: Sequence
-    num_new: int
-    samplers: list[Sequence] = field(default_factory=list)
-    is_prefill: bool = False
-    tree: DraftTree | None = None  # draft tokens verified after the decode token (speculation)
 
 
 class Scheduler:

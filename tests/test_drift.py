@@ -14,8 +14,8 @@ from specengine.models.loader import (
     safetensors_files,
     save_random_model,
 )
-from specengine.spec.eagle import EagleConfig, EagleModel, save_drafter
-from specengine.spec.train import (
+from specengine.speculative.drafters.eagle import EagleConfig, EagleModel, save_drafter
+from specengine.speculative.training.train import (
     DrafterTrainer,
     HiddenBuffer,
     TrainConfig,
@@ -149,7 +149,7 @@ def test_stale_drafter_tau_falls_and_online_training_recovers_it(tmp_path):
     buf = HiddenBuffer()
     harvest(plain, buf)
     out_a = run(plain, ps)[0]
-    plain.engine.proposer = None
+    plain.engine.drafter = None
     target = load_model(target_dir, dtype=torch.float32)
     vmap = reduced_vocab([r.token_ids for r in buf.snapshot()], 512, 512)  # frequency order
     drafter = trainable_copy(EagleModel(EagleConfig.for_target(target), target.model,
@@ -160,7 +160,7 @@ def test_stale_drafter_tau_falls_and_online_training_recovers_it(tmp_path):
     ckpt = save_drafter(drafter, tmp_path / "drafter", torch.float32)
     spec = LLM(str(target_dir), dtype="float32", **KW, speculative_config={
         "method": "eagle", "model": str(ckpt), "policy": "static", "num_speculative_tokens": 4})
-    eagle = spec.engine.proposer
+    eagle = spec.engine.drafter
     toks, _, tau_a = run(spec, ps)
     assert toks == out_a
 

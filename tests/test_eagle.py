@@ -8,20 +8,20 @@ import torch
 from helpers import rand_prompts
 
 from specengine import LLM, SamplingParams
+from specengine.batch import BatchEntry
 from specengine.kv.block_manager import BlockManager
 from specengine.model_runner import ModelRunner
 from specengine.models.loader import load_model, save_random_model
 from specengine.sampling import SampleNoise, process_logits
-from specengine.scheduler import BatchEntry
 from specengine.sequence import Sequence
-from specengine.spec.eagle import (
+from specengine.speculative.drafters.eagle import (
     EagleConfig,
     EagleDrafter,
     EagleModel,
     load_drafter,
     save_drafter,
 )
-from specengine.spec.strategy import Strategy
+from specengine.speculative.strategy import Strategy
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_greedy_equals_plain_and_kv_returns(target_dir, plain, d, k, m):
     met = llm.get_metrics()
     assert met["spec_steps"] > 0 and met["drafted_tokens"] > 0
     assert met["kv_blocks_free"] == met["kv_blocks_total"]
-    drafter = llm.engine.proposer
+    drafter = llm.engine.drafter
     assert drafter.blocks.num_free == drafter.blocks.num_blocks and not drafter.states
 
 
@@ -238,7 +238,7 @@ def test_no_shipped_drafter_is_a_clear_error(target_dir):
 
 def test_hot_swap_between_steps_keeps_output(target_dir, target, plain):
     llm = make(target_dir, eagle(3, 2, 6))
-    drafter = llm.engine.proposer
+    drafter = llm.engine.drafter
     prompts = rand_prompts(3, seed=12)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy(30), use_tqdm=False)]
     ids = [llm.engine.add_request(p, greedy(30)) for p in prompts]

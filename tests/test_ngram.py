@@ -4,8 +4,8 @@ import time
 import numpy as np
 import pytest
 
-from specengine.spec.ngram import NgramProposer, TokenHistory
-from specengine.spec.strategy import Strategy
+from specengine.speculative.drafters.ngram import NgramIndex, TokenHistory
+from specengine.speculative.strategy import Strategy
 
 
 def shape(tree):
@@ -14,30 +14,30 @@ def shape(tree):
 
 def test_longest_suffix_match_gives_a_chain():
     # last 3 tokens [1, 2, 3] occurred at the start, followed by 4, 1, 2
-    tree = NgramProposer().propose([1, 2, 3, 4, 1, 2, 3], Strategy(depth=3))
+    tree = NgramIndex().propose([1, 2, 3, 4, 1, 2, 3], Strategy(depth=3))
     assert shape(tree) == ([4, 1, 2], [-1, 0, 1])
     assert tree.draft_logprobs == [0.0] * 3 and not tree.sampled
     # depth caps the chain; the continuation may end at the sequence's end
-    assert shape(NgramProposer().propose([1, 2, 3, 4, 1, 2, 3], Strategy(depth=2))) == (
+    assert shape(NgramIndex().propose([1, 2, 3, 4, 1, 2, 3], Strategy(depth=2))) == (
         [4, 1], [-1, 0])
 
 
 def test_distinct_matches_become_branches_most_recent_first():
     seq = [5, 1, 2, 7, 8, 1, 2, 9, 6, 1, 2]
-    tree = NgramProposer().propose(seq, Strategy(depth=2, topk=2))
+    tree = NgramIndex().propose(seq, Strategy(depth=2, topk=2))
     assert shape(tree) == ([9, 6, 7, 8], [-1, 0, -1, 2])
     # k = 1: only the most recent continuation
-    assert shape(NgramProposer().propose(seq, Strategy(depth=2))) == ([9, 6], [-1, 0])
+    assert shape(NgramIndex().propose(seq, Strategy(depth=2))) == ([9, 6], [-1, 0])
 
 
 def test_common_prefixes_are_shared_and_budget_is_respected():
     seq = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]
     # continuations [3, 5, 1] (recent) and [3, 4, 1] share the 3
-    tree = NgramProposer().propose(seq, Strategy(depth=3, topk=2))
+    tree = NgramIndex().propose(seq, Strategy(depth=3, topk=2))
     assert shape(tree) == ([3, 5, 1, 4, 1], [-1, 0, 1, 0, 3])
     assert tree.num_nodes == 5 and tree.max_depth == 3
     for budget in (3, 4):
-        tree = NgramProposer().propose(seq, Strategy(depth=3, topk=2, budget=budget))
+        tree = NgramIndex().propose(seq, Strategy(depth=3, topk=2, budget=budget))
         assert tree.num_nodes == budget
         assert shape(tree) == ([3, 5, 1, 4][:budget], [-1, 0, 1, 0][:budget])
 
@@ -45,28 +45,28 @@ def test_common_prefixes_are_shared_and_budget_is_respected():
 def test_longer_matches_come_before_more_recent_shorter_ones():
     # [1, 2, 3] occurred once (-> 9); only [2, 3] occurred more recently (-> 4)
     seq = [7, 1, 2, 3, 9, 6, 2, 3, 4, 8, 1, 2, 3]
-    assert shape(NgramProposer().propose(seq, Strategy(depth=1))) == ([9], [-1])
-    assert shape(NgramProposer().propose(seq, Strategy(depth=1, topk=2))) == ([9, 4], [-1, -1])
+    assert shape(NgramIndex().propose(seq, Strategy(depth=1))) == ([9], [-1])
+    assert shape(NgramIndex().propose(seq, Strategy(depth=1, topk=2))) == ([9, 4], [-1, -1])
     # with min_n = 3 the shorter match does not count
-    tree = NgramProposer(min_n=3).propose(seq, Strategy(depth=1, topk=2))
+    tree = NgramIndex(min_n=3).propose(seq, Strategy(depth=1, topk=2))
     assert shape(tree) == ([9], [-1])
 
 
 def test_extending_a_leaf_is_not_a_new_branch():
     # the most recent match's continuation is cut by the sequence end ([2, 1]); an older match
     # continues it to [2, 1, 2, 1], which a chain (k = 1) may take
-    tree = NgramProposer(max_n=2).propose([1, 2, 1, 2, 1], Strategy(depth=4))
+    tree = NgramIndex(max_n=2).propose([1, 2, 1, 2, 1], Strategy(depth=4))
     assert shape(tree) == ([2, 1, 2, 1], [-1, 0, 1, 2])
 
 
 def test_no_match_gives_none():
-    p = NgramProposer()
+    p = NgramIndex()
     assert p.propose([1, 2, 3, 4], Strategy(depth=3)) is None
     assert p.propose([7], Strategy(depth=3)) is None
     assert p.propose([], Strategy(depth=3)) is None
     assert p.propose([1, 2, 1], None) is None  # strategy OFF
-    assert NgramProposer(min_n=2).propose([1, 2, 3, 1], Strategy(depth=2)) is None
-    assert shape(NgramProposer(min_n=1).propose([1, 2, 3, 1], Strategy(depth=2))) == (
+    assert NgramIndex(min_n=2).propose([1, 2, 3, 1], Strategy(depth=2)) is None
+    assert shape(NgramIndex(min_n=1).propose([1, 2, 3, 1], Strategy(depth=2))) == (
         [2, 3], [-1, 0])
 
 
@@ -74,7 +74,7 @@ def test_arguments_are_validated():
     for kwargs, name in [({"min_n": 0}, "min_n"), ({"min_n": 3, "max_n": 2}, "max_n"),
                          ({"max_matches": 0}, "max_matches")]:
         with pytest.raises(ValueError, match=name):
-            NgramProposer(**kwargs)
+            NgramIndex(**kwargs)
 
 
 def reference_match_ends(seq, min_n, max_n):
@@ -94,13 +94,13 @@ def test_match_ends_equal_brute_force_on_random_sequences():
     for _ in range(300):
         seq = [rng.randrange(3) for _ in range(rng.randrange(1, 40))]
         min_n, max_n = rng.choice([(1, 4), (2, 3), (1, 1), (3, 5)])
-        p = NgramProposer(min_n, max_n, max_matches=1000)
+        p = NgramIndex(min_n, max_n, max_matches=1000)
         assert p.match_ends(seq) == reference_match_ends(seq, min_n, max_n), seq
 
 
 def test_trees_are_valid_tries_within_the_strategy():
     rng = random.Random(1)
-    p = NgramProposer()
+    p = NgramIndex()
     for _ in range(300):
         seq = [rng.randrange(4) for _ in range(rng.randrange(2, 60))]
         s = Strategy(depth=rng.randrange(1, 6), topk=rng.randrange(1, 4))
@@ -128,7 +128,7 @@ def test_token_history_follows_the_sequence():
     with pytest.raises(ValueError):
         h.sync([9, 9])[0] = 1  # read-only view
     # keyed proposals give the same trees as stateless ones as the sequence grows
-    p, rng = NgramProposer(), random.Random(2)
+    p, rng = NgramIndex(), random.Random(2)
     seq = [rng.randrange(5) for _ in range(50)]
     for _ in range(100):
         a, b = p.propose(seq, Strategy(3, 2), key="s"), p.propose(list(seq), Strategy(3, 2))
@@ -143,7 +143,7 @@ def test_propose_is_fast_on_long_sequences():
     time; the bound below is loose (shared CI machines) but catches quadratic behaviour."""
     rng = np.random.default_rng(0)
     seq = rng.integers(0, 50, 8000).tolist()
-    p = NgramProposer()
+    p = NgramIndex()
     p.propose(seq, Strategy(5, 3, 12), key=0)
     start = time.perf_counter()
     for i in range(50):

@@ -9,10 +9,8 @@ import pytest
 
 from specengine import LLM, SamplingParams
 from specengine.models.loader import save_random_model
-from specengine.spec.acceptance import AcceptanceModel
-from specengine.spec.config import SpeculativeConfig
-from specengine.spec.latency import LatencyModel
-from specengine.spec.policy import (
+from specengine.speculative.config import SpeculativeConfig
+from specengine.speculative.policy import (
     AutoPolicy,
     BanditPolicy,
     Policy,
@@ -21,7 +19,9 @@ from specengine.spec.policy import (
     candidate_strategies,
     make_policy,
 )
-from specengine.spec.strategy import Strategy
+from specengine.speculative.policy.acceptance import AcceptanceModel
+from specengine.speculative.policy.latency import LatencyModel
+from specengine.speculative.strategy import Strategy
 
 CHAINS = [Strategy(d) for d in range(1, 9)]
 TREES = [Strategy(8, 2, 16), Strategy(8, 4, 32)]
@@ -281,7 +281,7 @@ def test_start_up_profile_warms_the_latency_model_and_returns_the_kv(target_dir)
     assert lat.num_forward >= 3 and lat.num_draft >= 1
     assert 0 < lat.forward_time(1, 32, 1) < lat.forward_time(4096, 4096 * 64, 64)
     assert lat.draft_time(4, 3, 12) > 0
-    blocks, drafter = llm.engine.blocks, llm.engine.proposer.blocks
+    blocks, drafter = llm.engine.blocks, llm.engine.drafter.blocks
     assert blocks.num_free == blocks.num_blocks and drafter.num_free == drafter.num_blocks
 
 
@@ -289,7 +289,7 @@ def test_start_up_profile_times_eagle_chains_and_trees(target_dir):
     """An EAGLE drafter needs target features to draft: the profile gives it some, so its
     drafting is timed (not fitted as free), trees included; its KV and state are returned."""
     llm = make(target_dir, {"method": "eagle", "model": "random", "num_speculative_tokens": 3})
-    lat, drafter = llm.engine.policy.latency, llm.engine.proposer
+    lat, drafter = llm.engine.policy.latency, llm.engine.drafter
     assert lat.num_draft >= 4
     assert lat.draft_time(1, 3, 3) > 0
     assert lat.draft_time(4, 6, 96) > lat.draft_time(4, 6, 24)
@@ -342,7 +342,7 @@ def test_samples_unchanged_by_a_switching_policy(target_dir, tmp_path):
 # ---- draft confidence: calibration and tree refinement ------------------------------------
 def scored_tree(rng, k=3, depth=4):
     """A full k-ary tree of ``depth`` levels with random draft log-probabilities."""
-    from specengine.spec.tree import DraftTree
+    from specengine.speculative.tree import DraftTree
 
     parents, lps, level = [], [], [-1]
     for _ in range(depth):
@@ -358,7 +358,7 @@ def scored_tree(rng, k=3, depth=4):
 
 
 def test_calibrator_learns_an_overconfident_drafter():
-    from specengine.spec.calibration import Calibrator, bins, confidences
+    from specengine.speculative.policy.calibration import Calibrator, bins, confidences
 
     rng = np.random.default_rng(0)
     cal = Calibrator(decay=0.999)
@@ -381,7 +381,7 @@ def test_calibrator_learns_an_overconfident_drafter():
 
 
 def test_refine_keeps_trees_when_memory_bound_and_cuts_them_when_compute_bound():
-    from specengine.spec.calibration import confidences
+    from specengine.speculative.policy.calibration import confidences
 
     rng = np.random.default_rng(3)
     seqs = [SimpleNamespace(calib_accepted=0, calib_predicted=0.0) for _ in range(8)]
@@ -410,7 +410,7 @@ def test_refine_keeps_trees_when_memory_bound_and_cuts_them_when_compute_bound()
 
 
 def test_request_factor_follows_a_requests_own_acceptance():
-    from specengine.spec.calibration import Calibrator
+    from specengine.speculative.policy.calibration import Calibrator
 
     cal = Calibrator()
     good = SimpleNamespace(calib_accepted=40, calib_predicted=20.0)
@@ -510,7 +510,7 @@ def test_correction_drops_a_strategy_slower_than_modelled():
 def test_refine_cuts_exactly_the_nodes_below_the_bar():
     """refine's plain-Python per-node probabilities (confidence_list, bin_of) cut exactly what
     keep_worth over the calibrator's array prediction cuts."""
-    from specengine.spec.calibration import confidences, keep_worth
+    from specengine.speculative.policy.calibration import confidences, keep_worth
 
     rng = np.random.default_rng(11)
     seqs = [SimpleNamespace(calib_accepted=float(a), calib_predicted=float(p))

@@ -6,7 +6,7 @@ import torch
 from specengine._ext import ext
 from specengine.sampling import SampleNoise, SamplingParams, noise_rows, process_logits, sample
 from specengine.sequence import Sequence
-from specengine.spec.coupling import TOP_P_WINDOW, coupled_logprobs, filter_logits
+from specengine.speculative.drafters.coupling import TOP_P_WINDOW, coupled_logprobs, filter_logits
 
 
 def test_params_validation_names_the_field():

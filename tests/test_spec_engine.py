@@ -6,7 +6,7 @@ from helpers import rand_prompts
 
 from specengine import LLM, SamplingParams
 from specengine.models.loader import save_random_model
-from specengine.spec import draft_model
+from specengine.speculative.drafters import draft_model
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_draft_model_greedy_equals_plain(target_dir, draft_dir, plain, topk, bud
     m = llm.get_metrics()
     assert m["spec_steps"] > 0 and m["drafted_tokens"] > 0
     assert m["kv_blocks_free"] == m["kv_blocks_total"]
-    drafter = llm.engine.proposer
+    drafter = llm.engine.drafter
     assert drafter.blocks.num_free == drafter.blocks.num_blocks  # draft KV released too
 
 
@@ -157,7 +157,7 @@ def test_sequences_past_the_drafts_context_continue_without_speculation(target_d
     assert outs[1].metrics["spec_steps"] > 0
     m = llm.get_metrics()
     assert m["kv_blocks_free"] == m["kv_blocks_total"]
-    assert llm.engine.proposer.blocks.num_free == llm.engine.proposer.blocks.num_blocks
+    assert llm.engine.drafter.blocks.num_free == llm.engine.drafter.blocks.num_blocks
 
 
 def test_prompt_one_token_below_max_model_len(target_dir):
@@ -206,7 +206,7 @@ def test_seeded_sampling_equals_plain_sampling_token_for_token(target_dir, draft
 
 
 def test_coupled_self_draft_accepts_almost_everything_at_t1(target_dir, monkeypatch):
-    """Drafting with the sampling noise (``specengine.spec.coupling``): a draft equal to the
+    """Drafting with the sampling noise (``drafters.coupling``): a draft equal to the
     target proposes the very tokens the target samples, so tau is about d + 1 at T=1 (with
     top-p / top-k too); the same drafter ranking by its plain top-k gets far less, with the
     same (lossless) output."""

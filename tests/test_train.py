@@ -8,8 +8,8 @@ import torch
 
 from specengine import LLM, SamplingParams
 from specengine.models.loader import load_model, save_random_model
-from specengine.spec.eagle import EagleConfig, EagleModel, load_drafter
-from specengine.spec.train import (
+from specengine.speculative.drafters.eagle import EagleConfig, EagleModel, load_drafter
+from specengine.speculative.training.train import (
     DrafterTrainer,
     HiddenBuffer,
     Rollout,
@@ -144,7 +144,7 @@ def test_online_trainer_hot_swaps_without_changing_output(target_dir, rollouts):
     llm = LLM(str(target_dir), dtype="float32", block_size=8, kv_cache_memory_bytes=4 << 20,
               speculative_config=spec)
     plain = LLM(str(target_dir), dtype="float32", block_size=8, kv_cache_memory_bytes=4 << 20)
-    drafter = llm.engine.proposer
+    drafter = llm.engine.drafter
     buf = HiddenBuffer()
     harvest(llm, buf)
     for r in rollouts:

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from specengine.spec.strategy import OFF, Strategy
-from specengine.spec.tree import DraftTree, tree_positions
+from specengine.speculative.strategy import OFF, Strategy
+from specengine.speculative.tree import DraftTree, tree_positions
 
 
 def example():

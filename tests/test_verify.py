@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from specengine.sampling import SamplingParams, process_logits
-from specengine.spec import verify as verify_mod
-from specengine.spec.tree import DraftTree
-from specengine.spec.verify import (
+from specengine.speculative import verify as verify_mod
+from specengine.speculative.tree import DraftTree
+from specengine.speculative.verify import (
     committed_tokens,
     verify,
     verify_coupled,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from specengine.sampling import SamplingParams, process_logits
-from specengine.spec.tree import DraftTree
+from specengine.speculative.tree import DraftTree
 
 
 def _check(tree: DraftTree, rows: torch.Tensor, name: str) -> None:

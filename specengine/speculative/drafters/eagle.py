@@ -37,16 +37,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from specengine import ops
+from specengine.attention import make_backend
 from specengine.attention.base import AttentionMetadata
 from specengine.kv.block_manager import BlockManager
-from specengine.model_runner import make_backend
 from specengine.models.config import ModelConfig
 from specengine.models.llama import DecoderLayer, add_rms_norm, apply_rope, rope_cache
 from specengine.sequence import Sequence
-from specengine.spec.coupling import coupled_logprobs
-from specengine.spec.proposer import Proposer
-from specengine.spec.strategy import Strategy
-from specengine.spec.tree import DraftTree
+from specengine.speculative.drafters.base import Drafter
+from specengine.speculative.drafters.coupling import coupled_logprobs
+from specengine.speculative.strategy import Strategy
+from specengine.speculative.tree import DraftTree
 
 FORMAT = "specengine-eagle"
 DRAFTERS_DIR = Path(__file__).resolve().parent.parent / "drafters"
@@ -385,7 +385,7 @@ def shipped_drafter(target) -> Path | None:
     return d if (d / "config.json").is_file() else None
 
 
-# ---- the proposer ---------------------------------------------------------------------------
+# ---- the drafter ---------------------------------------------------------------------------
 class _State:
     """Per-sequence drafter state: observed features and a shadow sequence owning the drafter
     KV of positions 0..num_cached-1 (keys: ``token_ids[j] = tok_{j+1}``)."""
@@ -406,14 +406,14 @@ class _State:
         self.num_feats = end
 
 
-class EagleDrafter(Proposer):
+class EagleDrafter(Drafter):
     """EAGLE-2 dynamic-tree drafting with an ``EagleModel`` over its own paged KV pool.
 
     Per depth, the top-k nodes by cumulative draft log-probability are fed to the drafter and
     each gets its top-k children; after the last depth the best ``budget`` nodes overall are kept
     (a child never outscores its parent, so they form a tree). For a sampled sequence the
     log-probabilities are those of the draft scores perturbed by the sequence's own sampling
-    noise (``specengine.spec.coupling``), so the tree follows what the target will sample;
+    noise (``drafters.coupling``), so the tree follows what the target will sample;
     tokens its top-k / top-p / min-p drop are not drafted. Children are chosen
     deterministically (``DraftTree.sampled=False``): lossless under greedy and sampling
     verification. Each depth is one drafter forward over all sequences (tree attention).

@@ -22,17 +22,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specengine.spec.acceptance import AcceptanceModel
-from specengine.spec.calibration import (
+from specengine.speculative.config import POLICIES
+from specengine.speculative.policy.acceptance import AcceptanceModel
+from specengine.speculative.policy.calibration import (
     Calibrator,
     bin_of,
     confidence_list,
     is_scored,
     keep_worth,
 )
-from specengine.spec.config import POLICIES
-from specengine.spec.latency import LatencyModel, profile_forward
-from specengine.spec.strategy import Strategy
+from specengine.speculative.policy.latency import LatencyModel, profile_forward
+from specengine.speculative.strategy import Strategy
 
 
 @dataclass
@@ -115,6 +115,17 @@ class Policy:
     def choose(self, num_running: int) -> Strategy | None:
         """Strategy for the next step, given the number of running sequences."""
         raise NotImplementedError
+
+    def select(self, seqs: list, strategy: Strategy) -> list[bool]:
+        """Which of the decoding ``seqs`` draft this step under ``strategy`` (one bool each);
+        the base drafts for all of them."""
+        return [True] * len(seqs)
+
+    def refine(self, seqs: list, trees: list, base_tokens: int) -> list:
+        """The drafted ``trees`` (one ``DraftTree | None`` per sequence of ``seqs``) cut to the
+        nodes worth verifying, given ``base_tokens`` tokens already in the forward; the base
+        keeps them whole."""
+        return trees
 
     def record(self, rec: StepRecord) -> None:
         """Learn from the step just run."""
@@ -346,7 +357,7 @@ class AutoPolicy(Policy):
 
     def warm_start(self, engine) -> None:
         """Profile the engine's runner (and drafter) for about a second."""
-        profile_forward(engine.runner, engine.blocks, self.latency, proposer=engine.proposer)
+        profile_forward(engine.runner, engine.blocks, self.latency, drafter=engine.drafter)
 
     def score(self, s: Strategy | None, batch: int, context: float) -> float:
         """Modelled committed tokens per second of one step of candidate ``s`` (tokens/s;

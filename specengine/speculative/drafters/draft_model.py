@@ -7,7 +7,7 @@ keep their draft KV and rejected ones are simply overwritten: the draft state al
 exactly the accepted tokens. Trees: the draft's greedy chain, with the top-k alternatives at
 each depth as extra leaves, the best ``budget`` nodes by cumulative draft probability kept. For
 a sampled sequence "greedy" and "top-k" are taken over the draft scores perturbed by the
-sequence's own sampling noise (``specengine.spec.coupling``): the chain is then the draft's
+sequence's own sampling noise (``drafters.coupling``): the chain is then the draft's
 sample coupled to the target's.
 """
 
@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import torch
 
+from specengine.batch import BatchEntry
 from specengine.kv.block_manager import BlockManager
 from specengine.model_runner import ModelRunner
-from specengine.scheduler import BatchEntry
 from specengine.sequence import Sequence
-from specengine.spec.coupling import coupled_logprobs
-from specengine.spec.proposer import Proposer
-from specengine.spec.strategy import Strategy
-from specengine.spec.tree import DraftTree
+from specengine.speculative.drafters.base import Drafter
+from specengine.speculative.drafters.coupling import coupled_logprobs
+from specengine.speculative.strategy import Strategy
+from specengine.speculative.tree import DraftTree
 
 
 def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: str) -> None:
@@ -35,7 +35,7 @@ def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: st
                          "target's tokenizer")
 
 
-class DraftModelDrafter(Proposer):
+class DraftModelDrafter(Drafter):
     """Drafts with ``model`` (a ``LlamaForCausalLM``) over its own KV pool.
 
     Args:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from specengine.spec.config import SpeculativeConfig
-from specengine.spec.proposer import NgramDrafter, Proposer
+from specengine.speculative.config import SpeculativeConfig
+from specengine.speculative.drafters.base import Drafter
 
 
-def make_proposer(cfg: SpeculativeConfig, target, num_blocks: int, block_size: int) -> Proposer:
+def make_drafter(cfg: SpeculativeConfig, target, num_blocks: int, block_size: int) -> Drafter:
     """The drafter for ``cfg`` serving ``target`` (a ``LoadedModel``); a draft model gets a KV
     pool of ``num_blocks`` blocks of ``block_size`` tokens.
 
@@ -14,11 +14,15 @@ def make_proposer(cfg: SpeculativeConfig, target, num_blocks: int, block_size: i
         ValueError: a draft model whose tokenizer or vocabulary differs from the target's.
     """
     if cfg.method == "ngram":
+        from specengine.speculative.drafters.ngram import NgramDrafter
         return NgramDrafter(cfg.strategy, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     if cfg.method == "draft_model":
         from specengine.config import parse_dtype
         from specengine.models.loader import load_model
-        from specengine.spec.draft_model import DraftModelDrafter, check_same_tokenizer
+        from specengine.speculative.drafters.draft_model import (
+            DraftModelDrafter,
+            check_same_tokenizer,
+        )
 
         dtype = parse_dtype(cfg.draft_dtype) if cfg.draft_dtype else target.model.dtype
         draft = load_model(cfg.model, dtype=dtype)
@@ -30,6 +34,6 @@ def make_proposer(cfg: SpeculativeConfig, target, num_blocks: int, block_size: i
         return DraftModelDrafter(cfg.strategy, draft.model, num_blocks, block_size,
                                  target.config.vocab_size)
     if cfg.method == "eagle":
-        from specengine.spec.eagle import make_eagle
+        from specengine.speculative.drafters.eagle import make_eagle
         return make_eagle(cfg, target, num_blocks, block_size)
     raise ValueError(f"speculative_config method={cfg.method!r} is not available yet")

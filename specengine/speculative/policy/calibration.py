@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from specengine.spec.tree import DraftTree
+from specengine.speculative.tree import DraftTree
 
 NUM_BINS = 16
 MIN_LOG10 = -4.0  # confidences below 1e-4 share the lowest bin

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from specengine.spec.strategy import Strategy
-from specengine.spec.tree import DraftTree
+from specengine.sequence import Sequence
+from specengine.speculative.drafters.base import Drafter
+from specengine.speculative.strategy import Strategy
+from specengine.speculative.tree import DraftTree
 
 
 class TokenHistory:
@@ -41,7 +43,7 @@ class TokenHistory:
         return view
 
 
-class NgramProposer:
+class NgramIndex:
     """Prompt-lookup drafter.
 
     Args:
@@ -56,11 +58,11 @@ class NgramProposer:
 
     def __init__(self, min_n: int = 1, max_n: int = 4, max_matches: int = 64):
         if min_n < 1:
-            raise ValueError(f"NgramProposer.min_n={min_n}: must be >= 1")
+            raise ValueError(f"NgramIndex.min_n={min_n}: must be >= 1")
         if max_n < min_n:
-            raise ValueError(f"NgramProposer.max_n={max_n}: must be >= min_n={min_n}")
+            raise ValueError(f"NgramIndex.max_n={max_n}: must be >= min_n={min_n}")
         if max_matches < 1:
-            raise ValueError(f"NgramProposer.max_matches={max_matches}: must be >= 1")
+            raise ValueError(f"NgramIndex.max_matches={max_matches}: must be >= 1")
         self.min_n, self.max_n, self.max_matches = min_n, max_n, max_matches
         self._histories: dict[object, TokenHistory] = {}
 
@@ -141,3 +143,19 @@ class NgramProposer:
             if len(tokens) == budget:
                 break
         return DraftTree(tokens, parents) if tokens else None
+
+
+class NgramDrafter(Drafter):
+    """Prompt-lookup drafting (n-gram matching over prompt + output; no model cost)."""
+
+    name = "ngram"
+
+    def __init__(self, strategy: Strategy, min_n: int = 1, max_n: int = 4):
+        super().__init__(strategy)
+        self.ngram = NgramIndex(min_n=min_n, max_n=max_n)
+
+    def propose(self, seqs: list[Sequence], strategy: Strategy) -> list[DraftTree | None]:
+        return [self.ngram.propose(s.token_ids, strategy, key=s.seq_id) for s in seqs]
+
+    def release(self, seq: Sequence) -> None:
+        self.ngram.forget(seq.seq_id)

@@ -23,7 +23,7 @@ class DraftTree:
         draft_logprobs: ``m`` floats, log q of each node's token given its parent path
             (0.0 for deterministic drafters such as n-gram lookup; for a sampled sequence the
             model drafters give those of q perturbed by the sampling noise,
-            ``specengine.spec.coupling``). Default: zeros.
+            ``specengine.speculative.drafters.coupling``). Default: zeros.
         sampled: True when each node's children were drawn from the draft distribution q (the
             verifier then uses rejection sampling against q); False when they were chosen
             deterministically (top-k, n-gram), tried in order.

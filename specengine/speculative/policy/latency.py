@@ -312,10 +312,10 @@ class LatencyModel:
 
 
 def profile_forward(runner, blocks, model: LatencyModel, budget_s: float = 1.5,
-                    proposer=None, draft_budget_s: float = 0.5) -> int:
+                    drafter=None, draft_budget_s: float = 0.5) -> int:
     """Warm-start ``model`` by timing dummy decode forwards of growing size with ``runner`` (a
     ``ModelRunner``) over KV blocks borrowed from ``blocks`` (returned afterwards), and, when a
-    ``proposer`` is given, drafting chains and trees for dummy sequences (``profile_draft``).
+    ``drafter`` is given, drafting chains and trees for dummy sequences (``profile_draft``).
     Stops before a point the fit so far predicts would overrun ``budget_s`` seconds; skips
     points the KV pool cannot hold. Returns the number of forward profile points added.
 
@@ -325,10 +325,10 @@ def profile_forward(runner, blocks, model: LatencyModel, budget_s: float = 1.5,
     """
     import torch
 
+    from specengine.batch import BatchEntry
     from specengine.sampling import SamplingParams
-    from specengine.scheduler import BatchEntry
     from specengine.sequence import Sequence
-    from specengine.spec.tree import DraftTree
+    from specengine.speculative.tree import DraftTree
 
     # (sequences, chain nodes per sequence, context per sequence)
     grid = [(1, 0, 32), (1, 0, 32), (1, 3, 32), (1, 7, 512), (4, 3, 64), (16, 0, 64),
@@ -364,13 +364,13 @@ def profile_forward(runner, blocks, model: LatencyModel, budget_s: float = 1.5,
         finally:
             for s in seqs:
                 blocks.free(s)
-    if proposer is not None and feature is not None:
-        profile_draft(proposer, model, feature, draft_budget_s)
+    if drafter is not None and feature is not None:
+        profile_draft(drafter, model, feature, draft_budget_s)
     return added
 
 
-def profile_draft(proposer, model: LatencyModel, feature, budget_s: float = 0.5) -> int:
-    """Warm-start the draft part of ``model`` by timing ``proposer`` (a ``Proposer``) on dummy
+def profile_draft(drafter, model: LatencyModel, feature, budget_s: float = 0.5) -> int:
+    """Warm-start the draft part of ``model`` by timing ``drafter`` (a ``Drafter``) on dummy
     sequences: chains and trees of several depths, widths and batch sizes, so the fit sees
     nodes apart from depth x batch (from chains alone a tree's drafting cost is a guess). A
     drafter that reads target features (``wants_hidden``) is given ``feature`` (``[1, hidden]``,
@@ -381,7 +381,7 @@ def profile_draft(proposer, model: LatencyModel, feature, budget_s: float = 0.5)
 
     from specengine.sampling import SamplingParams
     from specengine.sequence import Sequence
-    from specengine.spec.strategy import Strategy
+    from specengine.speculative.strategy import Strategy
 
     grid = [(1, Strategy(3)), (1, Strategy(7)), (4, Strategy(3)), (1, Strategy(4, 4, 16)),
             (4, Strategy(3, 2, 6)), (16, Strategy(2)), (1, Strategy(6, 2, 12)),
@@ -398,11 +398,11 @@ def profile_draft(proposer, model: LatencyModel, feature, budget_s: float = 0.5)
         try:
             for s in seqs:
                 s.num_cached = ctx
-                if proposer.wants_hidden:
-                    proposer.observe(s, 0, feature.expand(ctx + 1, -1))
-            proposer.propose(seqs, strategy)
+                if drafter.wants_hidden:
+                    drafter.observe(s, 0, feature.expand(ctx + 1, -1))
+            drafter.propose(seqs, strategy)
             t0 = time.perf_counter()
-            trees = proposer.propose(seqs, strategy)
+            trees = drafter.propose(seqs, strategy)
             seconds = time.perf_counter() - t0
             nodes = sum(t.num_nodes for t in trees if t is not None)
             if nodes:
@@ -410,5 +410,5 @@ def profile_draft(proposer, model: LatencyModel, feature, budget_s: float = 0.5)
                 added += 1
         finally:
             for s in seqs:
-                proposer.release(s)
+                drafter.release(s)
     return added

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specengine.spec.strategy import Strategy
+from specengine.speculative.strategy import Strategy
 
 
 class DepthRates:

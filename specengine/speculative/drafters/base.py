@@ -9,11 +9,11 @@ from __future__ import annotations
 import torch
 
 from specengine.sequence import Sequence
-from specengine.spec.strategy import Strategy
-from specengine.spec.tree import DraftTree
+from specengine.speculative.strategy import Strategy
+from specengine.speculative.tree import DraftTree
 
 
-class Proposer:
+class Drafter:
     """Base drafter. ``strategy`` is the tree shape used when no policy chooses one."""
 
     name = "base"
@@ -46,19 +46,3 @@ def prune_tree(tree: DraftTree | None, max_depth: int, max_nodes: int) -> DraftT
     keep = [i for i, d in enumerate(tree.depths) if d <= max_depth][:max_nodes]
     return tree.subset(keep)
 
-
-class NgramDrafter(Proposer):
-    """Prompt-lookup drafting (n-gram matching over prompt + output; no model cost)."""
-
-    name = "ngram"
-
-    def __init__(self, strategy: Strategy, min_n: int = 1, max_n: int = 4):
-        super().__init__(strategy)
-        from specengine.spec.ngram import NgramProposer
-        self.ngram = NgramProposer(min_n=min_n, max_n=max_n)
-
-    def propose(self, seqs: list[Sequence], strategy: Strategy) -> list[DraftTree | None]:
-        return [self.ngram.propose(s.token_ids, strategy, key=s.seq_id) for s in seqs]
-
-    def release(self, seq: Sequence) -> None:
-        self.ngram.forget(seq.seq_id)

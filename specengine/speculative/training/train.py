@@ -1,4 +1,4 @@
-"""Training the EAGLE drafter (``specengine.spec.eagle``): hidden-state harvesting, offline
+"""Training the EAGLE drafter (``drafters.eagle``): hidden-state harvesting, offline
 self-distillation (``specengine train-drafter``) and online training with hot swap.
 
 Data: per sequence, token ids ``[L]`` and the target's features ``[L-1, H]`` (post-norm last
@@ -32,7 +32,8 @@ import torch.nn.functional as F
 
 from specengine.jsonl import read_records
 from specengine.sequence import Sequence
-from specengine.spec.eagle import (
+from specengine.speculative.drafters.base import Drafter
+from specengine.speculative.drafters.eagle import (
     EagleConfig,
     EagleDrafter,
     EagleModel,
@@ -40,9 +41,8 @@ from specengine.spec.eagle import (
     load_state,
     save_drafter,
 )
-from specengine.spec.proposer import Proposer
-from specengine.spec.strategy import Strategy
-from specengine.spec.tree import DraftTree
+from specengine.speculative.strategy import Strategy
+from specengine.speculative.tree import DraftTree
 
 
 # ---- harvesting -----------------------------------------------------------------------------
@@ -91,17 +91,17 @@ class HiddenBuffer:
         return len(self.items)
 
 
-class Harvester(Proposer):
-    """Wraps a proposer (or none) and collects each finished sequence's tokens and target
+class Harvester(Drafter):
+    """Wraps a drafter (or none) and collects each finished sequence's tokens and target
     features into a ``HiddenBuffer`` through the engine's ``observe`` hook: no extra forward.
 
-    Install with ``harvest(llm, buffer)``. Drafting is the inner proposer's (no inner: none).
+    Install with ``harvest(llm, buffer)``. Drafting is the inner drafter's (no inner: none).
     """
 
     name = "harvester"
     wants_hidden = True
 
-    def __init__(self, inner: Proposer | None, buffer: HiddenBuffer):
+    def __init__(self, inner: Drafter | None, buffer: HiddenBuffer):
         super().__init__(inner.strategy if inner is not None else None)
         self.inner, self.buffer = inner, buffer
         self.feats: dict[int, list[tuple[int, torch.Tensor]]] = {}
@@ -136,11 +136,11 @@ def harvest(llm, buffer: HiddenBuffer) -> Harvester:
     """Make ``llm`` (an ``LLM``) put every finished sequence into ``buffer``; returns the
     installed ``Harvester`` (it keeps any drafter the engine had)."""
     eng = llm.engine
-    if isinstance(eng.proposer, Harvester):
-        eng.proposer.buffer = buffer
-        return eng.proposer
-    eng.proposer = Harvester(eng.proposer, buffer)
-    return eng.proposer
+    if isinstance(eng.drafter, Harvester):
+        eng.drafter.buffer = buffer
+        return eng.drafter
+    eng.drafter = Harvester(eng.drafter, buffer)
+    return eng.drafter
 
 
 @torch.inference_mode()
@@ -160,10 +160,10 @@ def teacher_force(model, sequences: list[list[int]], max_batch_tokens: int = 409
     Raises:
         ValueError: a sequence shorter than 2 tokens or too long for the model.
     """
+    from specengine.batch import BatchEntry
     from specengine.kv.block_manager import BlockManager
     from specengine.model_runner import ModelRunner
     from specengine.sampling import SampleNoise, SamplingParams
-    from specengine.scheduler import BatchEntry
 
     limit = model.config.max_position_embeddings
     for i, s in enumerate(sequences):
@@ -570,7 +570,7 @@ def collect(llm, recs: list[dict], max_tokens: int, temperatures: list[float], s
             llm.generate([{"prompt_token_ids": p} for p in gen_ids], gen_params,
                          use_tqdm=progress)
         finally:
-            llm.engine.proposer = h.inner
+            llm.engine.drafter = h.inner
         out += buf.snapshot()
     return out
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from specengine.spec.strategy import Strategy
+from specengine.speculative.strategy import Strategy
 
 METHODS = ("ngram", "draft_model", "eagle")
 POLICIES = ("auto", "static", "bandit")
