@@ -31,7 +31,8 @@ from specengine.speculative.policy.calibration import (
     is_scored,
     keep_worth,
 )
-from specengine.speculative.policy.latency import LatencyModel, profile_forward
+from specengine.speculative.policy.latency import LatencyModel
+from specengine.speculative.policy.profiling import profile_forward
 from specengine.speculative.strategy import Strategy
 
 
