@@ -1,29 +1,31 @@
-"""Speculation policy: which strategy (tree shape, or none) each step uses.
+"""``AutoPolicy`` and the factory: ``make_policy`` builds the policy a ``SpeculativeConfig``
+names, over ``candidate_strategies``.
 
-Every policy implements ``choose(num_running)`` before the step and ``record(StepRecord)`` after
-it, and ``stats()`` for the metrics (which strategies ran, for how many steps, predicted and
-observed committed tokens per second).
-
-- ``StaticPolicy``: always the configured strategy.
 - ``AutoPolicy``: RLHFSpec's criterion (arXiv 2512.04752): each step, the strategy with the most
   expected committed tokens per second for the whole batch, from an online latency model
   (``latency.py``) and an online acceptance model (``acceptance.py``), with hysteresis.
-- ``BanditPolicy``: TLT's BEG-MAB (arXiv 2511.16665): bucketed epsilon-greedy over strategies
-  by batch size, reward = committed tokens per second; the baseline to beat.
+
+The ``Policy`` interface, ``StepRecord`` and the fixed policies are in ``base.py``; TLT's bandit
+in ``bandit.py``.
 """
 
 from __future__ import annotations
 
 import math
-import random
 import time
-from collections import deque
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from specengine.speculative.config import POLICIES
 from specengine.speculative.policy.acceptance import AcceptanceModel
+from specengine.speculative.policy.bandit import BanditPolicy
+from specengine.speculative.policy.base import (
+    Policy,
+    StaticPolicy,
+    StepRecord,
+    batch_bucket,
+    strategy_name,
+)
 from specengine.speculative.policy.calibration import (
     Calibrator,
     bin_of,
@@ -34,168 +36,6 @@ from specengine.speculative.policy.calibration import (
 from specengine.speculative.policy.latency import LatencyModel
 from specengine.speculative.policy.profiling import profile_forward
 from specengine.speculative.strategy import Strategy
-
-
-@dataclass
-class StepRecord:
-    """What one engine step did and cost (tokens, seconds).
-
-    Attributes:
-        strategy: the strategy used (None: no speculation).
-        num_decode: sequences decoded (each verified one tree or took one plain token).
-        num_prefill_tokens: prompt tokens in the same forward.
-        num_forward_tokens: all tokens in the target forward (prefill + roots + draft nodes).
-        context_tokens: sum of the decode sequences' context lengths (KV positions attended).
-        num_drafted: draft nodes sent to the target.
-        num_proposed: draft nodes the drafter built (before the policy's ``refine`` cut any;
-            None: ``num_drafted``).
-        num_committed: tokens committed by the decode sequences (accepted + bonus/plain).
-        accepted_per_seq: accepted draft tokens per decode sequence with a tree.
-        draft_time, forward_time, other_time: seconds spent drafting, in the target forward,
-            and sampling/verifying/bookkeeping.
-        verified: per verified tree ``(sequence, tree, accepted node indices)``.
-    """
-
-    strategy: Strategy | None
-    num_decode: int
-    num_prefill_tokens: int
-    num_forward_tokens: int
-    context_tokens: int
-    num_drafted: int
-    num_committed: int
-    accepted_per_seq: list[int]
-    draft_time: float
-    forward_time: float
-    other_time: float
-    verified: list = field(default_factory=list)
-    num_proposed: int | None = None
-
-    @property
-    def step_time(self) -> float:
-        """Seconds of the whole step."""
-        return self.draft_time + self.forward_time + self.other_time
-
-    @property
-    def is_decode_only(self) -> bool:
-        """True for a step with decode sequences and no prompt tokens (a clean measurement)."""
-        return self.num_decode > 0 and self.num_prefill_tokens == 0
-
-
-def batch_bucket(num_seqs: int) -> int:
-    """Batch-size bucket: ``b`` holds ``2**(b-1) <= num_seqs < 2**b`` (0 holds 0)."""
-    return int(num_seqs).bit_length()
-
-
-def bucket_label(bucket: int) -> str:
-    """``"4-7"`` for bucket 3."""
-    if bucket <= 1:
-        return str(bucket)
-    return f"{2 ** (bucket - 1)}-{2 ** bucket - 1}"
-
-
-def strategy_name(s: Strategy | None) -> str:
-    return "off" if s is None else str(s)
-
-
-class Policy:
-    """Base: counts steps, committed tokens and seconds per strategy, and the time spent
-    deciding (``choose``); subclasses call ``_tally`` from ``record``."""
-
-    name = "base"
-
-    def __init__(self) -> None:
-        self.per_strategy: dict[str, dict] = {}
-        self.decision_time = 0.0  # seconds deciding and learning (choose, record, ...)
-        self.step_time = 0.0  # seconds of all recorded steps
-        # per decode-only step when keep_trace: (end time in step seconds since start, batch,
-        # strategy name, committed tokens, step seconds)
-        self.trace: list[tuple[float, int, str, int, float]] = []
-        self.keep_trace = False
-        self._predicted: float | None = None  # tok/s predicted for the step being run
-
-    def choose(self, num_running: int) -> Strategy | None:
-        """Strategy for the next step, given the number of running sequences."""
-        raise NotImplementedError
-
-    def select(self, seqs: list, strategy: Strategy) -> list[bool]:
-        """Which of the decoding ``seqs`` draft this step under ``strategy`` (one bool each);
-        the base drafts for all of them."""
-        return [True] * len(seqs)
-
-    def refine(self, seqs: list, trees: list, base_tokens: int) -> list:
-        """The drafted ``trees`` (one ``DraftTree | None`` per sequence of ``seqs``) cut to the
-        nodes worth verifying, given ``base_tokens`` tokens already in the forward; the base
-        keeps them whole."""
-        return trees
-
-    def record(self, rec: StepRecord) -> None:
-        """Learn from the step just run."""
-        self._tally(rec)
-
-    def warm_start(self, engine) -> None:
-        """Called once after the engine is built (e.g. to profile it)."""
-
-    def _tally(self, rec: StepRecord, label: str | None = None) -> None:
-        """Count the step under ``label`` (default: its strategy's name)."""
-        self.step_time += rec.step_time
-        if not rec.is_decode_only:
-            return
-        label = label or strategy_name(rec.strategy)
-        st = self.per_strategy.setdefault(label, {
-            "steps": 0, "tokens": 0, "seconds": 0.0, "predicted_sum": 0.0, "predicted_n": 0})
-        st["steps"] += 1
-        st["tokens"] += rec.num_committed
-        st["seconds"] += rec.step_time
-        if self._predicted is not None:
-            st["predicted_sum"] += self._predicted
-            st["predicted_n"] += 1
-        if self.keep_trace:
-            self.trace.append((self.step_time, rec.num_decode, label,
-                               rec.num_committed, rec.step_time))
-
-    def stats(self) -> dict:
-        """Metrics: ``policy``, ``policy_decision_s`` and ``policy_decision_frac`` (seconds
-        spent choosing and learning, ``AutoPolicy``'s ``choose``, ``select``, ``refine`` and
-        ``record``, and their share of step time), ``policy_strategies``: per strategy the
-        decode-only ``steps``, ``observed_tok_s`` (committed tokens / seconds of those steps) and
-        ``predicted_tok_s`` (mean prediction when chosen; None if the policy predicts none)."""
-        table = {}
-        for name, st in self.per_strategy.items():
-            table[name] = {
-                "steps": st["steps"],
-                "observed_tok_s": st["tokens"] / st["seconds"] if st["seconds"] else None,
-                "predicted_tok_s": st["predicted_sum"] / st["predicted_n"]
-                if st["predicted_n"] else None}
-        return {"policy": self.name, "policy_decision_s": self.decision_time,
-                "policy_decision_frac": self.decision_time / self.step_time
-                if self.step_time else 0.0, "policy_strategies": table}
-
-
-class StaticPolicy(Policy):
-    """Always the same strategy (``None``: never speculate)."""
-
-    name = "static"
-
-    def __init__(self, strategy: Strategy | None):
-        super().__init__()
-        self.strategy = strategy
-
-    def choose(self, num_running: int) -> Strategy | None:
-        return self.strategy
-
-
-class BucketPolicy(Policy):
-    """A fixed strategy per batch-size bucket (``batch_bucket``); the oracle of the benchmark
-    is this with the best static strategy per bucket found in hindsight."""
-
-    name = "bucket"
-
-    def __init__(self, table: dict[int, Strategy | None], default: Strategy | None = None):
-        super().__init__()
-        self.table, self.default = table, default
-
-    def choose(self, num_running: int) -> Strategy | None:
-        return self.table.get(batch_bucket(num_running), self.default)
 
 
 class AutoPolicy(Policy):
@@ -525,63 +365,6 @@ class AutoPolicy(Policy):
             strategy_name(s): round(self.acceptance.expected_committed(s), 3)
             for s in self.candidates}
         return d
-
-
-class BanditPolicy(Policy):
-    """Bucketed epsilon-greedy bandit (TLT's BEG-MAB, arXiv 2511.16665).
-
-    Batch sizes fall into power-of-two buckets; in each bucket every arm (strategy) keeps its
-    last ``window`` rewards (committed tokens per second of decode-only steps). Untried arms
-    are tried first; then with probability ``epsilon`` a random arm, else the arm with the best
-    mean reward.
-
-    Args:
-        candidates: arms; ``None`` (no speculation) is always added.
-        epsilon: exploration probability.
-        window: rewards kept per arm and bucket.
-        seed: seeds the exploration RNG (decisions are reproducible).
-    """
-
-    name = "bandit"
-
-    def __init__(self, candidates: list[Strategy | None], epsilon: float = 0.1,
-                 window: int = 32, seed: int = 0):
-        super().__init__()
-        self.arms = [None] + [s for s in dict.fromkeys(candidates) if s is not None]
-        self.epsilon, self.window = epsilon, window
-        self.rng = random.Random(seed)
-        self.rewards: dict[tuple[int, Strategy | None], deque] = {}
-        self._chosen: tuple[int, Strategy | None] | None = None
-
-    def mean_reward(self, bucket: int, arm: Strategy | None) -> float | None:
-        r = self.rewards.get((bucket, arm))
-        return sum(r) / len(r) if r else None
-
-    def choose(self, num_running: int) -> Strategy | None:
-        t0 = time.perf_counter()
-        bucket = batch_bucket(num_running)
-        means = {a: self.mean_reward(bucket, a) for a in self.arms}
-        untried = [a for a, m in means.items() if m is None]
-        if untried:
-            arm = untried[0]
-        elif self.rng.random() < self.epsilon:
-            arm = self.rng.choice(self.arms)
-        else:
-            arm = max(self.arms, key=means.get)
-        self._chosen = (bucket, arm)
-        self._predicted = means[arm]
-        self.decision_time += time.perf_counter() - t0
-        return arm
-
-    def record(self, rec: StepRecord) -> None:
-        self._tally(rec)
-        if not rec.is_decode_only or self._chosen is None:
-            return
-        bucket, arm = self._chosen
-        if arm != rec.strategy:
-            return
-        reward = rec.num_committed / max(rec.step_time, 1e-9)
-        self.rewards.setdefault((bucket, arm), deque(maxlen=self.window)).append(reward)
 
 
 def candidate_strategies(cfg) -> list[Strategy]:
