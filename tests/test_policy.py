@@ -614,7 +614,8 @@ def test_deferred_learning_learns_what_immediate_learning_does():
     assert a.latency.forward.theta(3) == pytest.approx(b.latency.forward.theta(3))
     assert a.calibrator.tried == pytest.approx(b.calibrator.tried)
     assert a.calibrator.accepted == pytest.approx(b.calibrator.accepted)
-    assert a._correction[batch_bucket(4)] == pytest.approx(b._correction[batch_bucket(4)])
+    assert a.correction.per_bucket[batch_bucket(4)] == pytest.approx(
+        b.correction.per_bucket[batch_bucket(4)])
     assert a.decision_time > 0  # learning is counted as the policy's time
 
 
@@ -631,8 +632,8 @@ def test_rescoring_is_spaced_by_the_decision_budget(monkeypatch):
         return real(batch, context)
 
     monkeypatch.setattr(pol, "model_rates", slow)
-    pol._mean_step = 0.01  # 10 ms steps: the budget is 25 us per step
-    pol._decode_steps = 1000  # models no longer young
+    pol.rescore.mean_step = 0.01  # 10 ms steps: the budget is 25 us per step
+    pol.rescore.decode_steps = 1000  # models no longer young
     pol.choose(8)
     assert pol.rescore_every == 32
     for _ in range(31):

@@ -10,7 +10,7 @@ engine is built; ``stats()`` gives the metrics.
 Here: ``StepRecord``, the ``Policy`` base (which tallies steps per strategy for ``stats``),
 ``StaticPolicy`` (always one strategy), ``BucketPolicy`` (a fixed strategy per batch-size bucket;
 the benchmark's oracle) and the batch-size buckets they and ``BanditPolicy`` share. The adaptive
-policies are in ``policies.py`` (``AutoPolicy``) and ``bandit.py``.
+policies are in ``auto.py`` and ``bandit.py``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ monotone in c (pool-adjacent-violators, isotonic regression). Per request, a fac
 ``(accepted + k) / (predicted + k)`` over the request's own verified nodes scales the global map
 (a request whose text the drafter knows well, or not at all).
 
-``AutoPolicy.refine`` uses it to cut each drafted tree to the nodes worth verifying.
+``TreeCutter`` (``parts.py``) uses it, for ``AutoPolicy.refine``, to cut each drafted tree to the
+nodes worth verifying.
 """
 
 from __future__ import annotations

@@ -1,0 +1,287 @@
+"""``AutoPolicy``: RLHFSpec's criterion (arXiv 2512.04752), the most expected committed tokens
+per second for the whole batch, from an online latency model (``latency.py``, warm-started by
+``profiling.py``) and an online acceptance model (``acceptance.py``).
+
+The criterion, the per-sequence choice (``select``) and the bar a draft node must clear to be
+verified (``refine``) are here; the mechanisms around them are the parts in ``parts.py``: the
+probe schedule, the re-scoring budget, the observed/modelled correction table and the tree
+cutter.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from specengine.speculative.policy.acceptance import AcceptanceModel
+from specengine.speculative.policy.base import Policy, StepRecord, strategy_name
+from specengine.speculative.policy.latency import LatencyModel
+from specengine.speculative.policy.parts import (
+    CorrectionTable,
+    ProbeSchedule,
+    RescoreBudget,
+    TreeCutter,
+)
+from specengine.speculative.policy.profiling import profile_forward
+from specengine.speculative.strategy import Strategy
+
+
+def _part_attribute(part: str, name: str, doc: str) -> property:
+    """A read/write attribute of the policy that lives in its part ``part`` as ``name``."""
+    return property(lambda self: getattr(getattr(self, part), name),
+                    lambda self, value: setattr(getattr(self, part), name, value), doc=doc)
+
+
+class AutoPolicy(Policy):
+    """Cost-model policy: maximise expected committed tokens per second for the batch.
+
+    For each candidate s and a batch of B sequences with total context C:
+    ``score(s) = B * E[committed | s] / T(B, C, s)``, with ``E[committed]`` from the
+    ``AcceptanceModel`` and ``T`` from the ``LatencyModel`` (draft + verify forward of
+    ``B*(1+E[nodes|s])`` tokens, plus the rest), times the bucket's observed/modelled factor
+    (``correction``, a ``CorrectionTable``). The current strategy is kept unless another
+    scores ``hysteresis`` better. A tree shape never run is predicted from the chain's rates
+    (``acceptance.tree_prior``), so trees compete only once the chain has been measured on
+    ``min_chain_trials`` sequences. With probes disabled the acceptance statistics decay
+    towards the prior while speculation is off (``AcceptanceModel.age``) so it is retried.
+
+    Its parts, each with its own state:
+
+    - ``probes`` (``ProbeSchedule``): steps that measure what the current choice cannot;
+    - ``rescore`` (``RescoreBudget``): scores are recomputed when the batch size changes, else
+      as often as re-scoring stays within 0.25% of step time; the updates from recorded steps
+      are batched into those re-scorings (``flush``), so the policy's own time, choosing and
+      learning, stays ~1-2% of a step even on a CPU;
+    - ``correction`` (``CorrectionTable``): what the two models miss, per batch bucket;
+    - ``cutter`` (``TreeCutter``): after drafting, ``refine`` cuts each scored tree to the
+      nodes whose calibrated acceptance probability pays for the verify time they add.
+
+    Args:
+        candidates: strategies to choose from; ``None`` (no speculation) is always added.
+        hysteresis: relative margin a new strategy must win by (0.05 = 5%).
+        probe_every: steps with speculation off between probes (0: never probe).
+        probe_seqs: sequences drafted for in a probe step.
+        latency, acceptance: the models to start from (default: new ones).
+        per_sequence: let ``select`` skip sequences whose own acceptance does not pay.
+    """
+
+    name = "auto"
+
+    calibrator = _part_attribute("cutter", "calibrator", "The cutter's ``Calibrator``.")
+    verify_whole_every = _part_attribute(
+        "cutter", "verify_whole_every", "``refine`` leaves one tree in this many whole.")
+    rescore_every = _part_attribute(
+        "rescore", "every", "Steps the scores of an unchanged batch size serve.")
+
+    def __init__(self, candidates: list[Strategy | None], hysteresis: float = 0.05,
+                 probe_every: int = 50, probe_seqs: int = 4,
+                 latency: LatencyModel | None = None,
+                 acceptance: AcceptanceModel | None = None, per_sequence: bool = True):
+        super().__init__()
+        self.candidates = (None, *(s for s in dict.fromkeys(candidates) if s is not None))
+        max_depth = max((s.depth for s in self.candidates if s is not None), default=1)
+        self.latency = latency or LatencyModel()
+        self.acceptance = acceptance or AcceptanceModel(max_depth)
+        self.hysteresis = hysteresis
+        self.per_sequence, self.prior_steps = per_sequence, 4.0
+        self.min_chain_trials = 8.0  # sequences drafted for by a chain before trees compete
+        self.probes = ProbeSchedule(self.candidates, probe_every, probe_seqs)
+        self.rescore = RescoreBudget()
+        self.correction = CorrectionTable(len(self.candidates))
+        self.cutter = TreeCutter()
+        self.current: Strategy | None = None
+        self.context_per_seq = 0.0  # context tokens per decode sequence, last step
+        self.last_scores: dict[Strategy | None, float] = {}
+        self._raw: dict[Strategy | None, float] = {}  # model scores before the correction
+        self.accept_ratio = 0.0  # accepted per drafted node, all sequences (moving average)
+        self._offered: int | None = None  # sequences ``select`` kept this step
+        self._select_calls = 0
+        self._depths = np.array([s.depth if s else 0 for s in self.candidates], dtype=float)
+        self._is_tree = np.array([s is not None and not s.is_chain for s in self.candidates])
+        self._index = {s: i for i, s in enumerate(self.candidates)}
+        self._pending: list[tuple] = []  # recorded steps not learnt from yet (``flush``)
+
+    # ---- the criterion ------------------------------------------------------------------------
+    def score(self, s: Strategy | None, batch: int, context: float) -> float:
+        """Modelled committed tokens per second of one step of candidate ``s`` (tokens/s;
+        before the observed/modelled correction ``scores`` applies)."""
+        return float(self.model_rates(batch, context)[self._index[s]])
+
+    def model_rates(self, batch: int, context: float) -> np.ndarray:
+        """Modelled committed tokens per second (``[len(candidates)]``, in ``candidates``
+        order): batch x expected committed tokens over the modelled step time of each."""
+        per_seq_committed, per_seq_nodes, per_seq_built = self.acceptance.expected(self.candidates)
+        committed, nodes = batch * per_seq_committed, batch * per_seq_nodes
+        seconds = self.latency.step_times(batch, context, self._depths, nodes, committed,
+                                          batch * per_seq_built)
+        return committed / np.maximum(seconds, 1e-9)
+
+    def scores(self, batch: int, context: float,
+               rates: np.ndarray | None = None) -> dict[Strategy | None, float]:
+        """What the choice compares (tokens/s): the modelled ``rates`` (default
+        ``model_rates``) times the bucket's observed/modelled correction; trees 0 until the
+        chain has been measured."""
+        rate = self.model_rates(batch, context) if rates is None else rates
+        rate = rate * self.correction.factors(batch)
+        if self.acceptance.chain.trials[0] < self.min_chain_trials:
+            rate[self._is_tree] = 0.0  # a tree's prior is the chain's rates: measure those first
+        return dict(zip(self.candidates, rate.tolist()))
+
+    def choose(self, num_running: int) -> Strategy | None:
+        """The best-scoring candidate for ``num_running`` sequences (kept unless beaten by
+        ``hysteresis``), or the probe ``probes`` schedules instead."""
+        t0 = time.perf_counter()
+        batch = max(num_running, 1)
+        if self.rescore.reuse(batch, bool(self.last_scores)):
+            scores = self.last_scores  # re-scored when the batch changes, else every few steps
+        else:
+            self.flush()
+            context = self.context_per_seq * batch
+            rates = self.model_rates(batch, context)
+            self._raw = dict(zip(self.candidates, rates.tolist()))
+            scores = self.scores(batch, context, rates)
+            self.rescore.rescored(batch, time.perf_counter() - t0)
+        best = max(scores, key=scores.get)
+        current = self.current if self.current in scores else None
+        if scores[best] > scores[current] * (1 + self.hysteresis):
+            current = best
+        choice = self.probes.pick(self.current, current, scores)
+        self.current = current
+        self._predicted = scores[choice]
+        self.last_scores = scores
+        self.decision_time += time.perf_counter() - t0
+        return choice
+
+    def select(self, seqs: list, strategy: Strategy) -> list[bool]:
+        """Per-sequence choice (the engine drafts only for sequences marked True): a sequence
+        is drafted for when its expected accepted tokens pay for its draft nodes at the
+        step's predicted rate, i.e. ``E[accepted_i] >= rate * dT/d(its nodes)``.
+        ``E[accepted_i]`` is the batch estimate scaled by the request's own accepted-per-drafted
+        ratio against the global one (``prior_steps`` pseudo-steps of the global ratio). A
+        probe drafts for the few sequences ``probes.drafted`` names."""
+        t0 = time.perf_counter()
+        keep = [True] * len(seqs)
+        rate = self._predicted
+        if self.probes.active:  # a probe drafts for a few sequences, a different few each time
+            keep = self.probes.drafted(len(seqs))
+        elif self.per_sequence and len(seqs) > 1 and rate and self.accept_ratio > 0:
+            acc = self.acceptance
+            nodes, built = acc.expected_nodes(strategy), acc.expected_proposed(strategy)
+            n = len(seqs)
+            ctx = self.context_per_seq * n
+            lat = self.latency
+            base = n * (1 + nodes)
+            marginal = (lat.forward_time(base, ctx, n) - lat.forward_time(base - nodes, ctx, n)
+                        + lat.draft_time(n, strategy.depth, n * built)
+                        - lat.draft_time(n - 1, strategy.depth, (n - 1) * built))
+            need = rate * marginal  # tokens one sequence's nodes must win back
+            if need > 0:
+                e_acc, r, c = acc.expected_accepted(strategy), self.accept_ratio, self.prior_steps
+                self._select_calls += 1
+                for i, s in enumerate(seqs):
+                    own = (s.num_accepted + c * r) / (s.num_drafted + c)
+                    # a skipped sequence is still drafted for one step in 16, to notice change
+                    keep[i] = e_acc * own / r >= need or (self._select_calls + i) % 16 == 0
+        self._offered = sum(keep)
+        self.decision_time += time.perf_counter() - t0
+        return keep
+
+    def refine(self, seqs: list, trees: list, base_tokens: int) -> list:
+        """Per scored tree, keep the nodes whose acceptance probability ``p`` pays for its
+        verify token: ``p >= rate * dT/dn``, with ``rate`` the step's predicted committed tokens
+        per second and ``dT/dn`` the latency model's marginal seconds per forward token at this
+        step's size (``base_tokens``: the forward's tokens besides draft nodes). Memory-bound,
+        the bar is near 0 and trees stay whole; compute-bound, only confident nodes stay. The
+        cut itself, and the tree in ``verify_whole_every`` left whole, are ``cutter``'s."""
+        rate = self._predicted
+        scored = self.cutter.scored(trees)
+        if not scored or not rate:
+            return trees
+        t0 = time.perf_counter()
+        n = len(seqs)
+        tokens = base_tokens + sum(t.num_nodes for t in trees if t is not None)
+        ctx = self.context_per_seq * n
+        lat = self.latency
+        bar = rate * max(lat.forward_time(tokens + 1, ctx, n) - lat.forward_time(tokens, ctx, n),
+                         0.0)
+        out = self.cutter.cut(seqs, trees, scored, bar)
+        self.decision_time += time.perf_counter() - t0
+        return out
+
+    def warm_start(self, engine) -> None:
+        """Profile the engine's runner (and drafter) for about two seconds
+        (``profiling.profile_forward``)."""
+        profile_forward(engine.runner, engine.blocks, self.latency, drafter=engine.drafter)
+
+    # ---- learning -----------------------------------------------------------------------------
+    def record(self, rec: StepRecord) -> None:
+        """Tally the step; what it teaches the models is learnt at the next re-scoring
+        (``flush``): a few steps' updates run back to back cost much less than each one alone
+        right after a forward has evicted the CPU caches."""
+        t0 = time.perf_counter()
+        probing = self.probes.active
+        self._tally(rec, f"probe {strategy_name(rec.strategy)}" if probing else None)
+        if rec.num_decode:
+            self.context_per_seq = rec.context_tokens / rec.num_decode
+        self._pending.append((rec, probing, self._offered, self._raw.get(rec.strategy)))
+        self._offered = None
+        if rec.is_decode_only:  # the steps the re-scoring is spread over
+            self.rescore.observe_step(rec.step_time)
+        if len(self._pending) >= self.rescore.every:
+            self.flush()
+        self.decision_time += time.perf_counter() - t0
+
+    def flush(self) -> None:
+        """Learn from the recorded steps not learnt from yet (``record`` defers it)."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        self.cutter.learn([rec for rec, *_ in pending])
+        for rec, probing, offered, raw in pending:
+            self._learn(rec, probing, offered, raw)
+        lat = self.latency
+        fwd = [r for r, *_ in pending if r.is_decode_only]
+        lat.add_forwards([r.num_forward_tokens for r in fwd], [r.context_tokens for r in fwd],
+                         [r.num_decode for r in fwd], [r.forward_time for r in fwd])
+        spec = [r for r in fwd if r.strategy is not None]
+        lat.add_drafts([r.num_decode for r in spec], [r.strategy.depth for r in spec],
+                       [r.num_drafted if r.num_proposed is None else r.num_proposed
+                        for r in spec], [r.draft_time for r in spec])
+        lat.add_others([r.num_decode for r in fwd], [r.num_drafted for r in fwd],
+                       [r.num_committed for r in fwd], [r.other_time for r in fwd])
+
+    def _learn(self, rec: StepRecord, probing: bool, offered: int | None,
+               raw: float | None) -> None:
+        """One step's updates of the acceptance model and the correction table (``flush``
+        updates the latency model for all steps at once); ``probing``, ``offered`` (sequences
+        ``select`` kept) and ``raw`` (the strategy's model rate) as they were for that step."""
+        if rec.strategy is not None:
+            offered = rec.num_decode if offered is None else offered
+            self.acceptance.observe(rec.strategy, rec.accepted_per_seq, offered,
+                                    rec.num_drafted, rec.num_proposed)
+            if rec.num_drafted:
+                ratio = sum(rec.accepted_per_seq) / rec.num_drafted
+                self.accept_ratio = ratio if self.accept_ratio == 0 else \
+                    0.9 * self.accept_ratio + 0.1 * ratio
+        elif rec.num_decode and not self.probes.every:
+            self.acceptance.age()
+        if not rec.is_decode_only:
+            return
+        if raw and not probing and rec.step_time > 0:
+            self.correction.observe(rec.num_decode, self._index[rec.strategy],
+                                    rec.num_committed / rec.step_time, raw)
+
+    def stats(self) -> dict:
+        """``Policy.stats`` plus ``policy_latency_knee_tokens``, ``policy_nodes_cut_frac``
+        (share of scored trees' nodes ``refine`` cut), ``policy_calibration`` (acceptance
+        probability per confidence bin) and ``policy_expected_committed`` per candidate."""
+        self.flush()
+        d = super().stats()
+        d["policy_latency_knee_tokens"] = self.latency.knee
+        d["policy_nodes_cut_frac"] = self.cutter.cut_frac
+        d["policy_calibration"] = [round(x, 3) for x in self.calibrator.rate_per_bin().tolist()]
+        d["policy_expected_committed"] = {
+            strategy_name(s): round(self.acceptance.expected_committed(s), 3)
+            for s in self.candidates}
+        return d

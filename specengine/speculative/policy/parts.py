@@ -1,0 +1,236 @@
+"""The mechanisms ``AutoPolicy`` is wired from, each a class with its own state.
+
+- ``ProbeSchedule``: when to run a step the current choice would not (a chain for a few
+  sequences while off, no speculation on a close call), so both sides stay measured.
+- ``RescoreBudget``: for how many steps the scores of an unchanged batch size are reused, so
+  that re-scoring (and the learning batched into it) costs a fixed share of step time.
+- ``CorrectionTable``: per batch-size bucket and candidate, observed over modelled committed
+  tokens per second: what the latency and acceptance models miss.
+- ``TreeCutter``: which nodes of a scored draft tree are worth verifying, from each node's
+  calibrated acceptance probability (``calibration.Calibrator``, which it also trains).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from specengine.speculative.policy.base import StepRecord, batch_bucket
+from specengine.speculative.policy.calibration import (
+    Calibrator,
+    bin_of,
+    confidence_list,
+    is_scored,
+    keep_worth,
+)
+from specengine.speculative.strategy import Strategy
+
+
+class ProbeSchedule:
+    """When a step is a probe: it measures what the current choice cannot.
+
+    Probes fall 4, 8, 16, ... steps after speculation was switched on or off (not between two
+    strategies), then every ``every`` steps. While speculation is off, a probe runs the best
+    chain for ``seqs`` of the sequences only (``drafted``: a different few each probe), so the
+    acceptance statistics stay current at the cost of a few forward tokens, not a speculative
+    step of the whole batch. While speculating and predicted less than ``margin`` better than
+    no speculation, a probe runs a step without it, so the latency model sees both sides of a
+    close call instead of extrapolating to the one not taken.
+
+    Args:
+        candidates: the policy's candidates; an off probe runs the best chain among them.
+        every: steps between probes once the schedule has spread out (0: never probe).
+        seqs: sequences drafted for in an off probe.
+        margin: relative margin below which speculation versus none is a close call.
+    """
+
+    def __init__(self, candidates: tuple, every: int = 50, seqs: int = 4, margin: float = 0.25):
+        self.chains = [s for s in candidates if s is not None and s.is_chain]
+        self.every, self.seqs, self.margin = every, seqs, margin
+        self.active = False  # the step being run is a probe
+        self.count = 0  # off probes so far (rotates the sequences they draft for)
+        self.steps_held, self.next_probe = 0, 4  # steps since speculation went on/off; next probe
+
+    def pick(self, previous: Strategy | None, current: Strategy | None,
+             scores: dict[Strategy | None, float]) -> Strategy | None:
+        """The step's strategy: ``current`` (the policy's choice; ``previous`` the one before
+        it), or a probe when one is due; ``scores`` the step's score per candidate (tokens/s).
+        Sets ``active``."""
+        if (current is None) != (previous is None):  # on <-> off restarts the probes
+            self.steps_held, self.next_probe = 0, 4
+        self.active = False
+        self.steps_held += 1
+        if not self.every or self.steps_held < self.next_probe:
+            return current
+        self.next_probe = min(2 * self.next_probe, self.steps_held + self.every)
+        if current is None:
+            # the best chain: cheap, and it refreshes the rates every prior builds on
+            if self.chains:
+                self.active = True
+                self.count += 1
+                return max(self.chains, key=scores.get)
+        elif scores[current] < (1 + self.margin) * scores[None]:
+            self.active = True  # a close call: measure the baseline too
+            return None
+        return current
+
+    def drafted(self, n: int) -> list[bool]:
+        """Which of ``n`` decoding sequences (``n >= 1``) an off probe drafts for: ``seqs`` of
+        them, the next few along at each probe."""
+        k = min(self.seqs, n)
+        first = self.count * k % n
+        return [(i - first) % n < k for i in range(n)]
+
+
+class RescoreBudget:
+    """How often the candidates are scored again for an unchanged batch size.
+
+    Scores are recomputed when the batch size changes, else after ``every`` steps: as many as
+    keep re-scoring within ``budget`` of step time (the models move little per step), at most
+    32, and at most 1 + (decode steps so far) / 2 while the models are young. ``AutoPolicy``
+    learns from its recorded steps at each re-scoring, or once ``every`` steps are pending, so
+    the policy's own time stays a small share of a step even on a CPU.
+
+    Args:
+        budget: share of step time re-scoring may cost (0.0025: 0.25%).
+    """
+
+    def __init__(self, budget: float = 0.0025):
+        self.budget = budget
+        self.every = 1
+        self.cost = 0.0  # seconds per re-scoring (moving average)
+        self.mean_step = 0.0  # seconds per decode step (moving average)
+        self.decode_steps = 0
+        self.scored_for: tuple[int, int] = (-1, 0)  # (batch, steps since scored)
+
+    def reuse(self, batch: int, have_scores: bool) -> bool:
+        """True (and the step counted) when the last scores, if any (``have_scores``), still
+        serve a step of ``batch`` sequences."""
+        last_batch, age = self.scored_for
+        if last_batch == batch and age < self.every and have_scores:
+            self.scored_for = (batch, age + 1)
+            return True
+        return False
+
+    def rescored(self, batch: int, seconds: float) -> None:
+        """The scores for ``batch`` sequences were just computed, in ``seconds``: ``every`` is
+        set again from the costs so far."""
+        self.scored_for = (batch, 1)
+        self.cost = seconds if not self.cost else 0.9 * self.cost + 0.1 * seconds
+        if self.mean_step:  # young models change fast: re-scored more often at first
+            self.every = min(32, 1 + self.decode_steps // 2, max(1, math.ceil(
+                self.cost / (self.budget * self.mean_step))))
+
+    def observe_step(self, seconds: float) -> None:
+        """A decode-only step (those the re-scoring is spread over) took ``seconds``."""
+        self.decode_steps += 1
+        self.mean_step = seconds if not self.mean_step else \
+            0.9 * self.mean_step + 0.1 * seconds
+
+
+class CorrectionTable:
+    """Per batch-size bucket (``batch_bucket``) and candidate, the moving average of observed
+    over modelled committed tokens per second of the steps that candidate ran: what the
+    latency and acceptance models miss (e.g. a drafter's real cost). A candidate not run in a
+    bucket has 1, and each step that updates a bucket first fades all its factors 1% back
+    towards 1, so a strategy judged on another workload is tried again.
+
+    Args:
+        num_candidates: factors per bucket (indexed in the policy's candidate order).
+    """
+
+    def __init__(self, num_candidates: int):
+        self.num_candidates = num_candidates
+        self.per_bucket: dict[int, np.ndarray] = {}  # bucket -> [num_candidates] factors
+
+    def factors(self, batch: int) -> np.ndarray | float:
+        """The ``[num_candidates]`` factors for a batch of ``batch`` sequences (1.0 before any
+        step of its bucket)."""
+        return self.per_bucket.get(batch_bucket(batch), 1.0)
+
+    def observe(self, batch: int, index: int, observed: float, modelled: float) -> None:
+        """A step of ``batch`` sequences under candidate ``index`` committed ``observed``
+        tokens/s where the models predicted ``modelled`` (> 0); the ratio is clipped to
+        [0.25, 4] per step."""
+        corr = self.per_bucket.setdefault(batch_bucket(batch), np.ones(self.num_candidates))
+        corr += (1.0 - corr) * 0.01  # unrefreshed corrections fade (the workload changes)
+        ratio = min(max(observed / modelled, 0.25), 4.0)
+        corr[index] = 0.9 * corr[index] + 0.1 * ratio
+
+
+class TreeCutter:
+    """Cuts scored draft trees (EAGLE, draft model) to the nodes worth verifying.
+
+    A node stays when its acceptance probability ``p`` (its confidence mapped through
+    ``calibrator``, times the request's own factor, ``Calibrator.request_factor``) reaches the
+    bar ``cut`` is given; ``keep_worth`` keeps every kept node's ancestors. One tree in
+    ``verify_whole_every`` (rotating over the sequences; 0: none) is left whole: the calibrator
+    learns only from verified nodes, and nodes below the bar would otherwise never be verified,
+    so a too pessimistic rate for their confidence bins (the prior, or counts from another
+    workload) would never be corrected. ``learn`` trains the calibrator on the verified trees.
+
+    Args:
+        verify_whole_every: one scored tree in this many is left whole (0: none).
+    """
+
+    def __init__(self, verify_whole_every: int = 8):
+        self.calibrator = Calibrator()
+        self.verify_whole_every = verify_whole_every
+        self.calls = 0  # cuts so far (rotates the tree left whole)
+        self.nodes_seen = 0  # draft nodes of the scored trees given to ``cut``
+        self.nodes_cut = 0  # of those, the nodes removed
+
+    @staticmethod
+    def scored(trees: list) -> list[int]:
+        """Indices of the trees (``DraftTree | None`` each) whose nodes the drafter scored;
+        n-gram trees carry no scores and are never cut."""
+        return [i for i, t in enumerate(trees) if t is not None and is_scored(t)]
+
+    def cut(self, seqs: list, trees: list, scored: list[int], bar: float) -> list:
+        """``trees`` (one ``DraftTree | None`` per sequence of ``seqs``) with each tree of
+        ``scored`` (``scored(trees)``) cut to the nodes whose ``p >= bar``, except the one in
+        ``verify_whole_every`` left whole; a tree cut to nothing is None."""
+        self.calls += 1
+        if every := self.verify_whole_every:
+            whole = [i for i in scored if (self.calls + i) % every == 0]
+            self.nodes_seen += sum(trees[i].num_nodes for i in whole)
+            scored = [i for i in scored if (self.calls + i) % every]
+        cal = self.calibrator
+        rates = cal.rate_per_bin().tolist()
+        out = list(trees)
+        for i in scored:
+            tree, factor = trees[i], cal.request_factor(seqs[i])
+            p = [min(rates[bin_of(c)] * factor, 1.0) for c in confidence_list(tree)]
+            out[i] = tree.subset(keep_worth(tree, p, bar))
+            self.nodes_seen += tree.num_nodes
+            self.nodes_cut += tree.num_nodes - (out[i].num_nodes if out[i] else 0)
+        return out
+
+    @property
+    def cut_frac(self) -> float:
+        """Share of the scored trees' nodes removed so far (0 before any)."""
+        return self.nodes_cut / self.nodes_seen if self.nodes_seen else 0.0
+
+    def learn(self, recs: list[StepRecord]) -> None:
+        """The calibrator's update from the scored trees verified in ``recs`` (one update per
+        step), and each request's predicted/accepted node counts (``calib_predicted``,
+        ``calib_accepted`` on the sequence, with the map as it was before them: one lookup for
+        all)."""
+        cal = self.calibrator
+        rates = None
+        for rec in recs:
+            node_bins, hits = [], []
+            for seq, tree, accepted in rec.verified:
+                if not is_scored(tree):
+                    continue
+                if rates is None:
+                    rates = cal.rate_per_bin().tolist()
+                b = [bin_of(c) for c in confidence_list(tree)]
+                seq.calib_predicted += sum(rates[j] for j in b)
+                seq.calib_accepted += len(accepted)
+                acc = set(accepted)
+                hits += [j in acc for j in range(len(b))]
+                node_bins += b
+            if node_bins:
+                cal.observe_bins(node_bins, hits)
