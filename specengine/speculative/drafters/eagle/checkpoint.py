@@ -17,7 +17,7 @@ import torch
 from specengine.speculative.drafters.eagle.model import EagleConfig, EagleModel
 
 FORMAT = "specengine-eagle"
-DRAFTERS_DIR = Path(__file__).resolve().parents[2] / "drafters"
+DRAFTERS_DIR = Path(__file__).resolve().parents[3] / "drafters"  # specengine/drafters/
 
 
 def save_drafter(model: EagleModel, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
