@@ -28,6 +28,7 @@ from specengine.speculative.drafters.eagle.checkpoint import (
     shipped_drafter,
 )
 from specengine.speculative.drafters.eagle.model import EagleConfig, EagleModel
+from specengine.speculative.drafters.shadow import new_shadow, sync_shadow
 from specengine.speculative.strategy import Strategy
 from specengine.speculative.tree import DraftTree
 
@@ -39,7 +40,7 @@ class _State:
     def __init__(self, seq: Sequence, hidden_size: int, dtype: torch.dtype):
         self.feats = torch.empty(64, hidden_size, dtype=dtype)
         self.num_feats = 0
-        self.shadow = Sequence(seq.request_id, seq.index, [], seq.params, seq.noise)
+        self.shadow = new_shadow(seq)
 
     def put(self, start: int, hidden: torch.Tensor) -> None:
         end = start + hidden.shape[0]
@@ -144,20 +145,8 @@ class EagleDrafter(Drafter):
         n = len(seq) - 1  # drafter positions with real features: 0..n-1
         if st is None or n < 1 or st.num_feats < n or n + slots > self.max_pos:
             return None
-        sh = st.shadow
-        keys = seq.token_ids[1:]
-        c, cached = 0, min(sh.num_cached, n - 1)  # always recompute the last row
-        while c < cached and sh.token_ids[c] == keys[c]:
-            c += 1
-        sh.num_cached = c
-        sh.token_ids = keys
-        self.blocks.shrink(sh, c)
-        need = n + slots - c
-        if self.blocks.blocks_to_grow(sh, need) > self.blocks.num_free:
-            self.blocks.free(sh)
-            return None
-        self.blocks.grow(sh, need)
-        return st
+        # shadow row j is keyed by tok_{j+1}; the last real row is always recomputed
+        return st if sync_shadow(self.blocks, st.shadow, seq, 1, slots) else None
 
     def _meta(self, shadows, qseq, slot_pos, kv_lens, base=None, mask=None):
         bs = self.blocks.block_size
