@@ -175,6 +175,59 @@ class EagleDrafter(Drafter):
         rows = zip(m.to_full_ids(top.indices).tolist(), top.values.tolist())
         return [[(t, lp) for t, lp in zip(ts, lps) if lp > -torch.inf] for ts, lps in rows]
 
+    def _feed_prefix(self, seqs: list[Sequence], states: list[_State]) -> torch.Tensor:
+        """Forward 1: each sequence's real rows not cached yet, which then count as cached.
+        Returns ``[b, H]``: per sequence the predicted feature of position n (the depth-1
+        distribution), n = ``len(seq) - 1``."""
+        ids, feats, pos, qseq, kv_lens, last = [], [], [], [], [], []
+        for b, (st, s) in enumerate(zip(states, seqs)):
+            c, n = st.shadow.num_cached, len(s) - 1
+            ids += s.token_ids[c + 1:n + 1]
+            feats.append(st.feats[c:n])
+            pos += range(c, n)
+            qseq += [b] * (n - c)
+            kv_lens += range(c + 1, n + 1)
+            last.append(len(pos) - 1)
+        meta = self._meta([st.shadow for st in states], qseq, pos, kv_lens)
+        f = self.model(torch.tensor(ids), torch.cat(feats), torch.tensor(pos),
+                       (self.kv[0], self.kv[1]), meta, self.backend)
+        for st, s in zip(states, seqs):
+            st.shadow.num_cached = len(s) - 1
+        return f[last]
+
+    def _feed_depth(self, seqs: list[Sequence], shadows: list[Sequence], cands: list[list],
+                    frontier: list[list[int]], fed: list[list[int]],
+                    feed_feat: list[torch.Tensor], depth: int) -> tuple[torch.Tensor, list]:
+        """One drafter forward over the ``frontier`` candidates of every sequence (tree
+        attention: each node sees the real prefix and its own ancestors), appended to ``fed``.
+        Returns the predicted features ``[R, H]`` and per row ``(b, candidate, fed index)``."""
+        ids, feats, pos, qseq, slot_pos, kv_lens, base, rows = [], [], [], [], [], [], [], []
+        for b, s in enumerate(seqs):
+            n = len(s) - 1
+            for ci in frontier[b]:
+                fed[b].append(ci)
+                g = len(fed[b]) - 1
+                ids.append(cands[b][ci][2])
+                pos.append(n + depth - 2)
+                qseq.append(b)
+                slot_pos.append(n + g)
+                kv_lens.append(n + g + 1)
+                base.append(n)
+                rows.append((b, ci, g))
+            feats.append(feed_feat[b])
+        width = max(len(x) for x in fed)
+        mask = torch.zeros(len(rows), width, dtype=torch.bool)
+        for r, (b, ci, _) in enumerate(rows):
+            where = {c: gg for gg, c in enumerate(fed[b])}
+            a = ci
+            while a >= 0:
+                mask[r, where[a]] = True
+                a = cands[b][a][3]
+        meta = self._meta(shadows, qseq, slot_pos, kv_lens, base, mask)
+        f = self.model(torch.tensor(ids), torch.cat(feats), torch.tensor(pos),
+                       (self.kv[0], self.kv[1]), meta, self.backend)
+        return f, rows
+
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], strategy: Strategy) -> list[DraftTree | None]:
         self._swap()
@@ -185,58 +238,18 @@ class EagleDrafter(Drafter):
         out: list[DraftTree | None] = [None] * len(seqs)
         if not live:
             return out
-        shadows = [states[i].shadow for i in live]
-        # forward 1: the real rows not cached yet (the last one predicts depth 1)
-        ids, feats, pos, qseq, kv_lens, last = [], [], [], [], [], []
-        for b, i in enumerate(live):
-            st, s = states[i], seqs[i]
-            c, n = st.shadow.num_cached, len(s) - 1
-            ids += s.token_ids[c + 1:n + 1]
-            feats.append(st.feats[c:n])
-            pos += range(c, n)
-            qseq += [b] * (n - c)
-            kv_lens += range(c + 1, n + 1)
-            last.append(len(pos) - 1)
-        model, kv = self.model, (self.kv[0], self.kv[1])
-        meta = self._meta(shadows, qseq, pos, kv_lens)
-        f = model(torch.tensor(ids), torch.cat(feats), torch.tensor(pos), kv, meta, self.backend)
-        f = f[last]  # [b, H]: predicted features of position n (next-token distribution)
         live_seqs = [seqs[i] for i in live]
+        shadows = [states[i].shadow for i in live]
+        f = self._feed_prefix(live_seqs, [states[i] for i in live])
         n_out = [s.num_output_tokens for s in live_seqs]  # output position of depth-1 tokens
         # candidates per sequence: (cum logprob, depth, token, parent candidate, logprob)
         cands = [[(lp, 1, t, -1, lp) for t, lp in kids]
                  for kids in self._topk(f, k, live_seqs, n_out)]
-        for i in live:
-            states[i].shadow.num_cached = len(seqs[i]) - 1
         frontier = [list(range(len(c))) for c in cands]  # candidate indices to feed next
         fed: list[list[int]] = [[] for _ in live]  # candidate index of each fed node, in order
         feed_feat = [f[b:b + 1].expand(len(frontier[b]), -1) for b in range(len(live))]
         for depth in range(2, d + 1):
-            ids, feats, pos, qseq, slot_pos, kv_lens, base, rows = [], [], [], [], [], [], [], []
-            for b, i in enumerate(live):
-                n = len(seqs[i]) - 1
-                for ci in frontier[b]:
-                    fed[b].append(ci)
-                    g = len(fed[b]) - 1
-                    ids.append(cands[b][ci][2])
-                    pos.append(n + depth - 2)
-                    qseq.append(b)
-                    slot_pos.append(n + g)
-                    kv_lens.append(n + g + 1)
-                    base.append(n)
-                    rows.append((b, ci, g))
-                feats.append(feed_feat[b])
-            width = max(len(x) for x in fed)
-            mask = torch.zeros(len(rows), width, dtype=torch.bool)
-            for r, (b, ci, _) in enumerate(rows):
-                where = {c: gg for gg, c in enumerate(fed[b])}
-                a = ci
-                while a >= 0:
-                    mask[r, where[a]] = True
-                    a = cands[b][a][3]
-            meta = self._meta(shadows, qseq, slot_pos, kv_lens, base, mask)
-            f = model(torch.tensor(ids), torch.cat(feats), torch.tensor(pos), kv, meta,
-                      self.backend)
+            f, rows = self._feed_depth(live_seqs, shadows, cands, frontier, fed, feed_feat, depth)
             kids = self._topk(f, k, [live_seqs[b] for b, _, _ in rows],
                               [n_out[b] + depth - 1 for b, _, _ in rows])
             new = [[] for _ in live]
