@@ -47,13 +47,9 @@ from common import machine_info, markdown_table, quiet_transformers, stderr_logg
 from specengine import LLM, SamplingParams
 from specengine.data import gsm_questions, humaneval_prompts
 from specengine.models.loader import resolve_model
-from specengine.speculative.training.train import (
-    DrafterTrainer,
-    HiddenBuffer,
-    TrainConfig,
-    harvest,
-    teacher_force,
-)
+from specengine.speculative.training.fit import TrainConfig
+from specengine.speculative.training.harvest import HiddenBuffer, harvest, teacher_force
+from specengine.speculative.training.online import DrafterTrainer
 
 MODEL = "smollm2-135m-instruct"
 

@@ -17,7 +17,7 @@ from specengine.speculative.config import SpeculativeConfig
 from specengine.speculative.drafters import make_drafter
 from specengine.speculative.drafters.eagle import EagleDrafter
 from specengine.speculative.policy import make_policy
-from specengine.speculative.training.train import Harvester
+from specengine.speculative.training.harvest import Harvester
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_KV_BYTES = 1 << 30

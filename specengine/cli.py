@@ -1,4 +1,7 @@
-"""``specengine generate``: offline batch generation from a JSONL file.
+"""The ``specengine`` command: ``generate`` (below) and ``train-drafter`` (its arguments here, the
+job in ``specengine.speculative.training.distill``).
+
+``specengine generate``: offline batch generation from a JSONL file.
 
 Each input line is a JSON object with ``prompt`` (text) or ``messages`` (a chat). Each output
 line keeps every input field and adds ``outputs`` (one per sample: ``text``, ``token_ids``,
@@ -52,9 +55,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    from specengine.speculative.training.train import add_cli
-    add_cli(sub)
+    add_train_drafter(sub)
     return ap.parse_args(argv)
+
+
+def add_train_drafter(sub) -> None:
+    """Register ``specengine train-drafter`` (run by ``training.distill.train_drafter``) on
+    an argparse subparsers object."""
+    t = sub.add_parser("train-drafter", help="train an EAGLE drafter by self-distillation")
+    t.add_argument("--model", default="smollm2-135m-instruct", help="target model")
+    t.add_argument("--data", required=True,
+                   help="JSONL: 'prompt' or 'messages' per line, optional 'response'")
+    t.add_argument("--out", required=True, help="checkpoint directory to write")
+    t.add_argument("--max-tokens", type=int, default=256, help="response length when generating")
+    t.add_argument("--temperatures", default="0,1",
+                   help="sampling temperatures used round-robin over prompts when generating")
+    t.add_argument("--draft-vocab", type=int, default=8192, help="FR-Spec draft vocabulary size")
+    t.add_argument("--val-frac", type=float, default=0.05)
+    t.add_argument("--steps", type=int, default=1000)
+    t.add_argument("--batch-tokens", type=int, default=2048)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--unroll", type=int, default=3)
+    t.add_argument("--warm-unroll-frac", type=float, default=0.0,
+                   help="fraction of the steps trained with unroll 1 before unrolling")
+    t.add_argument("--noise", type=float, default=0.1)
+    t.add_argument("--reg-weight", type=float, default=0.5)
+    t.add_argument("--max-len", type=int, default=768)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="target dtype for generation and features")
+    t.add_argument("--init", default=None, help="start from this drafter checkpoint")
+    t.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps")
+    t.add_argument("--max-num-seqs", type=int, default=96,
+                   help="sequences decoded at once while generating responses")
+    t.add_argument("--no-progress", action="store_true")
 
 
 def encode_record(llm, rec: dict, no: int, chat: bool | None) -> dict:
@@ -177,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate":
         return generate(args)
     if args.command == "train-drafter":
-        from specengine.speculative.training.train import train_drafter_main
-        return train_drafter_main(args)
+        from specengine.speculative.training.distill import train_drafter
+        return train_drafter(args)
     return 2
 
 

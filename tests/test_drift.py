@@ -15,16 +15,9 @@ from specengine.models.loader import (
     save_random_model,
 )
 from specengine.speculative.drafters.eagle import EagleConfig, EagleModel, save_drafter
-from specengine.speculative.training.train import (
-    DrafterTrainer,
-    HiddenBuffer,
-    TrainConfig,
-    fit,
-    harvest,
-    reduced_vocab,
-    teacher_force,
-    trainable_copy,
-)
+from specengine.speculative.training.fit import TrainConfig, fit, reduced_vocab, trainable_copy
+from specengine.speculative.training.harvest import HiddenBuffer, harvest, teacher_force
+from specengine.speculative.training.online import DrafterTrainer
 
 KW = {"block_size": 8, "kv_cache_memory_bytes": 8 << 20}
 

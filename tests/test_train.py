@@ -9,19 +9,16 @@ import torch
 from specengine import LLM, SamplingParams
 from specengine.models.loader import load_model, save_random_model
 from specengine.speculative.drafters.eagle import EagleConfig, EagleModel, load_drafter
-from specengine.speculative.training.train import (
-    DrafterTrainer,
-    HiddenBuffer,
-    Rollout,
+from specengine.speculative.training.distill import read_prompts
+from specengine.speculative.training.fit import (
     TrainConfig,
     evaluate,
     fit,
-    harvest,
-    read_prompts,
     reduced_vocab,
-    teacher_force,
     trainable_copy,
 )
+from specengine.speculative.training.harvest import HiddenBuffer, Rollout, harvest, teacher_force
+from specengine.speculative.training.online import DrafterTrainer
 
 
 @pytest.fixture(scope="module")

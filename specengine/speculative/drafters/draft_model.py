@@ -21,6 +21,7 @@ from specengine.model_runner import ModelRunner
 from specengine.sequence import Sequence
 from specengine.speculative.drafters.base import Drafter
 from specengine.speculative.drafters.coupling import coupled_logprobs
+from specengine.speculative.drafters.shadow import new_shadow, sync_shadow
 from specengine.speculative.strategy import Strategy
 from specengine.speculative.tree import DraftTree
 
@@ -59,8 +60,7 @@ class DraftModelDrafter(Drafter):
     def _shadow(self, seq: Sequence) -> Sequence:
         sh = self.shadows.get(seq.seq_id)
         if sh is None:
-            sh = self.shadows[seq.seq_id] = Sequence(seq.request_id, seq.index, [], seq.params,
-                                                     seq.noise)
+            sh = self.shadows[seq.seq_id] = new_shadow(seq)
         return sh
 
     def release(self, seq: Sequence) -> None:
@@ -74,17 +74,10 @@ class DraftModelDrafter(Drafter):
         if len(seq) + depth > self.max_len:
             return None
         sh = self._shadow(seq)
-        n, cached = 0, min(sh.num_cached, len(seq) - 1)
-        while n < cached and sh.token_ids[n] == seq.token_ids[n]:
-            n += 1
-        sh.num_cached = n
-        sh.token_ids = list(seq.token_ids)
-        self.blocks.shrink(sh, n)
-        need = len(seq) + depth - 1 - n
-        if self.blocks.blocks_to_grow(sh, need) > self.blocks.num_free:
-            self.release(seq)
+        # shadow row j is keyed by token j; of the depth draft tokens all but the last are fed
+        if not sync_shadow(self.blocks, sh, seq, 0, depth - 1):
+            self.release(seq)  # its blocks are already free: drops the shadow
             return None
-        self.blocks.grow(sh, need)
         return sh
 
     @torch.inference_mode()

@@ -1,0 +1,306 @@
+"""The EAGLE drafter in the engine (EAGLE-2 arXiv 2406.16858): ``EagleDrafter`` grows a dynamic
+token tree with an ``EagleModel`` over the drafter's own paged KV pool, and ``make_eagle`` builds
+it from a ``speculative_config``.
+
+Drafter position j takes ``(tok_{j+1}, f_j)`` and sits at RoPE position j. With N committed
+tokens the engine has observed features 0..N-2 (the last token, the root, has none yet), so the
+drafter's real prefix is positions 0..N-2 and its last row predicts the depth-1 tokens. Deeper
+nodes feed the drafter's own predicted feature (EAGLE's autoregression over features).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+from specengine.attention import make_backend
+from specengine.attention.base import AttentionMetadata
+from specengine.kv.block_manager import BlockManager
+from specengine.sequence import Sequence
+from specengine.speculative.drafters.base import Drafter
+from specengine.speculative.drafters.coupling import coupled_logprobs
+from specengine.speculative.drafters.eagle.checkpoint import (
+    DRAFTERS_DIR,
+    load_drafter,
+    load_state,
+    shipped_drafter,
+)
+from specengine.speculative.drafters.eagle.model import EagleConfig, EagleModel
+from specengine.speculative.drafters.shadow import new_shadow, sync_shadow
+from specengine.speculative.strategy import Strategy
+from specengine.speculative.tree import DraftTree
+
+
+class _State:
+    """Per-sequence drafter state: observed features and a shadow sequence owning the drafter
+    KV of positions 0..num_cached-1 (keys: ``token_ids[j] = tok_{j+1}``)."""
+
+    def __init__(self, seq: Sequence, hidden_size: int, dtype: torch.dtype):
+        self.feats = torch.empty(64, hidden_size, dtype=dtype)
+        self.num_feats = 0
+        self.shadow = new_shadow(seq)
+
+    def put(self, start: int, hidden: torch.Tensor) -> None:
+        end = start + hidden.shape[0]
+        if end > self.feats.shape[0]:
+            grown = torch.empty(max(end, 2 * self.feats.shape[0]), self.feats.shape[1],
+                                dtype=self.feats.dtype)
+            grown[:self.num_feats] = self.feats[:self.num_feats]
+            self.feats = grown
+        self.feats[start:end] = hidden
+        self.num_feats = end
+
+
+class EagleDrafter(Drafter):
+    """EAGLE-2 dynamic-tree drafting with an ``EagleModel`` over its own paged KV pool.
+
+    Per depth, the top-k nodes by cumulative draft log-probability are fed to the drafter and
+    each gets its top-k children; after the last depth the best ``budget`` nodes overall are kept
+    (a child never outscores its parent, so they form a tree). For a sampled sequence the
+    log-probabilities are those of the draft scores perturbed by the sequence's own sampling
+    noise (``drafters.coupling``), so the tree follows what the target will sample;
+    tokens its top-k / top-p / min-p drop are not drafted. Children are chosen
+    deterministically (``DraftTree.sampled=False``): lossless under greedy and sampling
+    verification. Each depth is one drafter forward over all sequences (tree attention).
+
+    Args:
+        strategy: default tree shape.
+        model: the drafter network (inference dtype).
+        num_blocks, block_size: its KV pool (one layer).
+
+    Attributes:
+        version: id of the weights in use; ``publish`` queues new ones, swapped in before the
+            next ``propose`` (drafter KV is then recomputed from the stored features).
+    """
+
+    name = "eagle"
+    wants_hidden = True
+
+    def __init__(self, strategy: Strategy, model: EagleModel, num_blocks: int, block_size: int):
+        super().__init__(strategy)
+        self.model = model.eval()
+        lc = model.layer_config
+        p = model.fc
+        self.kv = torch.zeros(2, num_blocks, block_size, lc.num_key_value_heads, lc.head_dim,
+                              dtype=p.dtype, device=p.device)
+        self.blocks = BlockManager(num_blocks, block_size, self._copy_block)
+        self.backend = make_backend("auto", p.device)
+        self.max_pos = model.rope.shape[0]
+        self.states: dict[int, _State] = {}
+        self.version = 0
+        self.per_version: dict[int, list[int]] = {}  # version -> [verify steps, committed]
+        self._drafted: dict[int, int] = {}  # seq id -> version of its pending draft
+        self._pending: tuple[int, dict] | None = None
+        self._lock = threading.Lock()
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        self.kv[:, dst] = self.kv[:, src]
+
+    # ---- hooks ------------------------------------------------------------------------------
+    def observe(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
+        st = self.states.get(seq.seq_id)
+        if st is None:
+            st = self.states[seq.seq_id] = _State(seq, hidden.shape[1], self.model.fc.dtype)
+        st.put(start, hidden)
+        v = self._drafted.pop(seq.seq_id, None)
+        if v is not None and start > 0:  # rows = the root + the accepted draft nodes
+            c = self.per_version.setdefault(v, [0, 0])
+            c[0] += 1
+            c[1] += hidden.shape[0]
+
+    def stats(self) -> dict:
+        """``drafter_version`` and, per version, tau = tokens committed per verify step."""
+        return {"drafter_version": self.version,
+                "tau_per_version": {v: round(c[1] / c[0], 3)
+                                    for v, c in self.per_version.items() if c[0]}}
+
+    def release(self, seq: Sequence) -> None:
+        st = self.states.pop(seq.seq_id, None)
+        self._drafted.pop(seq.seq_id, None)
+        if st is not None:
+            self.blocks.free(st.shadow)
+
+    def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Queue new weights (thread-safe); they replace the current ones between steps."""
+        with self._lock:
+            self._pending = (version, state_dict)
+
+    def _swap(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        load_state(self.model, pending[1], f"version {pending[0]}")
+        self.version = pending[0]
+        for st in self.states.values():  # drafter KV of the old weights is stale
+            st.shadow.num_cached = 0
+
+    # ---- drafting ---------------------------------------------------------------------------
+    def _sync(self, seq: Sequence, slots: int) -> _State | None:
+        """Make the shadow's valid KV the longest prefix still matching ``seq`` and reserve
+        room for the real prefix plus ``slots`` tree nodes; None if it cannot draft."""
+        st = self.states.get(seq.seq_id)
+        n = len(seq) - 1  # drafter positions with real features: 0..n-1
+        if st is None or n < 1 or st.num_feats < n or n + slots > self.max_pos:
+            return None
+        # shadow row j is keyed by tok_{j+1}; the last real row is always recomputed
+        return st if sync_shadow(self.blocks, st.shadow, seq, 1, slots) else None
+
+    def _meta(self, shadows, qseq, slot_pos, kv_lens, base=None, mask=None):
+        bs = self.blocks.block_size
+        width = max(len(sh.block_table) for sh in shadows)
+        tables = [sh.block_table + [0] * (width - len(sh.block_table)) for sh in shadows]
+        slots = [shadows[q].block_table[p // bs] * bs + p % bs for q, p in zip(qseq, slot_pos)]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            query_seq=torch.tensor(qseq, dtype=torch.int32),
+            kv_lens=torch.tensor(kv_lens, dtype=torch.int32), max_kv_len=max(kv_lens))
+        if base is not None:
+            meta.tree_base = torch.tensor(base, dtype=torch.int32)
+            meta.tree_mask = mask
+        return meta
+
+    def _topk(self, feats: torch.Tensor, k: int, seqs: list[Sequence],
+              positions: list[int]) -> list[list[tuple[int, float]]]:
+        """Per row of ``feats`` ``[R, H]``: the top-k children as (target id, log-probability)
+        by ``coupled_logprobs`` (row r drafts for ``seqs[r]`` at output position
+        ``positions[r]``), best first; tokens of log-probability ``-inf`` are left out."""
+        m = self.model
+        logp = coupled_logprobs(m.draft_logits(feats), seqs, positions, m.config.vocab_size,
+                                m.vocab_map)
+        top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
+        rows = zip(m.to_full_ids(top.indices).tolist(), top.values.tolist())
+        return [[(t, lp) for t, lp in zip(ts, lps) if lp > -torch.inf] for ts, lps in rows]
+
+    def _feed_prefix(self, seqs: list[Sequence], states: list[_State]) -> torch.Tensor:
+        """Forward 1: each sequence's real rows not cached yet, which then count as cached.
+        Returns ``[b, H]``: per sequence the predicted feature of position n (the depth-1
+        distribution), n = ``len(seq) - 1``."""
+        ids, feats, pos, qseq, kv_lens, last = [], [], [], [], [], []
+        for b, (st, s) in enumerate(zip(states, seqs)):
+            c, n = st.shadow.num_cached, len(s) - 1
+            ids += s.token_ids[c + 1:n + 1]
+            feats.append(st.feats[c:n])
+            pos += range(c, n)
+            qseq += [b] * (n - c)
+            kv_lens += range(c + 1, n + 1)
+            last.append(len(pos) - 1)
+        meta = self._meta([st.shadow for st in states], qseq, pos, kv_lens)
+        f = self.model(torch.tensor(ids), torch.cat(feats), torch.tensor(pos),
+                       (self.kv[0], self.kv[1]), meta, self.backend)
+        for st, s in zip(states, seqs):
+            st.shadow.num_cached = len(s) - 1
+        return f[last]
+
+    def _feed_depth(self, seqs: list[Sequence], shadows: list[Sequence], cands: list[list],
+                    frontier: list[list[int]], fed: list[list[int]],
+                    feed_feat: list[torch.Tensor], depth: int) -> tuple[torch.Tensor, list]:
+        """One drafter forward over the ``frontier`` candidates of every sequence (tree
+        attention: each node sees the real prefix and its own ancestors), appended to ``fed``.
+        Returns the predicted features ``[R, H]`` and per row ``(b, candidate, fed index)``."""
+        ids, feats, pos, qseq, slot_pos, kv_lens, base, rows = [], [], [], [], [], [], [], []
+        for b, s in enumerate(seqs):
+            n = len(s) - 1
+            for ci in frontier[b]:
+                fed[b].append(ci)
+                g = len(fed[b]) - 1
+                ids.append(cands[b][ci][2])
+                pos.append(n + depth - 2)
+                qseq.append(b)
+                slot_pos.append(n + g)
+                kv_lens.append(n + g + 1)
+                base.append(n)
+                rows.append((b, ci, g))
+            feats.append(feed_feat[b])
+        width = max(len(x) for x in fed)
+        mask = torch.zeros(len(rows), width, dtype=torch.bool)
+        for r, (b, ci, _) in enumerate(rows):
+            where = {c: gg for gg, c in enumerate(fed[b])}
+            a = ci
+            while a >= 0:
+                mask[r, where[a]] = True
+                a = cands[b][a][3]
+        meta = self._meta(shadows, qseq, slot_pos, kv_lens, base, mask)
+        f = self.model(torch.tensor(ids), torch.cat(feats), torch.tensor(pos),
+                       (self.kv[0], self.kv[1]), meta, self.backend)
+        return f, rows
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], strategy: Strategy) -> list[DraftTree | None]:
+        self._swap()
+        d, k = strategy.depth, strategy.topk
+        slots = k * (d - 1)
+        states = [self._sync(s, slots) for s in seqs]
+        live = [i for i, st in enumerate(states) if st is not None]
+        out: list[DraftTree | None] = [None] * len(seqs)
+        if not live:
+            return out
+        live_seqs = [seqs[i] for i in live]
+        shadows = [states[i].shadow for i in live]
+        f = self._feed_prefix(live_seqs, [states[i] for i in live])
+        n_out = [s.num_output_tokens for s in live_seqs]  # output position of depth-1 tokens
+        # candidates per sequence: (cum logprob, depth, token, parent candidate, logprob)
+        cands = [[(lp, 1, t, -1, lp) for t, lp in kids]
+                 for kids in self._topk(f, k, live_seqs, n_out)]
+        frontier = [list(range(len(c))) for c in cands]  # candidate indices to feed next
+        fed: list[list[int]] = [[] for _ in live]  # candidate index of each fed node, in order
+        feed_feat = [f[b:b + 1].expand(len(frontier[b]), -1) for b in range(len(live))]
+        for depth in range(2, d + 1):
+            f, rows = self._feed_depth(live_seqs, shadows, cands, frontier, fed, feed_feat, depth)
+            kids = self._topk(f, k, [live_seqs[b] for b, _, _ in rows],
+                              [n_out[b] + depth - 1 for b, _, _ in rows])
+            new = [[] for _ in live]
+            for r, (b, ci, _) in enumerate(rows):
+                cum = cands[b][ci][0]
+                for t, lp in kids[r]:
+                    cands[b].append((cum + lp, depth, t, ci, lp))
+                    new[b].append((len(cands[b]) - 1, r))
+            if depth == d:
+                break
+            for b in range(len(live)):
+                best = sorted(new[b], key=lambda x: -cands[b][x[0]][0])[:k]
+                frontier[b] = [c for c, _ in best]
+                feed_feat[b] = f[[r for _, r in best]]
+        for b, i in enumerate(live):
+            out[i] = self._tree(cands[b], strategy.budget)
+            self._drafted[seqs[i].seq_id] = self.version
+        return out
+
+    @staticmethod
+    def _tree(cands: list[tuple], budget: int) -> DraftTree:
+        """The ``budget`` best candidates by cumulative log-prob (ties: shallower first), as a
+        tree whose children are ordered by log-prob."""
+        order = sorted(range(len(cands)), key=lambda c: (-cands[c][0], cands[c][1]))[:budget]
+        keep = sorted(order, key=lambda c: (cands[c][1], -cands[c][0]))
+        index = {c: j for j, c in enumerate(keep)}
+        return DraftTree([cands[c][2] for c in keep],
+                         [index[cands[c][3]] if cands[c][3] >= 0 else -1 for c in keep],
+                         [cands[c][4] for c in keep])
+
+
+def make_eagle(cfg, target, num_blocks: int, block_size: int) -> EagleDrafter:
+    """The ``EagleDrafter`` for ``speculative_config`` ``cfg`` (method ``eagle``) and ``target``
+    (a ``LoadedModel``). ``cfg.model``: a checkpoint directory; None: the drafter shipped for the
+    target; ``"random"``: random weights (tests).
+
+    Raises:
+        ValueError: no shipped drafter for the target, or a checkpoint that does not fit it.
+    """
+    from specengine.config import parse_dtype
+
+    dtype = parse_dtype(cfg.draft_dtype) if cfg.draft_dtype else target.model.dtype
+    if cfg.model == "random":
+        model = EagleModel(EagleConfig.for_target(target), target.model, dtype).random_init()
+    else:
+        path = cfg.model or shipped_drafter(target)
+        if path is None:
+            shipped = sorted(p.parent.name for p in DRAFTERS_DIR.glob("*/config.json"))
+            raise ValueError(f"speculative_config method='eagle' without 'model': no drafter "
+                             f"is shipped for target {Path(target.model_dir).name!r} (shipped: "
+                             f"{shipped}); "
+                             "train one with `specengine train-drafter` and pass its directory")
+        model = load_drafter(path, target, dtype)
+    return EagleDrafter(cfg.strategy, model, num_blocks, block_size)

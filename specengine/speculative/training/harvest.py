@@ -1,0 +1,171 @@
+"""Harvesting the EAGLE drafter's training data: per finished sequence, its token ids and the
+target's features (``Rollout``).
+
+Features are the target's post-norm last hidden states of positions 0..L-2 (the last token's
+feature is never computed in decoding). They come for free from decoding (``Harvester``,
+installed by ``harvest``, reads them through the engine's ``observe`` hook into a bounded
+``HiddenBuffer``) or from one teacher-forced target forward over given token sequences
+(``teacher_force``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from specengine.batch import BatchEntry
+from specengine.kv.block_manager import BlockManager
+from specengine.model_runner import ModelRunner
+from specengine.sampling import SampleNoise, SamplingParams
+from specengine.sequence import Sequence
+from specengine.speculative.drafters.base import Drafter
+from specengine.speculative.strategy import Strategy
+from specengine.speculative.tree import DraftTree
+
+
+@dataclass
+class Rollout:
+    """One finished sequence: ``token_ids`` ``[L]`` and target features ``hidden`` ``[L-1, H]``
+    (feature i belongs to position i)."""
+
+    token_ids: list[int]
+    hidden: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.hidden.numel() * self.hidden.element_size() + 8 * len(self.token_ids)
+
+
+class HiddenBuffer:
+    """Bounded FIFO of ``Rollout``s: at most ``max_items`` and ``max_bytes``; the oldest are
+    dropped first. Thread-safe."""
+
+    def __init__(self, max_items: int = 1024, max_bytes: int = 1 << 30):
+        if max_items < 1 or max_bytes < 1:
+            raise ValueError(f"HiddenBuffer max_items={max_items}, max_bytes={max_bytes}: "
+                             "both must be >= 1")
+        self.max_items, self.max_bytes = max_items, max_bytes
+        self.items: deque[Rollout] = deque()
+        self.nbytes = 0
+        self.total_added = 0
+        self._lock = threading.Lock()
+
+    def add(self, r: Rollout) -> None:
+        if len(r.token_ids) < 3 or r.nbytes > self.max_bytes:
+            return
+        with self._lock:
+            self.items.append(r)
+            self.nbytes += r.nbytes
+            self.total_added += 1
+            while len(self.items) > self.max_items or self.nbytes > self.max_bytes:
+                self.nbytes -= self.items.popleft().nbytes
+
+    def snapshot(self) -> list[Rollout]:
+        with self._lock:
+            return list(self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+class Harvester(Drafter):
+    """Wraps a drafter (or none) and collects each finished sequence's tokens and target
+    features into a ``HiddenBuffer`` through the engine's ``observe`` hook: no extra forward.
+
+    Install with ``harvest(llm, buffer)``. Drafting is the inner drafter's (no inner: none).
+    """
+
+    name = "harvester"
+    wants_hidden = True
+
+    def __init__(self, inner: Drafter | None, buffer: HiddenBuffer):
+        super().__init__(inner.strategy if inner is not None else None)
+        self.inner, self.buffer = inner, buffer
+        self.feats: dict[int, list[tuple[int, torch.Tensor]]] = {}
+
+    def propose(self, seqs: list[Sequence], strategy: Strategy) -> list[DraftTree | None]:
+        if self.inner is None:
+            return [None] * len(seqs)
+        return self.inner.propose(seqs, strategy)
+
+    def observe(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
+        parts = self.feats.setdefault(seq.seq_id, [])
+        while parts and parts[-1][0] >= start:  # recomputed after a preemption
+            parts.pop()
+        if parts and parts[-1][0] + parts[-1][1].shape[0] > start:
+            s0, h = parts.pop()
+            parts.append((s0, h[:start - s0]))
+        parts.append((start, hidden.detach().clone()))
+        if self.inner is not None and self.inner.wants_hidden:
+            self.inner.observe(seq, start, hidden)
+
+    def release(self, seq: Sequence) -> None:
+        parts = self.feats.pop(seq.seq_id, None)
+        if parts:
+            hidden = torch.cat([h for _, h in parts])
+            n = min(hidden.shape[0], len(seq) - 1)
+            self.buffer.add(Rollout(list(seq.token_ids[:n + 1]), hidden[:n]))
+        if self.inner is not None:
+            self.inner.release(seq)
+
+
+def harvest(llm, buffer: HiddenBuffer) -> Harvester:
+    """Make ``llm`` (an ``LLM``) put every finished sequence into ``buffer``; returns the
+    installed ``Harvester`` (it keeps any drafter the engine had)."""
+    eng = llm.engine
+    if isinstance(eng.drafter, Harvester):
+        eng.drafter.buffer = buffer
+        return eng.drafter
+    eng.drafter = Harvester(eng.drafter, buffer)
+    return eng.drafter
+
+
+@torch.inference_mode()
+def teacher_force(model, sequences: list[list[int]], max_batch_tokens: int = 4096,
+                  block_size: int = 16) -> list[torch.Tensor]:
+    """Target features of given token sequences with one prefill forward each (our model and
+    KV cache, no other code path).
+
+    Args:
+        model: target ``LlamaForCausalLM``.
+        sequences: token id lists (length >= 2, shorter than the model's max positions).
+        max_batch_tokens: tokens per forward (sequences are packed up to it).
+
+    Returns:
+        per sequence ``[L-1, H]`` features (positions 0..L-2) in the model dtype.
+
+    Raises:
+        ValueError: a sequence shorter than 2 tokens or too long for the model.
+    """
+    limit = model.config.max_position_embeddings
+    for i, s in enumerate(sequences):
+        if not 2 <= len(s) <= limit:
+            raise ValueError(f"sequence {i} has {len(s)} tokens; need 2..{limit}")
+    longest = max((len(s) for s in sequences), default=1)
+    budget = max(max_batch_tokens, longest)
+    num_blocks = -(-budget // block_size) + len(sequences) + 1
+    runner = ModelRunner(model, min(num_blocks, -(-budget // block_size) * 2 + 64), block_size)
+    out: list[torch.Tensor | None] = [None] * len(sequences)
+    i = 0
+    params = SamplingParams()
+    while i < len(sequences):
+        bm = BlockManager(runner.kv_cache.shape[2], block_size, runner.copy_block)
+        entries, idx, used = [], [], 0
+        while i < len(sequences) and (not entries or used + len(sequences[i]) <= budget):
+            s = Sequence("tf", 0, list(sequences[i]), params, SampleNoise(0, 0))
+            if bm.num_free < -(-len(s) // block_size):
+                break
+            bm.allocate_shared([s])
+            entries.append(BatchEntry(s, len(s), [s], is_prefill=True))
+            idx.append(i)
+            used += len(s)
+            i += 1
+        _, hidden = runner.run(entries, bm)
+        off = 0
+        for e, j in zip(entries, idx):
+            out[j] = hidden[off:off + e.num_new - 1].clone()
+            off += e.num_new
+    return out
