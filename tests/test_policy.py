@@ -1,23 +1,26 @@
 """Adaptive speculation: latency and acceptance models, the cost-model and bandit policies on
 synthetic curves, and outputs unchanged by whatever the policy chooses."""
 
-import time
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from fixed_timings import FakeClock, TimedDrafter, TimedRunner, forward_seconds
 
 from specengine import LLM, SamplingParams
 from specengine.models.loader import save_random_model
 from specengine.speculative.config import SpeculativeConfig
+from specengine.speculative.drafters.ngram import NgramDrafter
 from specengine.speculative.policy import (
     AutoPolicy,
     BanditPolicy,
     Policy,
     StepRecord,
+    auto,
     batch_bucket,
     candidate_strategies,
     make_policy,
+    profiling,
 )
 from specengine.speculative.policy.acceptance import AcceptanceModel
 from specengine.speculative.policy.latency import LatencyModel
@@ -106,19 +109,25 @@ def test_memory_bound_prefers_deep_trees_compute_bound_prefers_none():
     assert linear.choose(64) is None
 
 
-def test_auto_policy_re_decides_as_the_batch_shrinks_and_decides_fast():
+def test_auto_policy_re_decides_as_the_batch_shrinks_in_one_scoring_each():
     rng = np.random.default_rng(4)
     am = fit_acceptance(0.7, 0.85, rng)
     lm = fit_latency(lambda n, c: 0.01 + 1e-4 * max(0, n - 256), rng)
     pol = AutoPolicy(CHAINS + TREES, latency=lm, acceptance=am, probe_every=0)
     big, small = pol.choose(256), pol.choose(2)
     assert big is None and small is not None and small.depth >= 4
-    times = []
+    # each new batch size is one vectorised scoring of all 11 candidates (its time per
+    # decision: bench/bench_decisions.py)
+    scorings, step_times = [], lm.step_times
+
+    def counted(batch, context, depths, *rest):  # one call scores every candidate
+        scorings.append(len(depths))
+        return step_times(batch, context, depths, *rest)
+
+    lm.step_times = counted
     for b in range(1, 200):
-        t0 = time.perf_counter()
         pol.choose(b)
-        times.append(time.perf_counter() - t0)
-    assert np.median(times) < 1e-3  # seconds per decision, 11 candidates
+    assert scorings == [11] * 199
 
 
 def test_auto_policy_hysteresis():
@@ -271,26 +280,64 @@ def test_greedy_output_unchanged_by_the_policy(target_dir, policy):
     assert sum(v["steps"] for v in ran.values()) > 0
     if policy != "auto":  # auto may rightly never speculate with a drafter as big as the target
         assert len(ran) >= 3 and m["spec_steps"] > 0
-    assert 0 <= m["policy_decision_frac"] < 1
+    # the policy's time as a share of step time (how small a share: bench_adaptive.py)
+    pol = llm.engine.policy
+    assert m["policy_decision_s"] == pol.decision_time >= 0
+    assert m["policy_decision_frac"] == pytest.approx(pol.decision_time / pol.step_time)
 
 
-def test_start_up_profile_warms_the_latency_model_and_returns_the_kv(target_dir):
+@pytest.fixture
+def fixed_profile(monkeypatch):
+    """The start-up profile an ``LLM`` runs (``AutoPolicy.warm_start``) on fixed timings: a
+    ``FakeClock`` that moves 1 us per read, forwards and drafting taking ``forward_seconds``
+    and ``draft_seconds`` of it; so every point fits the budgets, on any machine."""
+    clock = FakeClock(tick=1e-6)
+
+    def profile(runner, blocks, model, drafter=None, **kw):
+        kw["clock"] = clock
+        return profiling.profile_forward(TimedRunner(runner, clock), blocks, model,
+                                         drafter=drafter and TimedDrafter(drafter, clock), **kw)
+
+    monkeypatch.setattr(auto, "profile_forward", profile)
+    return clock
+
+
+def test_start_up_profile_warms_the_latency_model_and_returns_the_kv(target_dir, fixed_profile):
     llm = make(target_dir, {"method": "draft_model", "model": str(target_dir),
                             "num_speculative_tokens": 3}, kv_cache_memory_bytes=32 << 20)
     lat = llm.engine.policy.latency
-    assert lat.num_forward >= 3 and lat.num_draft >= 1
+    # every point after the first forward (one-off allocations) and all 9 draft points
+    assert lat.num_forward == 11 and lat.num_draft == 9
     assert 0 < lat.forward_time(1, 32, 1) < lat.forward_time(4096, 4096 * 64, 64)
     assert lat.draft_time(4, 3, 12) > 0
     blocks, drafter = llm.engine.blocks, llm.engine.drafter.blocks
     assert blocks.num_free == blocks.num_blocks and drafter.num_free == drafter.num_blocks
 
 
-def test_start_up_profile_times_eagle_chains_and_trees(target_dir):
+def test_start_up_profile_stops_within_its_budgets(target_dir):
+    """``warm_start`` spends its budgets (1.5 s of forwards, 0.5 s of drafting) on the
+    policy's clock, stopping before a forward the fit predicts would overrun."""
+    llm = make(target_dir, kv_cache_memory_bytes=32 << 20)  # no speculation: not profiled yet
+    clock = FakeClock(tick=1e-6)
+    pol = AutoPolicy([Strategy(3)], clock=clock)
+    # forwards of 1-16 tokens take ~0.2 s: the first (not kept) and six more end at 1.45 s;
+    # the next, 128 tokens, is predicted at 0.33 s > the 0.05 s left and is not run
+    runner = TimedRunner(llm.engine.runner, clock, scale=100)
+    # drafting twice per point: 0.09, 0.17 and 0.28 s, so three points start within 0.5 s
+    drafter = TimedDrafter(NgramDrafter(Strategy(3)), clock, scale=100)
+    pol.warm_start(SimpleNamespace(runner=runner, blocks=llm.engine.blocks, drafter=drafter))
+    assert runner.calls == 7 and pol.latency.num_forward == 6 and pol.latency.num_draft == 3
+    assert pol.latency.forward_time(16, 1024, 16) == pytest.approx(
+        100 * forward_seconds(16, 1024), rel=0.02)
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+
+
+def test_start_up_profile_times_eagle_chains_and_trees(target_dir, fixed_profile):
     """An EAGLE drafter needs target features to draft: the profile gives it some, so its
     drafting is timed (not fitted as free), trees included; its KV and state are returned."""
     llm = make(target_dir, {"method": "eagle", "model": "random", "num_speculative_tokens": 3})
     lat, drafter = llm.engine.policy.latency, llm.engine.drafter
-    assert lat.num_draft >= 4
+    assert lat.num_draft == 9  # every point drafted a tree
     assert lat.draft_time(1, 3, 3) > 0
     assert lat.draft_time(4, 6, 96) > lat.draft_time(4, 6, 24)
     assert drafter.blocks.num_free == drafter.blocks.num_blocks and not drafter.states
@@ -600,7 +647,7 @@ def test_deferred_learning_learns_what_immediate_learning_does():
     same as when every step is learnt at once."""
     models = []
     for every in (1, 7):
-        pol = AutoPolicy(CHAINS + TREES, probe_every=0)
+        pol = AutoPolicy(CHAINS + TREES, probe_every=0, clock=FakeClock(tick=1e-6))
         pol.rescore_every = every  # what choose sets from the decision budget
         pol._raw = {s: 300.0 for s in pol.candidates}
         for rec in synthetic_steps(np.random.default_rng(0)):
@@ -621,14 +668,16 @@ def test_deferred_learning_learns_what_immediate_learning_does():
 
 def test_rescoring_is_spaced_by_the_decision_budget(monkeypatch):
     """A re-scoring that costs much more than rescore_budget of a step is reused for up to 32
-    steps of the same batch size; a new batch size is scored at once."""
-    pol = AutoPolicy(CHAINS + TREES, probe_every=0)
-    calls = []
+    steps of the same batch size; a new batch size is scored at once. Scores that cost 20.4
+    steps' budget serve 21 steps."""
+    clock = FakeClock()  # the policy's time is what model_rates takes
+    pol = AutoPolicy(CHAINS + TREES, probe_every=0, clock=clock)
+    calls, cost = [], [2e-3]
     real = pol.model_rates
 
     def slow(batch, context):
         calls.append(batch)
-        time.sleep(0.002)
+        clock.advance(cost[0])
         return real(batch, context)
 
     monkeypatch.setattr(pol, "model_rates", slow)
@@ -642,3 +691,10 @@ def test_rescoring_is_spaced_by_the_decision_budget(monkeypatch):
     pol.choose(8)
     pol.choose(3)
     assert calls == [8, 8, 3]
+    assert pol.decision_time == pytest.approx(3 * 2e-3)
+    pol.rescore.cost, cost[0] = 0.0, 0.51e-3  # 20.4 steps' budget: the scores serve 21 steps
+    for _ in range(21):
+        pol.choose(4)
+    assert pol.rescore_every == 21 and calls == [8, 8, 3, 4]
+    pol.choose(4)
+    assert calls == [8, 8, 3, 4, 4]

@@ -11,6 +11,7 @@ cutter.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -64,6 +65,8 @@ class AutoPolicy(Policy):
         probe_seqs: sequences drafted for in a probe step.
         latency, acceptance: the models to start from (default: new ones).
         per_sequence: let ``select`` skip sequences whose own acceptance does not pay.
+        clock: seconds; times the policy's own work (``decision_time``, the re-scoring cost
+            ``rescore`` spaces out) and the start-up profile. Tests pass a fake one.
     """
 
     name = "auto"
@@ -77,13 +80,15 @@ class AutoPolicy(Policy):
     def __init__(self, candidates: list[Strategy | None], hysteresis: float = 0.05,
                  probe_every: int = 50, probe_seqs: int = 4,
                  latency: LatencyModel | None = None,
-                 acceptance: AcceptanceModel | None = None, per_sequence: bool = True):
+                 acceptance: AcceptanceModel | None = None, per_sequence: bool = True,
+                 clock: Callable[[], float] = time.perf_counter):
         super().__init__()
         self.candidates = (None, *(s for s in dict.fromkeys(candidates) if s is not None))
         max_depth = max((s.depth for s in self.candidates if s is not None), default=1)
         self.latency = latency or LatencyModel()
         self.acceptance = acceptance or AcceptanceModel(max_depth)
         self.hysteresis = hysteresis
+        self.clock = clock
         self.per_sequence, self.prior_steps = per_sequence, 4.0
         self.min_chain_trials = 8.0  # sequences drafted for by a chain before trees compete
         self.probes = ProbeSchedule(self.candidates, probe_every, probe_seqs)
@@ -131,7 +136,7 @@ class AutoPolicy(Policy):
     def choose(self, num_running: int) -> Strategy | None:
         """The best-scoring candidate for ``num_running`` sequences (kept unless beaten by
         ``hysteresis``), or the probe ``probes`` schedules instead."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         batch = max(num_running, 1)
         if self.rescore.reuse(batch, bool(self.last_scores)):
             scores = self.last_scores  # re-scored when the batch changes, else every few steps
@@ -141,7 +146,7 @@ class AutoPolicy(Policy):
             rates = self.model_rates(batch, context)
             self._raw = dict(zip(self.candidates, rates.tolist()))
             scores = self.scores(batch, context, rates)
-            self.rescore.rescored(batch, time.perf_counter() - t0)
+            self.rescore.rescored(batch, self.clock() - t0)
         best = max(scores, key=scores.get)
         current = self.current if self.current in scores else None
         if scores[best] > scores[current] * (1 + self.hysteresis):
@@ -150,7 +155,7 @@ class AutoPolicy(Policy):
         self.current = current
         self._predicted = scores[choice]
         self.last_scores = scores
-        self.decision_time += time.perf_counter() - t0
+        self.decision_time += self.clock() - t0
         return choice
 
     def select(self, seqs: list, strategy: Strategy) -> list[bool]:
@@ -160,7 +165,7 @@ class AutoPolicy(Policy):
         ``E[accepted_i]`` is the batch estimate scaled by the request's own accepted-per-drafted
         ratio against the global one (``prior_steps`` pseudo-steps of the global ratio). A
         probe drafts for the few sequences ``probes.drafted`` names."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         keep = [True] * len(seqs)
         rate = self._predicted
         if self.probes.active:  # a probe drafts for a few sequences, a different few each time
@@ -184,7 +189,7 @@ class AutoPolicy(Policy):
                     # a skipped sequence is still drafted for one step in 16, to notice change
                     keep[i] = e_acc * own / r >= need or (self._select_calls + i) % 16 == 0
         self._offered = sum(keep)
-        self.decision_time += time.perf_counter() - t0
+        self.decision_time += self.clock() - t0
         return keep
 
     def refine(self, seqs: list, trees: list, base_tokens: int) -> list:
@@ -198,7 +203,7 @@ class AutoPolicy(Policy):
         scored = self.cutter.scored(trees)
         if not scored or not rate:
             return trees
-        t0 = time.perf_counter()
+        t0 = self.clock()
         n = len(seqs)
         tokens = base_tokens + sum(t.num_nodes for t in trees if t is not None)
         ctx = self.context_per_seq * n
@@ -206,20 +211,21 @@ class AutoPolicy(Policy):
         bar = rate * max(lat.forward_time(tokens + 1, ctx, n) - lat.forward_time(tokens, ctx, n),
                          0.0)
         out = self.cutter.cut(seqs, trees, scored, bar)
-        self.decision_time += time.perf_counter() - t0
+        self.decision_time += self.clock() - t0
         return out
 
     def warm_start(self, engine) -> None:
         """Profile the engine's runner (and drafter) for about two seconds
         (``profiling.profile_forward``)."""
-        profile_forward(engine.runner, engine.blocks, self.latency, drafter=engine.drafter)
+        profile_forward(engine.runner, engine.blocks, self.latency, drafter=engine.drafter,
+                        clock=self.clock)
 
     # ---- learning -----------------------------------------------------------------------------
     def record(self, rec: StepRecord) -> None:
         """Tally the step; what it teaches the models is learnt at the next re-scoring
         (``flush``): a few steps' updates run back to back cost much less than each one alone
         right after a forward has evicted the CPU caches."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         probing = self.probes.active
         self._tally(rec, f"probe {strategy_name(rec.strategy)}" if probing else None)
         if rec.num_decode:
@@ -230,7 +236,7 @@ class AutoPolicy(Policy):
             self.rescore.observe_step(rec.step_time)
         if len(self._pending) >= self.rescore.every:
             self.flush()
-        self.decision_time += time.perf_counter() - t0
+        self.decision_time += self.clock() - t0
 
     def flush(self) -> None:
         """Learn from the recorded steps not learnt from yet (``record`` defers it)."""

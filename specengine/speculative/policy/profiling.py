@@ -9,17 +9,21 @@ steps do not reach. ``AutoPolicy.warm_start`` runs them (1.5 s + 0.5 s at most b
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from specengine.speculative.policy.latency import LatencyModel
 
 
 def profile_forward(runner, blocks, model: LatencyModel, budget_s: float = 1.5,
-                    drafter=None, draft_budget_s: float = 0.5) -> int:
+                    drafter=None, draft_budget_s: float = 0.5,
+                    clock: Callable[[], float] = time.perf_counter) -> int:
     """Warm-start ``model`` by timing dummy decode forwards of growing size with ``runner`` (a
     ``ModelRunner``) over KV blocks borrowed from ``blocks`` (returned afterwards), and, when a
     ``drafter`` is given, drafting chains and trees for dummy sequences (``profile_draft``).
     Stops before a point the fit so far predicts would overrun ``budget_s`` seconds; skips
     points the KV pool cannot hold. Returns the number of forward profile points added.
+    ``clock`` (seconds) times the forwards and spends the budgets; tests pass a fake one, so
+    the points that fit a budget are known exactly.
 
     The points span 1 .. 512 forward tokens, chains of 0, 3 and 7 nodes per sequence and short
     and long contexts, so each feature of the forward fit is seen. The KV contents are whatever
@@ -36,11 +40,11 @@ def profile_forward(runner, blocks, model: LatencyModel, budget_s: float = 1.5,
     grid = [(1, 0, 32), (1, 0, 32), (1, 3, 32), (1, 7, 512), (4, 3, 64), (16, 0, 64),
             (1, 0, 1024), (16, 7, 64), (64, 3, 64), (8, 0, 512), (64, 7, 128), (128, 3, 64)]
     params = SamplingParams(temperature=0.0)
-    start = time.perf_counter()
+    start = clock()
     added = 0
     feature = None  # one hidden row of the target: what a drafter's dummy features are made of
     for i, (b, m, ctx) in enumerate(grid):
-        left = budget_s - (time.perf_counter() - start)
+        left = budget_s - (clock() - start)
         if left <= 0 or (added >= 3 and model.forward_time(b * (1 + m), b * ctx, b) > left):
             break
         need = b * -(-(ctx + 1 + m) // blocks.block_size)
@@ -55,10 +59,10 @@ def profile_forward(runner, blocks, model: LatencyModel, budget_s: float = 1.5,
             seqs.append(s)
             entries.append(BatchEntry(s, 1, [s], tree=tree))
         try:
-            t0 = time.perf_counter()
+            t0 = clock()
             logits, hidden = runner.run(entries, blocks)
             logits.cpu()  # wait for an accelerator
-            seconds = time.perf_counter() - t0
+            seconds = clock() - t0
             feature = hidden[:1]
             if i > 0:  # the first forward pays one-off allocations
                 model.add_forward(b * (1 + m), b * ctx, b, seconds, prior=True)
@@ -67,18 +71,20 @@ def profile_forward(runner, blocks, model: LatencyModel, budget_s: float = 1.5,
             for s in seqs:
                 blocks.free(s)
     if drafter is not None and feature is not None:
-        profile_draft(drafter, model, feature, draft_budget_s)
+        profile_draft(drafter, model, feature, draft_budget_s, clock)
     return added
 
 
-def profile_draft(drafter, model: LatencyModel, feature, budget_s: float = 0.5) -> int:
+def profile_draft(drafter, model: LatencyModel, feature, budget_s: float = 0.5,
+                  clock: Callable[[], float] = time.perf_counter) -> int:
     """Warm-start the draft part of ``model`` by timing ``drafter`` (a ``Drafter``) on dummy
     sequences: chains and trees of several depths, widths and batch sizes, so the fit sees
     nodes apart from depth x batch (from chains alone a tree's drafting cost is a guess). A
     drafter that reads target features (``wants_hidden``) is given ``feature`` (``[1, hidden]``,
     a real hidden row of the target) at every position: drafting time does not depend on the
     values. Each point is drafted twice and the second timed (the first lets a drafter catch
-    up on the context). Stops when ``budget_s`` seconds are spent. Returns points added."""
+    up on the context). Stops when ``budget_s`` seconds of ``clock`` are spent. Returns points
+    added."""
     import torch
 
     from specengine.sampling import SamplingParams
@@ -90,10 +96,10 @@ def profile_draft(drafter, model: LatencyModel, feature, budget_s: float = 0.5) 
             (16, Strategy(3, 2, 6)), (4, Strategy(6, 4, 24))]
     params = SamplingParams(temperature=0.0)
     ctx = 48
-    start = time.perf_counter()
+    start = clock()
     added = 0
     for b, strategy in grid:
-        if time.perf_counter() - start > budget_s:
+        if clock() - start > budget_s:
             break
         seqs = [Sequence("profile", 0, [1] * (ctx + 1), params, torch.Generator())
                 for _ in range(b)]
@@ -103,9 +109,9 @@ def profile_draft(drafter, model: LatencyModel, feature, budget_s: float = 0.5) 
                 if drafter.wants_hidden:
                     drafter.observe(s, 0, feature.expand(ctx + 1, -1))
             drafter.propose(seqs, strategy)
-            t0 = time.perf_counter()
+            t0 = clock()
             trees = drafter.propose(seqs, strategy)
-            seconds = time.perf_counter() - t0
+            seconds = clock() - t0
             nodes = sum(t.num_nodes for t in trees if t is not None)
             if nodes:
                 model.add_draft(b, strategy.depth, nodes, seconds, prior=True)
