@@ -335,14 +335,14 @@ def test_prepack_follows_weight_changes():
 @pytest.mark.parametrize("D", [64, 40])
 def test_rope_matches_reference(dtype, D):
     from specengine.models.config import ModelConfig
-    from specengine.models.llama import apply_rope, rope_cache_f32
+    from specengine.models.llama import apply_rope, rope_cache
 
     cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 32,
                                "hidden_size": 4 * D, "intermediate_size": 64,
                                "num_hidden_layers": 1, "num_attention_heads": 4,
                                "num_key_value_heads": 2, "head_dim": D,
                                "max_position_embeddings": 512, "rope_theta": 1e5})
-    cache = rope_cache_f32(cfg)
+    cache = rope_cache(cfg)
     g = torch.Generator().manual_seed(D)
     T, nq, nkv = 7, 4, 2
     qkv = torch.randn(T, nq + 2 * nkv, D, generator=g).to(dtype)

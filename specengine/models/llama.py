@@ -28,16 +28,7 @@ from torch import nn
 from specengine import ops
 from specengine.attention.base import AttentionBackend, AttentionMetadata
 from specengine.models.config import ModelConfig
-
-
-def _add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    residual = x + residual
-    return ops.rms_norm(residual, weight, eps), residual
-
-
-# Fused residual add + RMSNorm from the C++ extension when the ops module has it.
-add_rms_norm = getattr(ops, "add_rms_norm", _add_rms_norm_ref)
+from specengine.ops import add_rms_norm
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -70,11 +61,6 @@ def rope_cache(config: ModelConfig) -> torch.Tensor:
     freqs = torch.outer(t, inv_freq)  # [P, D/2]
     cos, sin = freqs.cos(), freqs.sin()
     return torch.cat([cos, cos, -sin, sin], dim=-1)
-
-
-def rope_cache_f32(config: ModelConfig) -> torch.Tensor:
-    """``rope_cache`` kept in float32 (what the model's forward uses, whatever its dtype)."""
-    return rope_cache(config)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -170,10 +156,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (self.embed_tokens if c.tie_word_embeddings else
                         nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, dtype=dtype),
                                      requires_grad=False))
-        # Built in float32, kept in the model dtype (HF casts cos/sin to it too); the forward
-        # uses the float32 copy (RoPE in float32, one rounding).
-        self.register_buffer("rope_cache", rope_cache(c).to(dtype), persistent=False)
-        self.register_buffer("rope_cache_f32", rope_cache_f32(c), persistent=False)
+        # float32 whatever the model dtype: RoPE runs in float32 with one rounding
+        self.register_buffer("rope_cache", rope_cache(c), persistent=False)
         self._lm_head_packed: ops.PackedWeight | None = None
 
     @property
@@ -202,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches has {len(kv_caches)} entries, the model has "
                              f"{len(self.layers)} layers")
-        cs = self.rope_cache_f32[positions].unsqueeze(1)  # [T, 1, 2D]
+        cs = self.rope_cache[positions].unsqueeze(1)  # [T, 1, 2D]
         cos, sin = cs.chunk(2, dim=-1)
         hidden, residual = self.embed_tokens[input_ids], None
         for layer, kv in zip(self.layers, kv_caches):
