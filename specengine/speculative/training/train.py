@@ -286,8 +286,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.autocast is None:
-            from specengine import ops
-            self.autocast = ops.amx_available() or ops.avx512_available(torch.bfloat16)
+            from specengine import kernels
+            self.autocast = kernels.amx_available() or kernels.avx512_available(torch.bfloat16)
 
     def amp(self):
         """The autocast context of the drafter's forward (a no-op when ``autocast`` is off)."""
