@@ -38,8 +38,8 @@ from common import (
 )
 
 from specengine import LLM, SamplingParams
-from specengine.data import humaneval_prompts
 from specengine.models.loader import resolve_model
+from specengine.prompt_sets import humaneval_prompts
 
 MODEL = "smollm2-135m-instruct"
 BLOCK = 16

@@ -2,8 +2,8 @@
 
 Prints, per shape and M (tokens), the time per call and the weight bandwidth (weight bytes /
 time, GB/s), then the total over one decode step of the 30-layer model (+ LM head). Columns:
-torch (``F.linear``), ours (``ops.linear`` on the prepacked weight: AMX tiles for bfloat16
-on AMX CPUs, else the plain C++ kernel; ``-`` where ops.linear would hand the rows to torch) and
+torch (``F.linear``), ours (``kernels.linear`` on the prepacked weight: AMX tiles for bfloat16
+on AMX CPUs, else the plain C++ kernel; ``-`` where kernels.linear would hand the rows to torch) and
 plain (the C++ kernel on the unpacked weight, M <= 8).
 
 With ``--forward``: the whole model (SmolLM2-135M, real weights) per forward of T tokens at
@@ -21,7 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from specengine import ops
+from specengine import kernels
 from specengine._ext import ext
 
 # (name, out_features, in_features, count per decode step) for SmolLM2-135M.
@@ -60,7 +60,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     ms = [int(m) for m in args.ms.split(",")]
     print(f"dtype={args.dtype} threads={torch.get_num_threads()} isa={mod.cpu_isa()} "
-          f"amx={ops.amx_available()}")
+          f"amx={kernels.amx_available()}")
     if args.forward:
         return bench_forward(dtype, [int(t) for t in args.ts.split(",")])
     print(f"{'shape':>8} {'N x K':>12} {'M':>3} {'torch us':>9} {'ours us':>9} {'plain us':>9} "
@@ -68,21 +68,21 @@ def main() -> None:
     step = {m: [0.0, 0.0] for m in ms}
     for name, n, k, count in SHAPES:
         w = torch.randn(n, k).to(dtype)
-        pw = ops.prepack(w)
+        pw = kernels.prepack(w)
         nbytes = w.numel() * w.element_size()
         for m in ms:
             x = torch.randn(m, k).to(dtype)
             t_torch = time_call(lambda x=x, w=w: F.linear(x, w))
-            amx = pw.packed is not None and m <= ops.AMX_MAX_M
-            if amx or m <= ops.LINEAR_MAX_M[dtype]:
-                t_ours = time_call(lambda x=x, pw=pw: ops.linear(x, pw))
+            amx = pw.packed is not None and m <= kernels.AMX_MAX_M
+            if amx or m <= kernels.LINEAR_MAX_M[dtype]:
+                t_ours = time_call(lambda x=x, pw=pw: kernels.linear(x, pw))
             else:
-                t_ours = t_torch  # ops.linear hands these rows to torch
+                t_ours = t_torch  # kernels.linear hands these rows to torch
             t_plain = (time_call(lambda x=x, w=w: mod.linear(x, w, None)) if m <= 8
                        else float("nan"))
             step[m][0] += count * t_torch
             step[m][1] += count * t_ours
-            ours = f"{t_ours * 1e6:>9.1f}" if (amx or m <= ops.LINEAR_MAX_M[dtype]) else \
+            ours = f"{t_ours * 1e6:>9.1f}" if (amx or m <= kernels.LINEAR_MAX_M[dtype]) else \
                 f"{'-':>9}"
             print(f"{name:>8} {n:>5} x {k:<5} {m:>3} {t_torch * 1e6:>9.1f} {ours} "
                   f"{t_plain * 1e6:>9.1f} {nbytes / t_torch / 1e9:>10.1f} "
@@ -113,7 +113,7 @@ def bench_forward(dtype: torch.dtype, ts: list[int], context: int = 200) -> None
                                  query_seq=torch.zeros(n, dtype=torch.int32),
                                  kv_lens=(pos + 1).to(torch.int32), max_kv_len=start + n)
         ids = torch.randint(c.vocab_size, (n,))
-        with ops.kernel_threads(ops.packed_covers(n)):  # as the engine runs decode-sized steps
+        with kernels.kernel_threads(kernels.packed_covers(n)):  # as the engine's decode steps
             return model.compute_logits(model(ids, pos, kv, meta, backend))
 
     forward(0, context)

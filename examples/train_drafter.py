@@ -36,7 +36,7 @@ EVAL_SHAREGPT_START = 10_000
 
 def write_data(path: Path, n_gen_gsm: int, n_gen_chat: int, n_gsm: int, n_sharegpt: int) -> int:
     """Write the training JSONL; returns the number of records."""
-    from specengine.data import gsm_questions, sharegpt_conversations
+    from specengine.prompt_sets import gsm_questions, sharegpt_conversations
 
     recs = []
     qs = gsm_questions(n_gen_gsm + n_gsm, seed=0)

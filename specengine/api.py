@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from specengine.config import EngineConfig, parse_dtype
 from specengine.engine import Engine
 from specengine.kv import kv_bytes_per_block
+from specengine.models.registry import DEFAULT_MODEL
 from specengine.outputs import RequestOutput
 from specengine.sampling import SamplingParams
 from specengine.speculative.config import SpeculativeConfig
@@ -19,7 +20,6 @@ from specengine.speculative.drafters.eagle import EagleDrafter
 from specengine.speculative.policy import make_policy
 from specengine.speculative.training.harvest import Harvester
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_KV_BYTES = 1 << 30
 
 

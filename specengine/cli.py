@@ -20,6 +20,7 @@ import sys
 import time
 
 from specengine.jsonl import read_records, write_jsonl_atomic
+from specengine.models.registry import DEFAULT_MODEL
 from specengine.sampling import SamplingParams
 
 
@@ -32,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "for bad arguments.")
     sub = ap.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate completions for a JSONL file of prompts")
-    g.add_argument("--model", default="smollm2-135m-instruct",
+    g.add_argument("--model", default=DEFAULT_MODEL,
                    help="known alias, Hugging Face directory or .gguf file")
     g.add_argument("--input", required=True, help="JSONL with 'prompt' or 'messages' per line")
     g.add_argument("--output", required=True, help="JSONL to write")

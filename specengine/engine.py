@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specengine import ops
+from specengine import kernels
 from specengine.attention import make_backend
 from specengine.batch import BatchEntry
 from specengine.config import EngineConfig
@@ -186,7 +186,7 @@ class Engine:
         entries = self.scheduler.schedule(lookahead=strategy.budget if strategy else 0)
         rows = sum(e.num_new + (strategy.budget if strategy and not e.is_prefill else 0)
                    for e in entries)
-        with ops.kernel_threads(ops.packed_covers(rows)):  # decode-sized: kernels' threads only
+        with kernels.kernel_threads(kernels.packed_covers(rows)):  # decode-sized: kernel pool only
             return self._step(entries, strategy)
 
     def _step(self, entries: list[BatchEntry], strategy: Strategy | None) -> list[RequestOutput]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from specengine import ops
+from specengine import kernels
 from specengine.attention import AttentionBackend, AttentionMetadata, make_backend
 from specengine.batch import BatchEntry
 from specengine.kv.block_manager import BlockManager
@@ -108,7 +108,7 @@ class ModelRunner:
             norm; the feature EAGLE drafters read) of every token fed, in ``prepare``'s order.
         """
         input_ids, positions, meta, rows = self.prepare(entries, blocks)
-        with ops.kernel_threads(ops.packed_covers(len(input_ids))):
+        with kernels.kernel_threads(kernels.packed_covers(len(input_ids))):
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
             return self.model.compute_logits(hidden[rows]), hidden
 

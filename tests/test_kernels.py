@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specengine import ops
+from specengine import kernels
 from specengine._ext import ext
 from specengine.attention.base import AttentionBackend, AttentionMetadata
 from specengine.attention.cpu import CpuAttention, paged_attention_masked_ref
@@ -188,9 +188,9 @@ def test_linear_is_batch_invariant(dtype):
 def test_ops_linear_dispatch():
     x = torch.randn(2, 2, 64).bfloat16()
     w = torch.randn(32, 64).bfloat16()
-    assert torch.equal(ops.linear(x, w), ext().linear(x.view(4, 64), w).view(2, 2, 32))
-    big = torch.randn(ops.LINEAR_MAX_M[torch.bfloat16] + 1, 64).bfloat16()
-    assert torch.equal(ops.linear(big, w), F.linear(big, w))
+    assert torch.equal(kernels.linear(x, w), ext().linear(x.view(4, 64), w).view(2, 2, 32))
+    big = torch.randn(kernels.LINEAR_MAX_M[torch.bfloat16] + 1, 64).bfloat16()
+    assert torch.equal(kernels.linear(big, w), F.linear(big, w))
 
 
 @needs_ext
@@ -200,25 +200,25 @@ def test_norms_and_activation(dtype):
     x = torch.randn(5, 576, generator=g).to(dtype)
     r = torch.randn(5, 576, generator=g).to(dtype)
     w = (1 + 0.1 * torch.randn(576, generator=g)).to(dtype)
-    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), ops.rms_norm_torch(x, w, 1e-5),
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), kernels.rms_norm_torch(x, w, 1e-5),
                                **TOL[dtype])
-    normed, new_res = ops.add_rms_norm(x, r, w, 1e-5)
-    ref_normed, ref_res = ops.add_rms_norm_torch(x, r, w, 1e-5)
+    normed, new_res = kernels.add_rms_norm(x, r, w, 1e-5)
+    ref_normed, ref_res = kernels.add_rms_norm_torch(x, r, w, 1e-5)
     assert torch.equal(new_res, ref_res)
     torch.testing.assert_close(normed, ref_normed, **TOL[dtype])
     gu = torch.randn(3, 2, 2 * 1536, generator=g).to(dtype)
-    out = ops.silu_and_mul(gu)
+    out = kernels.silu_and_mul(gu)
     assert out.shape == (3, 2, 1536) and out.dtype == dtype
-    torch.testing.assert_close(out, ops.silu_and_mul_torch(gu), **TOL[dtype])
+    torch.testing.assert_close(out, kernels.silu_and_mul_torch(gu), **TOL[dtype])
 
 
 # ---- packed linear (AMX tiles or AVX-512 groups), RoPE, thread pool -----------------------
 def packed_dtypes():
-    """Dtypes for which ``ops.prepack`` produces a packed kernel on this CPU."""
+    """Dtypes for which ``kernels.prepack`` produces a packed kernel on this CPU."""
     out = []
-    if ops.amx_available() or ops.avx512_available(torch.bfloat16):
+    if kernels.amx_available() or kernels.avx512_available(torch.bfloat16):
         out.append(torch.bfloat16)
-    if ops.avx512_available(torch.float32):
+    if kernels.avx512_available(torch.float32):
         out.append(torch.float32)
     return out
 
@@ -229,7 +229,7 @@ packed_dtype = pytest.mark.parametrize("dtype", PACKED or [torch.bfloat16])
 
 
 def max_rows(pw) -> int:
-    return ops.AMX_MAX_M if pw.kind == "amx" else ops.AVX512_MAX_M
+    return kernels.AMX_MAX_M if pw.kind == "amx" else kernels.AVX512_MAX_M
 
 
 @needs_packed
@@ -241,19 +241,19 @@ def test_packed_linear_matches_fp64_math(dtype, N, K, bias):
     x = torch.randn(70, K, generator=g).to(dtype)
     w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype)
     b = torch.randn(N, generator=g).to(dtype) if bias else None
-    pw = ops.prepack(w)
+    pw = kernels.prepack(w)
     assert pw.packed is not None
     for M in (1, 3, 6, 7, 16, 17, 32, 70):
         if M > max_rows(pw):
             continue
-        y = ops.linear(x[:M], pw, b)
+        y = kernels.linear(x[:M], pw, b)
         ref = F.linear(x[:M].double(), w.double(), None if b is None else b.double())
         assert y.dtype == dtype and y.shape == (M, N)
         if dtype == torch.float32:
             torch.testing.assert_close(y.double(), ref, atol=1e-5, rtol=1e-5)
         else:  # float32 accumulation, one rounding to bf16: within half an ulp (2^-8 relative)
             assert ((y.double() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-4).all(), M
-        f = ops.linear(x[:M], pw, b, out_f32=True)  # logits: float32, at most one rounding
+        f = kernels.linear(x[:M], pw, b, out_f32=True)  # logits: float32, at most one rounding
         assert f.dtype == torch.float32
         torch.testing.assert_close(f.double(), ref, atol=1e-4, rtol=2 ** -8)
 
@@ -264,12 +264,12 @@ def test_packed_linear_matches_fp64_math(dtype, N, K, bias):
 def test_packed_linear_is_batch_invariant(dtype, N, K):
     g = torch.Generator().manual_seed(5)
     x = torch.randn(40, K, generator=g).to(dtype)
-    pw = ops.prepack(torch.randn(N, K, generator=g).to(dtype))
+    pw = kernels.prepack(torch.randn(N, K, generator=g).to(dtype))
     b = torch.randn(N, generator=g).to(dtype)
-    rows = [ops.linear(x[i:i + 1], pw, b) for i in range(40)]
+    rows = [kernels.linear(x[i:i + 1], pw, b) for i in range(40)]
     for M in range(1, min(max_rows(pw), 40) + 1):
         for start in (0, 40 - M):  # also rows at other offsets within the batch
-            y = ops.linear(x[start:start + M], pw, b)
+            y = kernels.linear(x[start:start + M], pw, b)
             for i in range(M):
                 assert torch.equal(y[i:i + 1], rows[start + i]), (M, start, i)
     if pw.kind == "amx":  # the C++ kernel itself beyond 32 rows (two row passes) too
@@ -281,15 +281,15 @@ def test_packed_linear_is_batch_invariant(dtype, N, K):
 def test_packed_linear_thread_count_does_not_change_results():
     g = torch.Generator().manual_seed(6)
     x = torch.randn(9, 576, generator=g).bfloat16()
-    pw = ops.prepack(torch.randn(3072, 576, generator=g).bfloat16())
+    pw = kernels.prepack(torch.randn(3072, 576, generator=g).bfloat16())
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = ops.linear(x, pw)
+        one = kernels.linear(x, pw)
     finally:
         torch.set_num_threads(before)
     for _ in range(3):
-        assert torch.equal(ops.linear(x, pw), one)
+        assert torch.equal(kernels.linear(x, pw), one)
 
 
 @needs_packed
@@ -298,16 +298,16 @@ def test_linear_glu_equals_unfused(dtype):
     g = torch.Generator().manual_seed(7)
     x = torch.randn(11, 576, generator=g).to(dtype)
     w = (torch.randn(2 * 1536, 576, generator=g) / 24).to(dtype)
-    pw = ops.prepack(w, glu=True)
+    pw = kernels.prepack(w, glu=True)
     assert pw.glu
-    fused = ops.linear_glu(x, pw)
+    fused = kernels.linear_glu(x, pw)
     assert fused.shape == (11, 1536)
-    unfused = ops.silu_and_mul(ops.linear(x, ops.prepack(w)))
+    unfused = kernels.silu_and_mul(kernels.linear(x, kernels.prepack(w)))
     if dtype == torch.bfloat16:  # same roundings as the unfused ops
         assert torch.equal(fused, unfused)
     else:
         torch.testing.assert_close(fused, unfused, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(fused, ops.silu_and_mul_torch(F.linear(x, w)), **TOL[dtype])
+    torch.testing.assert_close(fused, kernels.silu_and_mul_torch(F.linear(x, w)), **TOL[dtype])
 
 
 def test_prepack_follows_weight_changes():
@@ -322,12 +322,12 @@ def test_prepack_follows_weight_changes():
     layer.o_proj.copy_(torch.randn(64, 64))
     x = torch.randn(2, 64).bfloat16()
     first = layer.packed("o_proj")
-    torch.testing.assert_close(ops.linear(x, first), F.linear(x, layer.o_proj),
+    torch.testing.assert_close(kernels.linear(x, first), F.linear(x, layer.o_proj),
                                **TOL[torch.bfloat16])
     layer.o_proj.mul_(-1)  # in-place change: the packed copy must be rebuilt
     second = layer.packed("o_proj")
     assert second is not first
-    torch.testing.assert_close(ops.linear(x, second), F.linear(x, layer.o_proj),
+    torch.testing.assert_close(kernels.linear(x, second), F.linear(x, layer.o_proj),
                                **TOL[torch.bfloat16])
 
 
@@ -335,14 +335,14 @@ def test_prepack_follows_weight_changes():
 @pytest.mark.parametrize("D", [64, 40])
 def test_rope_matches_reference(dtype, D):
     from specengine.models.config import ModelConfig
-    from specengine.models.llama import apply_rope, rope_cache_f32
+    from specengine.models.llama import apply_rope, rope_cache
 
     cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 32,
                                "hidden_size": 4 * D, "intermediate_size": 64,
                                "num_hidden_layers": 1, "num_attention_heads": 4,
                                "num_key_value_heads": 2, "head_dim": D,
                                "max_position_embeddings": 512, "rope_theta": 1e5})
-    cache = rope_cache_f32(cfg)
+    cache = rope_cache(cfg)
     g = torch.Generator().manual_seed(D)
     T, nq, nkv = 7, 4, 2
     qkv = torch.randn(T, nq + 2 * nkv, D, generator=g).to(dtype)
@@ -354,7 +354,7 @@ def test_rope_matches_reference(dtype, D):
     c, s = cos[..., :D // 2].double(), sin[..., D // 2:].double()
     torch.testing.assert_close(ref, torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1))
     v_before = qkv[:, nq + nkv:].clone()
-    out = ops.rope_(qkv[:, :nq + nkv], cos, sin)  # strided view of qkv, in place
+    out = kernels.rope_(qkv[:, :nq + nkv], cos, sin)  # strided view of qkv, in place
     assert out.data_ptr() == qkv.data_ptr()
     assert torch.equal(qkv[:, nq + nkv:], v_before)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=2 ** -8)

@@ -1,5 +1,6 @@
 import pytest
 import torch
+from reference_verify import SampledTree
 
 from specengine.speculative.strategy import OFF, Strategy
 from specengine.speculative.tree import DraftTree, tree_positions
@@ -45,10 +46,10 @@ def test_positions():
 
 def test_chain_and_from_paths():
     c = DraftTree.chain([5, 6, 7], [-1.0, -2.0, -3.0])
-    assert c.parents == [-1, 0, 1] and c.depths == [1, 2, 3] and not c.sampled
+    assert c.parents == [-1, 0, 1] and c.depths == [1, 2, 3] and not isinstance(c, SampledTree)
     q = torch.full((2, 4), 0.25)
-    s = DraftTree.chain([1, 2], draft_probs=q)
-    assert s.sampled and s.draft_logprobs == [0.0, 0.0]
+    s = SampledTree([1, 2], [-1, 0], draft_probs=q)  # the tests' tree of sampled children
+    assert s.draft_probs is q and s.draft_logprobs == [0.0, 0.0]
     trie = DraftTree.from_paths([[1, 2, 3], [1, 2, 4], [5], [1, 6]])
     assert trie.tokens == [1, 2, 3, 4, 5, 6] and trie.parents == [-1, 0, 1, 1, -1, 0]
     assert trie.children(-1) == [0, 4] and trie.children(0) == [1, 5]
@@ -62,16 +63,18 @@ def test_validation_names_the_problem():
         (dict(tokens=[1], parents=[-1], draft_logprobs=[0.0, 0.0]), "draft_logprobs"),
         (dict(tokens=[-1], parents=[-1]), "tokens\\[0\\]"),
         (dict(tokens=[3, 3], parents=[-1, -1]), "sibling"),
-        (dict(tokens=[3], parents=[-1], sampled=True), "draft_probs"),
-        (dict(tokens=[3], parents=[-1], sampled=True, draft_probs=torch.ones(2, 4)),
-         "draft_probs"),
-        (dict(tokens=[3], parents=[-1], replacement=True), "replacement"),
     ]
     for kwargs, pattern in cases:
         with pytest.raises(ValueError, match=pattern):
             DraftTree(**kwargs)
+    for kwargs in [dict(tokens=[3], parents=[-1]),
+                   dict(tokens=[3], parents=[-1], draft_probs=torch.ones(2, 4))]:
+        with pytest.raises(ValueError, match="draft_probs"):
+            SampledTree(**kwargs)
+    with pytest.raises(TypeError, match="replacement"):  # sampled trees are test-side only
+        DraftTree(tokens=[3], parents=[-1], replacement=True)
     # duplicate siblings are fine for i.i.d. sampled children; cousins may share tokens
-    DraftTree([3, 3], [-1, -1], sampled=True, replacement=True, draft_probs=torch.ones(2, 4))
+    SampledTree([3, 3], [-1, -1], replacement=True, draft_probs=torch.ones(2, 4))
     DraftTree([3, 4, 5, 5], [-1, -1, 0, 1])
 
 

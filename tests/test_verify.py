@@ -11,17 +11,17 @@ import math
 import random
 
 import pytest
+import reference_verify
 import torch
+from reference_verify import SampledTree, verify_sampling
 
 from specengine.sampling import SamplingParams, process_logits
-from specengine.speculative import verify as verify_mod
 from specengine.speculative.tree import DraftTree
 from specengine.speculative.verify import (
     committed_tokens,
     verify,
     verify_coupled,
     verify_greedy,
-    verify_sampling,
 )
 
 V = 8
@@ -79,10 +79,10 @@ def draft_tree(seq: list[int], depth: int, topk: int, budget: int, mode: str,
                 parents.append(node)
                 ctx.append(a * V + b)
         frontier = nxt
-    sampled = mode != "topk"
-    rows = Q.view(-1, V)[torch.tensor(ctx)] if sampled else None
-    return DraftTree(tokens, parents, sampled=sampled, replacement=mode == "replace",
-                     draft_probs=rows)
+    if mode == "topk":
+        return DraftTree(tokens, parents)
+    return SampledTree(tokens, parents, draft_probs=Q.view(-1, V)[torch.tensor(ctx)],
+                       replacement=mode == "replace")
 
 
 def node_rows(P: torch.Tensor, seq: list[int], tree: DraftTree) -> torch.Tensor:
@@ -160,7 +160,7 @@ BROKEN = [
 
 @pytest.mark.parametrize("name,broken,case,n", BROKEN, ids=["no-residual", "no-q-update"])
 def test_broken_verifier_fails_the_test(monkeypatch, name, broken, case, n):
-    monkeypatch.setattr(verify_mod, name, broken)
+    monkeypatch.setattr(reference_verify, name, broken)
     P = target_probs(1.0)
     counts = speculative_counts(P, *case, n=n, seed=7)
     stat, crit = chi_square(counts, exact_joint(P))
@@ -222,10 +222,10 @@ def test_edge_cases_zero_q_and_zero_residual():
     p = torch.tensor([[0.0, 1.0, 0.0], [0.2, 0.3, 0.5]])
     # q(x) = 0 for a drafted x with p(x) > 0: accepted (min(1, p/0) = 1)
     q = torch.tensor([[1.0, 0.0, 0.0]])
-    tree = DraftTree([1], [-1], sampled=True, draft_probs=q)
+    tree = SampledTree([1], [-1], draft_probs=q)
     assert verify_sampling(tree, p, g)[0] == [0]
     # p == q: acceptance is certain, the (all-zero) residual is never needed
-    tree = DraftTree([0], [-1], sampled=True, draft_probs=torch.tensor([[0.2, 0.3, 0.5]]))
+    tree = SampledTree([0], [-1], draft_probs=torch.tensor([[0.2, 0.3, 0.5]]))
     for _ in range(50):
         assert verify_sampling(tree, p[[1, 1]], g)[0] == [0]
     # a drafted token the target excludes is never accepted; the bonus is p's only token
@@ -233,8 +233,8 @@ def test_edge_cases_zero_q_and_zero_residual():
     for _ in range(50):
         assert verify_sampling(tree, torch.tensor([[0.0, 1.0, 0.0]] * 3), g) == ([], 1)
     # residual helper: all-zero residual falls back to p
-    r = verify_mod._residual(torch.tensor([0.5, 0.5], dtype=torch.float64),
-                             torch.tensor([0.5, 0.5], dtype=torch.float64))
+    r = reference_verify._residual(torch.tensor([0.5, 0.5], dtype=torch.float64),
+                                   torch.tensor([0.5, 0.5], dtype=torch.float64))
     assert r.tolist() == [0.5, 0.5]
 
 
@@ -244,7 +244,7 @@ def test_shape_errors():
         verify_greedy(tree, torch.zeros(2, 4))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         verify_greedy(DraftTree.chain([9]), torch.zeros(2, 4))
-    sampled = DraftTree.chain([1], draft_probs=torch.full((1, 5), 0.2))
+    sampled = SampledTree([1], [-1], draft_probs=torch.full((1, 5), 0.2))
     with pytest.raises(ValueError, match="V=5"):
         verify_sampling(sampled, torch.full((2, 4), 0.25), torch.Generator())
 

@@ -8,7 +8,7 @@ Tokens of all sequences in a step are packed flat into ``T`` rows (no batch dim,
 the attention backend finds each token's sequence and context through ``AttentionMetadata``.
 q/k/v and gate/up projections are fused into one matrix each (fewer GEMM calls); ``load_weights``
 (all weights) and ``update_weights`` (a subset, in place) map Hugging Face parameter names onto
-the fused layout (``hf_parameters``) and then prepack the linear weights (``ops.prepack``: AMX
+the fused layout (``hf_parameters``) and then prepack the linear weights (``kernels.prepack``: AMX
 tiles for bfloat16 on CPUs that have them). Packed copies are checked against the parameters'
 version counters on use and rebuilt if a weight was modified.
 
@@ -25,19 +25,10 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from specengine import ops
+from specengine import kernels
 from specengine.attention.base import AttentionBackend, AttentionMetadata
+from specengine.kernels import add_rms_norm
 from specengine.models.config import ModelConfig
-
-
-def _add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    residual = x + residual
-    return ops.rms_norm(residual, weight, eps), residual
-
-
-# Fused residual add + RMSNorm from the C++ extension when the ops module has it.
-add_rms_norm = getattr(ops, "add_rms_norm", _add_rms_norm_ref)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -70,11 +61,6 @@ def rope_cache(config: ModelConfig) -> torch.Tensor:
     freqs = torch.outer(t, inv_freq)  # [P, D/2]
     cos, sin = freqs.cos(), freqs.sin()
     return torch.cat([cos, cos, -sin, sin], dim=-1)
-
-
-def rope_cache_f32(config: ModelConfig) -> torch.Tensor:
-    """``rope_cache`` kept in float32 (what the model's forward uses, whatever its dtype)."""
-    return rope_cache(config)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -110,14 +96,14 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = param(c.hidden_size)
         self.gate_up_proj = param(2 * c.intermediate_size, c.hidden_size)
         self.down_proj = param(c.hidden_size, c.intermediate_size)
-        self._packed: dict[str, ops.PackedWeight] = {}
+        self._packed: dict[str, kernels.PackedWeight] = {}
 
-    def packed(self, name: str) -> ops.PackedWeight:
-        """``ops.prepack`` of the weight parameter ``name``, rebuilt when it changed."""
+    def packed(self, name: str) -> kernels.PackedWeight:
+        """``kernels.prepack`` of the weight parameter ``name``, rebuilt when it changed."""
         w = getattr(self, name)
         pw = self._packed.get(name)
         if pw is None or not pw.is_current(w):
-            pw = self._packed[name] = ops.prepack(w, glu=name == "gate_up_proj")
+            pw = self._packed[name] = kernels.prepack(w, glu=name == "gate_up_proj")
         return pw
 
     def prepack(self) -> None:
@@ -133,21 +119,22 @@ class DecoderLayer(nn.Module):
         them (fused into the next norm). ``residual`` is None for the first layer."""
         if residual is None:
             residual = hidden
-            hidden = ops.rms_norm(hidden, self.input_norm, self.eps)
+            hidden = kernels.rms_norm(hidden, self.input_norm, self.eps)
         else:
             hidden, residual = add_rms_norm(hidden, residual, self.input_norm, self.eps)
 
         T, nq, nkv = hidden.shape[0], self.num_heads, self.num_kv_heads
-        qkv = ops.linear(hidden, self.packed("qkv_proj"), self.qkv_bias).view(T, nq + 2 * nkv, -1)
-        ops.rope_(qkv[:, :nq + nkv], cos, sin)  # q and k rotated in place
+        qkv = kernels.linear(hidden, self.packed("qkv_proj"), self.qkv_bias)
+        qkv = qkv.view(T, nq + 2 * nkv, -1)
+        kernels.rope_(qkv[:, :nq + nkv], cos, sin)  # q and k rotated in place
         q, k, v = qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:]
         k_cache, v_cache = kv_cache
         backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         attn = backend.forward(q, k_cache, v_cache, meta, self.scale)
-        hidden = ops.linear(attn.reshape(T, self.q_size), self.packed("o_proj"), self.o_bias)
+        hidden = kernels.linear(attn.reshape(T, self.q_size), self.packed("o_proj"), self.o_bias)
 
         hidden, residual = add_rms_norm(hidden, residual, self.post_attn_norm, self.eps)
-        hidden = ops.linear(ops.linear_glu(hidden, self.packed("gate_up_proj")),
+        hidden = kernels.linear(kernels.linear_glu(hidden, self.packed("gate_up_proj")),
                             self.packed("down_proj"))
         return hidden, residual
 
@@ -170,11 +157,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (self.embed_tokens if c.tie_word_embeddings else
                         nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, dtype=dtype),
                                      requires_grad=False))
-        # Built in float32, kept in the model dtype (HF casts cos/sin to it too); the forward
-        # uses the float32 copy (RoPE in float32, one rounding).
-        self.register_buffer("rope_cache", rope_cache(c).to(dtype), persistent=False)
-        self.register_buffer("rope_cache_f32", rope_cache_f32(c), persistent=False)
-        self._lm_head_packed: ops.PackedWeight | None = None
+        # float32 whatever the model dtype: RoPE runs in float32 with one rounding
+        self.register_buffer("rope_cache", rope_cache(c), persistent=False)
+        self._lm_head_packed: kernels.PackedWeight | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -202,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches has {len(kv_caches)} entries, the model has "
                              f"{len(self.layers)} layers")
-        cs = self.rope_cache_f32[positions].unsqueeze(1)  # [T, 1, 2D]
+        cs = self.rope_cache[positions].unsqueeze(1)  # [T, 1, 2D]
         cos, sin = cs.chunk(2, dim=-1)
         hidden, residual = self.embed_tokens[input_ids], None
         for layer, kv in zip(self.layers, kv_caches):
@@ -215,11 +200,11 @@ class LlamaForCausalLM(nn.Module):
         """``[N, hidden_size]`` hidden states -> ``[N, vocab_size]`` float32 logits."""
         pw = self._lm_head_packed
         if pw is None or not pw.is_current(self.lm_head):
-            pw = self._lm_head_packed = ops.prepack(self.lm_head)
-        return ops.linear(hidden, pw, out_f32=True)
+            pw = self._lm_head_packed = kernels.prepack(self.lm_head)
+        return kernels.linear(hidden, pw, out_f32=True)
 
     def prepack(self) -> None:
-        """Pack the linear weights for the fast kernels (``ops.prepack``); ``load_weights`` and
+        """Pack the linear weights for the fast kernels (``kernels.prepack``); ``load_weights`` and
         ``update_weights`` call it. Packed copies are rebuilt on use if a weight changes
         afterwards (each is checked against its parameter's version counter); this rebuilds
         the stale ones now."""
@@ -227,7 +212,7 @@ class LlamaForCausalLM(nn.Module):
             layer.prepack()
         pw = self._lm_head_packed
         if pw is None or not pw.is_current(self.lm_head):
-            self._lm_head_packed = ops.prepack(self.lm_head)
+            self._lm_head_packed = kernels.prepack(self.lm_head)
 
     def hf_parameters(self) -> dict[str, torch.Tensor]:
         """Hugging Face parameter name -> the tensor it fills: one of our parameters or a row

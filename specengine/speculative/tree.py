@@ -9,13 +9,15 @@ committed tokens and attends to the committed context and to its own ancestors o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
 
 @dataclass(eq=False)
 class DraftTree:
-    """Draft nodes of one sequence.
+    """Draft nodes of one sequence, chosen deterministically (top-k, n-gram lookup): siblings
+    carry distinct tokens and the verifier tries them in order.
 
     Attributes:
         tokens: ``m`` token ids, one per node.
@@ -24,32 +26,21 @@ class DraftTree:
             (0.0 for deterministic drafters such as n-gram lookup; for a sampled sequence the
             model drafters give those of q perturbed by the sampling noise,
             ``specengine.speculative.drafters.coupling``). Default: zeros.
-        sampled: True when each node's children were drawn from the draft distribution q (the
-            verifier then uses rejection sampling against q); False when they were chosen
-            deterministically (top-k, n-gram), tried in order.
-        draft_probs: ``[m, V]`` float32, row i = the distribution node i's token was drawn from
-            (q at its parent, the same row for all siblings). Required when ``sampled``;
-            ignored otherwise.
-        replacement: only for sampled trees: siblings are i.i.d. draws from q (duplicates
-            allowed, SpecInfer) rather than draws without replacement (Sequoia; the default).
-            Either way the children of a node must be its first c draws in draw order, with c
-            chosen without looking at them: keeping draws by their value breaks losslessness.
         depths: ``m`` ints, computed; a child of the root has depth 1.
 
     Raises:
-        ValueError: inconsistent lengths, a parent that does not precede its child, duplicate
-            sibling tokens (allowed only for ``sampled`` trees with ``replacement``), or a
-            missing / misshaped ``draft_probs``.
+        ValueError: inconsistent lengths, a parent that does not precede its child, a negative
+            token, or duplicate sibling tokens.
     """
 
     tokens: list[int]
     parents: list[int]
     draft_logprobs: list[float] | None = None
-    sampled: bool = False
-    draft_probs: torch.Tensor | None = None
-    replacement: bool = False
     depths: list[int] = field(init=False)
     _children: list[list[int]] = field(init=False, repr=False)
+    # Siblings must differ; a test-side subclass whose children are i.i.d. draws from the draft
+    # distribution (tests/reference_verify.py) turns this off.
+    _distinct_siblings: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         m = len(self.tokens)
@@ -60,14 +51,6 @@ class DraftTree:
         if len(self.draft_logprobs) != m:
             raise ValueError(f"DraftTree.draft_logprobs has {len(self.draft_logprobs)} entries, "
                              f"tokens {m}")
-        if self.replacement and not self.sampled:
-            raise ValueError("DraftTree.replacement=True needs sampled=True")
-        if self.sampled:
-            q = self.draft_probs
-            if q is None or q.dim() != 2 or q.shape[0] != m or not q.is_floating_point():
-                shape = None if q is None else tuple(q.shape)
-                raise ValueError(f"DraftTree.draft_probs must be a float [m={m}, V] tensor "
-                                 f"when sampled=True, got {shape}")
         self.depths = []
         self._children = [[] for _ in range(m + 1)]  # slot 0 = root, slot 1 + i = node i
         for i, (tok, par) in enumerate(zip(self.tokens, self.parents)):
@@ -76,19 +59,16 @@ class DraftTree:
             if tok < 0:
                 raise ValueError(f"DraftTree.tokens[{i}]={tok}: must be >= 0")
             siblings = self._children[par + 1]
-            if not (self.sampled and self.replacement):
-                if any(self.tokens[s] == tok for s in siblings):
-                    raise ValueError(f"DraftTree.tokens[{i}]={tok} repeats a sibling's token")
+            if self._distinct_siblings and any(self.tokens[s] == tok for s in siblings):
+                raise ValueError(f"DraftTree.tokens[{i}]={tok} repeats a sibling's token")
             siblings.append(i)
             self.depths.append(1 if par < 0 else self.depths[par] + 1)
 
     @classmethod
-    def chain(cls, tokens: list[int], logprobs: list[float] | None = None,
-              draft_probs: torch.Tensor | None = None) -> DraftTree:
-        """A single path ``root -> tokens[0] -> tokens[1] ...``; sampled iff ``draft_probs``."""
+    def chain(cls, tokens: list[int], logprobs: list[float] | None = None) -> DraftTree:
+        """A single path ``root -> tokens[0] -> tokens[1] ...``."""
         return cls(list(tokens), list(range(-1, len(tokens) - 1)),
-                   None if logprobs is None else list(logprobs),
-                   sampled=draft_probs is not None, draft_probs=draft_probs)
+                   None if logprobs is None else list(logprobs))
 
     @classmethod
     def from_paths(cls, paths: list[list[int]]) -> DraftTree:
@@ -120,9 +100,7 @@ class DraftTree:
         new = {old: j for j, old in enumerate(keep)}
         return DraftTree(
             [self.tokens[i] for i in keep], [new.get(self.parents[i], -1) for i in keep],
-            [self.draft_logprobs[i] for i in keep], sampled=self.sampled,
-            draft_probs=self.draft_probs[keep] if self.draft_probs is not None else None,
-            replacement=self.replacement)
+            [self.draft_logprobs[i] for i in keep])
 
     @property
     def num_nodes(self) -> int:

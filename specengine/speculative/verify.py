@@ -6,18 +6,22 @@ node ``i``. Walking from the root, each step either accepts one child (and moves
 with a bonus token; the committed tokens are the accepted nodes' tokens plus the bonus, so every
 verification commits at least one token.
 
-- Greedy: accept the child equal to the argmax; output equals non-speculative greedy decoding.
-- Sampling, deterministic children (top-k / n-gram, ``tree.sampled == False``): try children in
-  order, accept child x with probability p(x) under the current residual, on rejection set
-  p(x) = 0 and renormalise; after the last rejection draw the bonus from the residual.
-- Sampling, sampled children (``tree.sampled == True``): multi-round rejection sampling
-  (SpecInfer arXiv 2305.09781; Leviathan et al. 2023 / Chen et al. 2023 for one round): accept
-  x with probability min(1, p(x) / q(x)); on rejection p = norm(max(0, p - q)). Children drawn
-  without replacement (Sequoia arXiv 2402.12374) also drop x from q and renormalise it.
-- At a leaf the bonus is drawn from the leaf's own row (nothing was rejected there).
+- ``verify_greedy``: accept the child equal to the row's argmax; the bonus is the argmax where
+  the walk stops. Output equals non-speculative greedy decoding.
+- ``verify_coupled`` (every sampled request): the target's sample at each position is fixed
+  by the request's sampling noise (the exponential race / Gumbel-max trick of
+  ``specengine.sampling``: ``argmax(p / E)`` with ``E ~ Exp(1)``, one noise row per output
+  position); accept the child carrying that sample, else stop with it as the bonus. Every
+  committed token is exactly the plain sample of its position, so output is token-identical
+  to non-speculative sampling with the same seed; a deterministic child x is accepted with
+  probability p(x), as the classic residual rule would (Leviathan et al. 2023, Chen et al.
+  2023; trees: SpecInfer arXiv 2305.09781).
+- ``verify``: picks one of the two from a request's ``SamplingParams``, processing the logits
+  (temperature, top-k, top-p, min-p, softmax) exactly as plain sampling does.
 
-Each way, the committed tokens are distributed exactly as plain sequential sampling from the
-target rows. Every random draw comes from the request's generator, so seeds reproduce.
+The drafters' trees are deterministic (top-k / n-gram children, distinct siblings); the
+rejection-sampling rules for trees drawn from the draft distribution live in
+``tests/reference_verify.py`` as a reference for the statistical tests.
 """
 
 from __future__ import annotations
@@ -37,46 +41,11 @@ def _check(tree: DraftTree, rows: torch.Tensor, name: str) -> None:
                          f"V={rows.shape[1]} of {name}")
 
 
-def _uniform(generator: torch.Generator) -> float:
-    return torch.rand((), generator=generator, dtype=torch.float64).item()
-
-
-def _draw(p: torch.Tensor, generator: torch.Generator,
-          fallback: torch.Tensor | None = None) -> int:
-    """One token from unnormalised float64 ``p`` by inverse CDF (zero-mass tokens are never
-    drawn; cheaper than ``torch.multinomial`` for one draw); from ``fallback`` when ``p`` has
-    no mass (a residual that rounded to zero)."""
-    cdf = p.cumsum(0)
-    total = cdf[-1].item()
-    if not total > 0:
-        if fallback is not None:
-            return _draw(fallback, generator)
-        raise RuntimeError("cannot sample from a distribution with no mass")
-    i = int(torch.searchsorted(cdf, _uniform(generator) * total, right=True))
-    return i if i < p.numel() else int(p.nonzero().max())  # u * total rounded up to total
-
-
-def _without(p: torch.Tensor, x: int) -> torch.Tensor:
-    """``p`` with token ``x`` removed and renormalised (all zeros when nothing is left)."""
-    p = p.clone()
-    p[x] = 0.0
-    total = p.sum()
-    return p / total if total > 0 else p
-
-
-def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """``norm(max(0, p - q))`` for float64 p, q summing to 1; ``p`` itself when that is all zero
-    (only by rounding: a rejection needs p(x) < q(x), hence mass of p - q elsewhere)."""
-    r = (p - q).clamp_min_(0.0)
-    total = r.sum()
-    return r / total if total > 0 else p
-
-
 def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> tuple[list[int], int]:
     """Greedy acceptance: follow the child whose token is the target's argmax.
 
     Args:
-        tree: the draft tree (its q is not used).
+        tree: the draft tree.
         target_logits: ``[m + 1, V]`` float, row 0 = after the root, row ``1 + i`` = after node
             i. Argmax ties resolve as ``torch.argmax`` does, like non-speculative sampling.
 
@@ -97,70 +66,6 @@ def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> tuple[list[in
         if node is None:
             return accepted, want
         accepted.append(node)
-
-
-def verify_sampling(tree: DraftTree, target_probs: torch.Tensor,
-                    generator: torch.Generator) -> tuple[list[int], int]:
-    """Lossless stochastic acceptance over one tree (see the module docstring for the rules).
-
-    Args:
-        tree: the draft tree; ``tree.sampled`` picks rejection against q (``tree.draft_probs``)
-            or in-order trial of deterministic children.
-        target_probs: ``[m + 1, V]`` float32 probabilities, already processed exactly as plain
-            sampling would (temperature, top-k, top-p, min-p, then softmax). Rows (and
-            ``draft_probs`` rows) are renormalised in float64, so rounding does not bias.
-        generator: the request's own ``torch.Generator`` (CPU); every draw comes from it.
-
-    Returns:
-        ``(accepted, bonus)``: node indices along the accepted path and the bonus token.
-
-    Raises:
-        ValueError: wrong row count, a draft token outside the vocabulary, or ``draft_probs``
-            whose vocabulary differs from ``target_probs``'s.
-        RuntimeError: a target row with no mass.
-
-    Edge cases: q(x) = 0 for a drafted x accepts it iff p(x) > 0; a residual that rounds to
-    all zeros falls back to the row it came from.
-    """
-    _check(tree, target_probs, "target_probs")
-    if tree.sampled and tree.draft_probs.shape[1] != target_probs.shape[1]:
-        raise ValueError(f"draft_probs has V={tree.draft_probs.shape[1]}, "
-                         f"target_probs V={target_probs.shape[1]}")
-    accepted: list[int] = []
-    node = -1
-    while True:
-        p = target_probs[node + 1].double()
-        kids = tree.children(node)
-        if not kids:
-            return accepted, _draw(p, generator)
-        us = torch.rand(len(kids), generator=generator, dtype=torch.float64).tolist()
-        nxt = None
-        if tree.sampled:
-            p = p / p.sum()
-            q = tree.draft_probs[kids[0]].double()
-            q = q / q.sum()
-            for c, u in zip(kids, us):
-                x = tree.tokens[c]
-                if u * q[x].item() < p[x].item():
-                    nxt = c
-                    break
-                p = _residual(p, q)
-                if not tree.replacement:
-                    q = _without(q, x)
-            bonus_row = p
-        else:  # siblings are distinct: the residual after rejecting x_1..x_j is p without them
-            toks = [tree.tokens[c] for c in kids]
-            left = p.sum().item()
-            for c, u, px in zip(kids, us, p[toks].tolist()):
-                if u * left < px:
-                    nxt = c
-                    break
-                left -= px
-            bonus_row = p.index_fill(0, torch.tensor(toks), 0.0)
-        if nxt is None:
-            return accepted, _draw(bonus_row, generator, fallback=p)
-        accepted.append(nxt)
-        node = nxt
 
 
 def verify_coupled(tree: DraftTree, target_probs: torch.Tensor,

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from specengine import ops
+from specengine import kernels
 from specengine.speculative.drafters.eagle import EagleModel, load_state, save_drafter
 from specengine.speculative.training.harvest import Rollout
 
@@ -78,7 +78,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.autocast is None:
-            self.autocast = ops.amx_available() or ops.avx512_available(torch.bfloat16)
+            self.autocast = kernels.amx_available() or kernels.avx512_available(torch.bfloat16)
 
     def amp(self):
         """The autocast context of the drafter's forward (a no-op when ``autocast`` is off)."""

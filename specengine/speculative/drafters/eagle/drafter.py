@@ -62,7 +62,7 @@ class EagleDrafter(Drafter):
     log-probabilities are those of the draft scores perturbed by the sequence's own sampling
     noise (``drafters.coupling``), so the tree follows what the target will sample;
     tokens its top-k / top-p / min-p drop are not drafted. Children are chosen
-    deterministically (``DraftTree.sampled=False``): lossless under greedy and sampling
+    deterministically (the top-k of those scores): lossless under greedy and coupled
     verification. Each depth is one drafter forward over all sequences (tree attention).
 
     Args:

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specengine import ops
+from specengine import kernels
 from specengine.attention.base import AttentionMetadata
 from specengine.models.config import ModelConfig
 from specengine.models.llama import DecoderLayer, add_rms_norm, apply_rope, rope_cache
@@ -143,7 +143,7 @@ class EagleModel(nn.Module):
                              vocab_map.to(torch.int64), persistent=False)
         self.register_buffer("rope", rope_cache(lc), persistent=False)  # float32, as the target
         self._head: tuple | None = None
-        self._packs: dict[str, ops.PackedWeight] = {}  # kernel layouts of fc and the head
+        self._packs: dict[str, kernels.PackedWeight] = {}  # kernel layouts of fc and the head
 
     # ---- shared target tensors --------------------------------------------------------------
     @property
@@ -161,11 +161,11 @@ class EagleModel(nn.Module):
             self._head = (key, w.detach()[self.vocab_map].contiguous())
         return self._head[1]
 
-    def _packed(self, name: str, weight: torch.Tensor) -> ops.PackedWeight:
-        """``ops.prepack(weight)`` cached under ``name``, redone when the weight changed."""
+    def _packed(self, name: str, weight: torch.Tensor) -> kernels.PackedWeight:
+        """``kernels.prepack(weight)`` cached under ``name``, redone when the weight changed."""
         pw = self._packs.get(name)
         if pw is None or not pw.is_current(weight):
-            pw = self._packs[name] = ops.prepack(weight)
+            pw = self._packs[name] = kernels.prepack(weight)
         return pw
 
     def random_init(self, seed: int = 0) -> EagleModel:
@@ -189,7 +189,7 @@ class EagleModel(nn.Module):
         features ``[T, H]``, RoPE positions ``[T]`` int64; writes the rows' K/V into ``kv``."""
         t = self.target
         x = torch.cat([t.embed_tokens[input_ids], feats.to(self.fc.dtype)], dim=-1)
-        x = ops.linear(x, self._packed("fc", self.fc), self.fc_bias)
+        x = kernels.linear(x, self._packed("fc", self.fc), self.fc_bias)
         cos, sin = self.rope[positions].unsqueeze(1).chunk(2, dim=-1)
         h, res = self.layer(x, None, cos, sin, kv, meta, backend)
         out, _ = add_rms_norm(h, res, t.norm.to(h.dtype), self.eps)
@@ -200,7 +200,7 @@ class EagleModel(nn.Module):
         """``[N, Vd]`` float32 logits over the draft vocabulary for features ``[N, H]``."""
         if self.vocab_map is None:
             return self.target.compute_logits(feats)
-        return ops.linear(feats, self._packed("head", self.head_weight()), out_f32=True)
+        return kernels.linear(feats, self._packed("head", self.head_weight()), out_f32=True)
 
     def to_full_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary indices -> target token ids."""

@@ -1,11 +1,14 @@
-"""Small tensor ops used by the models; each uses the C++ extension when it can.
+"""The models' tensor ops over the C++ extension's CPU kernels, each with a torch fallback.
 
-Every op has a pure-torch path (``*_torch``) that is the reference in tests. The C++ paths run
-for CPU float32/bfloat16 tensors when ``specengine._C`` is built; anything else takes the torch
-path. Threads: the C++ ops use ``torch.get_num_threads()`` threads (their own work-claiming
-pool, see csrc/pool.h: a busy core delays a call by at most the chunks it already claimed);
-inside ``kernel_threads`` (decode-sized engine steps) they keep that count while torch runs on
-one thread, so torch's spinning OpenMP workers do not compete with them.
+Ops: ``linear`` / ``linear_glu`` (plain or prepacked weights), ``rms_norm``, ``add_rms_norm``,
+``silu_and_mul``, ``rope_``; thread control: ``kernel_threads``, ``packed_covers``.
+
+Every op has a pure-torch path (``*_torch``; ``F.linear`` for ``linear``), the reference in
+tests. The C++ paths run for CPU float32/bfloat16 tensors when ``specengine._C`` is built;
+anything else takes the torch path. Threads: the C++ ops use ``torch.get_num_threads()`` threads
+(their own work-claiming pool, see csrc/pool.h: a busy core delays a call by at most the chunks
+it already claimed); inside ``kernel_threads`` (decode-sized engine steps) they keep that count
+while torch runs on one thread, so torch's spinning OpenMP workers do not compete with them.
 
 Weights can be prepared once with ``prepack`` (the tile layout of ``csrc/linear_amx.cpp`` for
 bfloat16 on CPUs with AMX, else the 64-feature groups of ``csrc/linear_avx512.cpp`` on AVX-512
@@ -123,11 +126,6 @@ def prepack(weight: torch.Tensor, glu: bool = False) -> PackedWeight:
             packed, kind = ext().pack_weight_avx512(w, glu), "avx512"
     return PackedWeight(weight, packed, glu and packed is not None, _version(weight),
                         weight.data_ptr(), kind)
-
-
-def linear_torch(x: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
 
 
 def _packed_linear(x: torch.Tensor, pw: PackedWeight, rows: int, bias, glu: bool = False,
