@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     from specengine.speculative.training.train import add_cli
     add_cli(sub)
+    from specengine.server.cli import add_serve_cli
+    add_serve_cli(sub)
     return ap.parse_args(argv)
 
 
@@ -179,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train-drafter":
         from specengine.speculative.training.train import train_drafter_main
         return train_drafter_main(args)
+    if args.command == "serve":
+        from specengine.server.cli import serve_main
+        return serve_main(args)
     return 2
 
 
