@@ -374,6 +374,9 @@ def test_trl_vllm_client(server, ref):
         trl_client = vc.VLLMClient(base_url=server.url)
     assert trl_client.model == "tiny"
     assert trl_client.get_world_size() == 1
+    info = trl_client.get_server_info()  # what GRPOTrainer reads
+    assert info["model_config"]["logprobs_mode"] == "raw_logprobs"
+    assert info["weight_transfer_config"] is None
     out = trl_client.generate(["Hello", "Tell me a joke"], n=2, temperature=1.0, max_tokens=8,
                               generation_kwargs={"seed": 11, "ignore_eos": True})
     tok = ref.get_tokenizer()
