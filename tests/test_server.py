@@ -391,6 +391,15 @@ def test_trl_vllm_client(server, ref):
             assert [ids[0] for ids in out["logprob_token_ids"][k]] == o.token_ids
             assert [v[0] for v in out["logprobs"][k]] == pytest.approx(
                 [e[t].logprob for t, e in zip(o.token_ids, o.logprobs)], abs=1e-5)
+    chat = trl_client.chat([CONV], n=2, temperature=1.0, max_tokens=6,
+                           generation_kwargs={"seed": 2})
+    want = ref.chat(CONV, SamplingParams(n=2, seed=2, temperature=1.0, max_tokens=6,
+                                         logprobs=0), use_tqdm=False)[0]
+    assert chat["prompt_ids"] == [want.prompt_token_ids]
+    assert chat["completion_ids"] == [o.token_ids for o in want.outputs]
+    assert [[v[0] for v in lp] for lp in chat["logprobs"]] == [pytest.approx(
+        [e[t].logprob for t, e in zip(o.token_ids, o.logprobs)], abs=1e-5)
+        for o in want.outputs]
     trl_client.reset_prefix_cache()  # raises unless 200
 
 

@@ -102,7 +102,10 @@ class RequestHandle:
         self._queue: asyncio.Queue[Update] = asyncio.Queue()
 
     def _push(self, update: Update) -> None:  # engine thread
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, update)
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, update)
+        except RuntimeError:  # the event loop is closed: nobody is waiting any more
+            pass
 
     def __aiter__(self):
         return self
