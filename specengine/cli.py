@@ -1,5 +1,5 @@
-"""The ``specengine`` command: ``generate`` (below) and ``train-drafter`` (its arguments here, the
-job in ``specengine.speculative.training.distill``).
+"""The ``specengine`` command: ``generate`` (below), ``serve`` (``specengine.server``) and
+``train-drafter`` (its arguments here, the job in ``specengine.speculative.training.distill``).
 
 ``specengine generate``: offline batch generation from a JSONL file.
 
@@ -26,8 +26,9 @@ from specengine.sampling import SamplingParams
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        prog="specengine", description="Offline batch generation (generate) and EAGLE drafter "
-        "training (train-drafter) with lossless speculative decoding.",
+        prog="specengine", description="Offline batch generation (generate), an OpenAI- and "
+        "TRL-compatible HTTP server (serve) and EAGLE drafter training (train-drafter), with "
+        "lossless speculative decoding.",
         epilog="generate exits with 0 when the job finished, also if some input lines failed "
         "(each is in the output with an 'error' field and listed in the summary), and with 2 "
         "for bad arguments.")
@@ -57,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_train_drafter(sub)
+    from specengine.server.cli import add_serve_cli
+    add_serve_cli(sub)
     return ap.parse_args(argv)
 
 
@@ -214,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train-drafter":
         from specengine.speculative.training.distill import train_drafter
         return train_drafter(args)
+    if args.command == "serve":
+        from specengine.server.cli import serve_main
+        return serve_main(args)
     return 2
 
 

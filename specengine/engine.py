@@ -170,6 +170,25 @@ class Engine:
         self.scheduler.waiting.clear()
         self.requests.clear()
 
+    def abort_request(self, request_id: str) -> bool:
+        """Drop one unfinished request (all its samples, running or waiting) and return its KV
+        blocks to the pool; the other requests are untouched. Returns False if ``request_id``
+        is unknown or already finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for s in req.seqs:
+            if not s.is_finished:
+                s.finish_reason = "abort"
+                self.scheduler.finish(s)
+                if self.drafter is not None:
+                    self.drafter.release(s)
+        waiting = self.scheduler.waiting
+        kept = [g for g in waiting if g[0].request_id != request_id]
+        waiting.clear()
+        waiting.extend(kept)
+        return True
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 

@@ -1,0 +1,367 @@
+"""The engine loop behind the HTTP server: one thread owns the ``LLM``'s engine.
+
+HTTP handlers run on the asyncio event loop. They ``submit`` requests to a thread-safe queue
+and iterate the returned ``RequestHandle`` for results; the engine thread admits whatever has
+arrived before each ``Engine.step()``, so concurrent HTTP requests are continuously batched
+together in the same steps. After each step it pushes, per request, the tokens new since the
+last step (streaming) or the finished ``RequestOutput`` onto the handle's asyncio queue.
+
+Other work on the engine goes through the same thread: ``call`` runs a function between two
+steps (metrics), ``call_exclusive`` runs it once no request is in flight (weight updates,
+prefix-cache reset): requests submitted after it wait until it has run, so no request ever
+mixes two sets of weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specengine.outputs import RequestOutput
+from specengine.sampling import SamplingParams
+from specengine.sequence import Logprob, Sequence
+
+logger = logging.getLogger("specengine.server")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (server shutdown); no request can be served."""
+
+
+class RequestAborted(RuntimeError):
+    """The request was aborted (client disconnect or server shutdown)."""
+
+
+@dataclass
+class SampleDelta:
+    """What one sample gained in one step.
+
+    Attributes:
+        index: sample index in ``0 .. n-1``.
+        token_ids: token ids appended this step (a finishing EOS / stop token included).
+        logprobs: their logprob entries (``{token_id: Logprob}`` each), or None without logprobs.
+        finish_reason: ``"stop"`` / ``"length"`` once the sample finished, else None.
+        stop_reason: the stop string or stop token id that ended it, if any.
+        text: the sample's final text once it finished (stop strings cut), else None.
+    """
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str | None = None
+
+
+@dataclass
+class Update:
+    """One message from the engine thread to a request's handle: the samples' deltas of a step
+    (streaming requests only), and ``output`` on the last one (the request finished), or
+    ``error`` (the request failed or was aborted; nothing follows)."""
+
+    deltas: list[SampleDelta] = field(default_factory=list)
+    output: RequestOutput | None = None
+    error: BaseException | None = None
+
+
+@dataclass
+class _Tracked:
+    handle: RequestHandle
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+    seqs: list[Sequence] = field(default_factory=list)
+    sent: list[int] = field(default_factory=list)  # output tokens already pushed, per sample
+    ended: list[bool] = field(default_factory=list)  # its end already pushed, per sample
+
+
+class RequestHandle:
+    """The caller's end of one submitted request; ``async for update in handle`` yields
+    ``Update``s until the one with ``output`` (or raises the request's error).
+
+    Attributes:
+        request_id: the engine's id of the request.
+        stream: whether per-step deltas are pushed (else only the final update).
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, stream: bool,
+                 loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.stream = stream
+        self.finished = False
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue[Update] = asyncio.Queue()
+
+    def _push(self, update: Update) -> None:  # engine thread
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, update)
+        except RuntimeError:  # the event loop is closed: nobody is waiting any more
+            pass
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Update:
+        if self.finished:
+            raise StopAsyncIteration
+        update = await self._queue.get()
+        if update.error is not None:
+            self.finished = True
+            raise update.error
+        if update.output is not None:
+            self.finished = True
+        return update
+
+    async def result(self) -> RequestOutput:
+        """Wait for the finished ``RequestOutput`` (raises the request's error)."""
+        async for update in self:
+            if update.output is not None:
+                return update.output
+        raise RequestAborted(f"request {self.request_id} ended without output")
+
+    def abort(self) -> None:
+        """Abort the request if it has not finished (idempotent; frees its KV blocks)."""
+        if not self.finished:
+            self.finished = True
+            self._engine._put(("abort", self.request_id))
+
+
+@dataclass
+class ServerStats:
+    """Counters of the engine loop: steps it ran, the most sequences in one step's batch,
+    requests finished / aborted / failed, and seconds spent in ``Engine.step``."""
+
+    steps: int = 0
+    max_batch_seqs: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    requests_failed: int = 0
+    step_time: float = 0.0
+
+
+class AsyncEngine:
+    """Runs ``llm.engine`` in a background thread and serves requests from the event loop.
+
+    Args:
+        llm: a ``specengine.LLM``; from ``start()`` on, only this object's thread may touch
+            ``llm.engine`` (use ``call`` / ``call_exclusive`` for anything else).
+    """
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.engine = llm.engine
+        self.stats = ServerStats()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._tracked: dict[str, _Tracked] = {}
+        self._deferred: deque = deque()  # adds waiting for an exclusive call to run
+        self._exclusive: deque = deque()  # (fn, future) waiting for the engine to drain
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="specengine-engine",
+                                            daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread; requests still in flight fail with ``EngineDeadError``."""
+        if self._thread is not None:
+            self._put(("stop",))
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- event-loop side ------------------------------------------------------------------
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams,
+               prompt: str | None = None, stream: bool = False) -> RequestHandle:
+        """Queue one prompt for generation; call from the event loop. Validation errors of
+        ``Engine.add_request`` (a ``ValueError``) come back from the handle.
+
+        Raises:
+            EngineDeadError: the engine thread is not running.
+        """
+        if not self.is_running:
+            raise EngineDeadError("the engine loop is not running")
+        rid = f"srv-{next(self._ids)}"
+        handle = RequestHandle(self, rid, stream, asyncio.get_running_loop())
+        self._put(("add", _Tracked(handle, list(prompt_token_ids), params, prompt)))
+        return handle
+
+    async def call(self, fn: Callable, *args, exclusive: bool = False):
+        """Run ``fn(*args)`` on the engine thread and return its result (or raise its error):
+        between two steps, or with ``exclusive=True`` once no request is in flight (requests
+        submitted meanwhile wait for it)."""
+        if not self.is_running:
+            raise EngineDeadError("the engine loop is not running")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._put(("exclusive" if exclusive else "call", fn, args, fut))
+        return await asyncio.wrap_future(fut)
+
+    def _put(self, cmd: tuple) -> None:
+        self._commands.put(cmd)
+
+    # ---- engine thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                idle = not self.engine.has_unfinished() and not self._exclusive
+                if not self._handle(self._commands.get() if idle else None):
+                    return
+                while True:  # everything that arrived meanwhile joins this step
+                    try:
+                        cmd = self._commands.get_nowait()
+                    except queue.Empty:
+                        break
+                    if not self._handle(cmd):
+                        return
+                if self._exclusive and not self.engine.has_unfinished():
+                    self._run_exclusive()
+                if self.engine.has_unfinished():
+                    self._step()
+        except BaseException as e:  # noqa: BLE001 - keep callers from waiting forever
+            logger.exception("engine loop crashed")
+            self._fail_all(EngineDeadError(f"the engine loop crashed: {e!r}"))
+        finally:
+            self._fail_all(EngineDeadError("the server is shutting down"))
+
+    def _handle(self, cmd: tuple | None) -> bool:
+        """Apply one command; False means stop."""
+        if cmd is None:
+            return True
+        kind = cmd[0]
+        if kind == "stop":
+            return False
+        if kind == "add":
+            if self._exclusive:
+                self._deferred.append(cmd[1])
+            else:
+                self._add(cmd[1])
+        elif kind == "abort":
+            self._abort(cmd[1])
+        elif kind == "call":
+            self._run_call(cmd[1], cmd[2], cmd[3])
+        elif kind == "exclusive":
+            self._exclusive.append(cmd[1:])
+        return True
+
+    @staticmethod
+    def _run_call(fn, args, fut: concurrent.futures.Future) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            fut.set_exception(e)
+
+    def _run_exclusive(self) -> None:
+        while self._exclusive:
+            self._run_call(*self._exclusive.popleft())
+        while self._deferred:
+            self._add(self._deferred.popleft())
+
+    def _add(self, t: _Tracked) -> None:
+        rid = t.handle.request_id
+        try:
+            self.engine.add_request(t.prompt_token_ids, t.params, prompt=t.prompt, request_id=rid)
+        except Exception as e:  # noqa: BLE001 - this request fails alone
+            self.stats.requests_failed += 1
+            t.handle._push(Update(error=e))
+            return
+        t.seqs = list(self.engine.requests[rid].seqs)
+        t.sent = [0] * len(t.seqs)
+        t.ended = [False] * len(t.seqs)
+        self._tracked[rid] = t
+
+    def _abort(self, rid: str) -> None:
+        t = self._tracked.pop(rid, None)
+        if t is not None:
+            self.engine.abort_request(rid)
+        else:
+            t = next((d for d in self._deferred if d.handle.request_id == rid), None)
+            if t is not None:
+                self._deferred.remove(t)
+        if t is not None:
+            self.stats.requests_aborted += 1
+            t.handle._push(Update(error=RequestAborted(f"request {rid} was aborted")))
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            finished = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - fail what was in flight, keep serving
+            logger.exception("engine step failed; failing the requests in flight")
+            self.engine.abort_all()
+            self._fail_all(RuntimeError(f"engine step failed: {e!r}"))
+            return
+        st = self.stats
+        st.step_time += time.perf_counter() - t0
+        st.steps += 1
+        # every sequence still running after the step was part of its batch
+        st.max_batch_seqs = max(st.max_batch_seqs, len(self.engine.scheduler.running)
+                                + sum(len(o.outputs) for o in finished))
+        done = {o.request_id: o for o in finished}
+        for rid, t in list(self._tracked.items()):
+            out = done.get(rid)
+            if out is None and not t.handle.stream:
+                continue
+            update = Update(deltas=self._deltas(t) if t.handle.stream else [], output=out)
+            if out is not None:
+                del self._tracked[rid]
+                st.requests_finished += 1
+            if update.deltas or out is not None:
+                t.handle._push(update)
+
+    @staticmethod
+    def _deltas(t: _Tracked) -> list[SampleDelta]:
+        """Tokens each sample of ``t`` gained since the last push (and its end, if it ended)."""
+        out = []
+        base = len(t.prompt_token_ids)
+        for i, s in enumerate(t.seqs):
+            if t.ended[i]:
+                continue
+            n = len(s.token_ids) - base
+            if n == t.sent[i] and not s.is_finished:
+                continue
+            lps = s.logprobs[t.sent[i]:n] if s.logprobs is not None else None
+            d = SampleDelta(i, s.token_ids[base + t.sent[i]:], lps)
+            if s.is_finished:
+                d.finish_reason, d.stop_reason, d.text = s.finish_reason, s.stop_reason, s.text
+                t.ended[i] = True
+            t.sent[i] = n
+            out.append(d)
+        return out
+
+    def _fail_all(self, error: BaseException) -> None:
+        for t in list(self._tracked.values()) + list(self._deferred):
+            self.stats.requests_failed += 1
+            t.handle._push(Update(error=error))
+        self._tracked.clear()
+        self._deferred.clear()
+        while self._exclusive:
+            fn, args, fut = self._exclusive.popleft()
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(error)
+        while True:  # anything still queued (after a stop)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                cmd[1].handle._push(Update(error=error))
+            elif cmd[0] in ("call", "exclusive") and cmd[3].set_running_or_notify_cancel():
+                cmd[3].set_exception(error)
