@@ -85,8 +85,9 @@ def main() -> None:
              ("one call, own state", lambda: llm.update_weights(own)),
              (f"streamed {args.bucket_mb:g} MB, HF fp32", streamed(hf32)),
              (f"streamed {args.bucket_mb:g} MB, HF bf16", streamed(hf16))]
+    load0 = os.getloadavg()[0]
     print(f"{args.model} ({n_params / 1e6:.1f}M params, engine {args.dtype}), torch threads "
-          f"{torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
+          f"{torch.get_num_threads()}, load average {load0:.2f}")
     for name, fn in cases:
         fn()  # warm-up (first-touch pages, packed buffers)
         wall, cpu = timed(fn, args.repeats)
@@ -100,7 +101,8 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"model": args.model, "dtype": args.dtype, "params": n_params,
                        "torch": torch.__version__, "threads": torch.get_num_threads(),
-                       "rows": rows}, f, indent=2)
+                       "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)],
+                       "buckets": n_buckets, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -112,24 +112,17 @@ def _repack_avx512_(out: torch.Tensor, w: torch.Tensor, glu: bool) -> None:
     ``[G, K/2, 64, 2]`` (pairs of K). Padding rows of ``out`` are left as they are (zeros).
     ``out`` must come from ``avx512_pack_weight`` of a weight of this shape and dtype; K must
     be even for bfloat16."""
-    N, K = w.shape
-    bf16 = w.dtype == torch.bfloat16
+    if w.dtype == torch.bfloat16:  # a pair of K is one 4-byte unit: move them as int32
+        out, w = out.view(torch.int32).flatten(-2), w.view(torch.int32)
+    N, K = w.shape  # (K: units of 4 bytes)
     if glu:
         G = N // 64
-        if bf16:
-            out.view(G, K // 2, 2, 32, 2).copy_(w.view(2, G, 32, K // 2, 2).permute(1, 3, 0, 2, 4))
-        else:
-            out.view(G, K, 2, 32).copy_(w.view(2, G, 32, K).permute(1, 3, 0, 2))
+        out.view(G, K, 2, 32).copy_(w.view(2, G, 32, K).permute(1, 3, 0, 2))
         return
     full, rest = divmod(N, 64)
-    if bf16:
-        out[:full].copy_(w[:full * 64].view(full, 64, K // 2, 2).permute(0, 2, 1, 3))
-        if rest:
-            out[full, :, :rest].copy_(w[full * 64:].view(rest, K // 2, 2).permute(1, 0, 2))
-    else:
-        out[:full].copy_(w[:full * 64].view(full, 64, K).permute(0, 2, 1))
-        if rest:
-            out[full, :, :rest].copy_(w[full * 64:].t())
+    out[:full].copy_(w[:full * 64].view(full, 64, K).permute(0, 2, 1))
+    if rest:
+        out[full, :, :rest].copy_(w[full * 64:].t())
 
 
 def prepack(weight: torch.Tensor, glu: bool = False,
