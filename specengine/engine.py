@@ -129,6 +129,7 @@ class Engine:
         Raises:
             ValueError: empty prompt, prompt not shorter than ``max_model_len``, a token id
                 outside the vocabulary, or a stop string without a tokenizer.
+            RuntimeError: from ``ready_check`` (the engine is asleep, see ``memory.py``).
         """
         if self.ready_check is not None:
             self.ready_check()

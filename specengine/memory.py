@@ -13,7 +13,8 @@ been loaded again. A drafter's own weights (an EAGLE layer, a draft model) are n
 only the tensors an EAGLE drafter shares with the target follow it.
 
 Released tensors keep their Python objects (and every view of them): only their storage is
-resized to 0 bytes and back, so nothing that holds a reference needs rebuilding.
+resized to 0 bytes and back, so nothing that holds a reference needs rebuilding. Tensors staged
+by an open weight update session (``weights.py``) are not released.
 """
 
 from __future__ import annotations
