@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Iterable, Mapping
 
@@ -11,6 +13,8 @@ from tqdm.auto import tqdm
 from specengine.config import EngineConfig, parse_dtype
 from specengine.engine import Engine
 from specengine.kv import kv_bytes_per_block
+from specengine.llm_args import parse_engine_args
+from specengine.memory import MemoryManager
 from specengine.models.registry import DEFAULT_MODEL
 from specengine.outputs import RequestOutput
 from specengine.sampling import SamplingParams
@@ -19,6 +23,7 @@ from specengine.speculative.drafters import make_drafter
 from specengine.speculative.drafters.eagle import EagleDrafter
 from specengine.speculative.policy import make_policy
 from specengine.speculative.training.harvest import Harvester
+from specengine.weights import WeightUpdater
 
 DEFAULT_KV_BYTES = 1 << 30
 
@@ -45,9 +50,42 @@ class LLM:
             ``specengine.speculative.config.SpeculativeConfig``. Outputs are unchanged by it: greedy
             output is identical, sampled output has the same distribution.
 
+    vLLM engine arguments (what verl, TRL and OpenRLHF pass; checked by
+    ``specengine.llm_args``), keyword only:
+
+    - honoured: ``enable_prefix_caching`` (default True; stored as ``enable_prefix_caching``),
+      ``load_format`` (``"auto"``/``"safetensors"``: the checkpoint; ``"dummy"``: random
+      weights, for a trainer that pushes real ones before rollouts), ``max_logprobs``
+      (default 20: ``SamplingParams.logprobs`` above it is refused; -1: no limit),
+      ``skip_tokenizer_init`` (no tokenizer: prompts must be token ids, ``text`` stays
+      empty), ``gpu_memory_utilization`` (on CUDA, without ``kv_cache_memory_bytes``: the KV
+      cache takes what is left of that fraction of the device's memory; on CPU it is checked
+      and ignored), ``offload_dir`` (specengine: the directory of the temporary file a CPU
+      engine's weights go to during ``sleep(level=1)``; default the system temp directory).
+    - accepted, nothing to do here: ``enable_sleep_mode`` (``sleep``/``wake_up`` always
+      work: nothing is reserved up front), ``enforce_eager`` (always eager: no CUDA graphs),
+      ``trust_remote_code`` (no model code from checkpoints is ever run; known architectures
+      only), ``distributed_executor_backend`` None/``"uni"``/``"external_launcher"`` (all
+      mean: this process), ``model_impl`` ``"auto"``/``"vllm"`` (specengine's own decoder),
+      ``tensor_parallel_size``/``pipeline_parallel_size``/``data_parallel_size`` = 1,
+      ``quantization`` None, ``kv_cache_dtype`` ``"auto"`` (the model dtype),
+      ``enable_chunked_prefill`` (prefills are never split: a prompt longer than
+      ``max_num_batched_tokens`` runs alone in its step), ``disable_log_stats``,
+      ``disable_custom_all_reduce``, ``swap_space`` (preemption recomputes; no swap),
+      ``max_seq_len_to_capture``, ``cpu_offload_gb`` = 0, ``enable_lora`` False,
+      ``revision`` None, ``worker_extension_cls`` None.
+    - refused (ValueError saying why): parallel sizes > 1, a Ray or multiprocessing executor,
+      a quantization method, a worker extension, LoRA, ``cpu_offload_gb`` > 0, a revision,
+      ``model_impl="transformers"``, another ``kv_cache_dtype`` or ``load_format``; an
+      unknown keyword (the message lists the accepted ones).
+
+    ``dtype`` also takes vLLM's ``"auto"`` (the checkpoint's float16/bfloat16, bfloat16 for a
+    float32 checkpoint), ``"half"`` and ``"float"``.
+
     Raises:
         ValueError: unknown alias or dtype, ``max_model_len`` above the model's limit, a KV
-            budget smaller than one block. FileNotFoundError: a missing path.
+            budget smaller than one block, an engine argument refused as above.
+            FileNotFoundError: a missing path.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "bfloat16",
@@ -55,16 +93,19 @@ class LLM:
                  seed: int = 0, block_size: int = 16, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None,
                  logprobs_mode: str = "raw_logprobs", speculative_config: dict | None = None,
-                 device: str = "auto", attention_backend: str = "auto"):
+                 device: str = "auto", attention_backend: str = "auto", **engine_args):
         from specengine.models.loader import load_model
 
-        torch_dtype = parse_dtype(dtype)
+        args = self.engine_args = parse_engine_args(engine_args)
+        self.enable_prefix_caching = args.enable_prefix_caching
+        torch_dtype = parse_dtype(_vllm_dtype(dtype, model))
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        loaded = load_model(model, dtype=torch_dtype, device=device)
+        loaded = load_model(model, dtype=torch_dtype, device=device,
+                            dummy=args.load_format == "dummy")
         self.model_name = model
         self.model_dir = loaded.model_dir
-        self.tokenizer = loaded.tokenizer
+        self.tokenizer = None if args.skip_tokenizer_init else loaded.tokenizer
         cfg = loaded.config
         limit = cfg.max_position_embeddings
         if max_model_len is None:
@@ -73,6 +114,10 @@ class LLM:
             raise ValueError(f"max_model_len={max_model_len} must be in [2, {limit}] "
                              f"(the model's max_position_embeddings)")
         per_block = kv_bytes_per_block(cfg, block_size, torch_dtype)
+        if (kv_cache_memory_bytes is None and args.gpu_memory_utilization is not None
+                and torch.device(device).type == "cuda"):
+            free, total = torch.cuda.mem_get_info(torch.device(device))
+            kv_cache_memory_bytes = int(args.gpu_memory_utilization * total) - (total - free)
         kv_bytes = DEFAULT_KV_BYTES if kv_cache_memory_bytes is None else kv_cache_memory_bytes
         num_blocks = kv_bytes // per_block
         if num_blocks < 1:
@@ -88,12 +133,18 @@ class LLM:
         drafter = make_drafter(self.speculative_config, loaded, num_blocks, block_size) \
             if self.speculative_config else None
         policy = make_policy(self.speculative_config, seed) if drafter else None
+        eos = None  # default: the model's and the tokenizer's
+        if self.tokenizer is None and getattr(loaded.tokenizer, "eos_token_id", None) is not None:
+            eos = {*cfg.eos_token_ids, loaded.tokenizer.eos_token_id}  # skip_tokenizer_init
         self.engine = Engine(loaded.model, self.tokenizer, self.engine_config, seed=seed,
-                             logprobs_mode=logprobs_mode, drafter=drafter, policy=policy,
-                             attention_backend=attention_backend)
+                             logprobs_mode=logprobs_mode, eos_token_ids=eos, drafter=drafter,
+                             policy=policy, attention_backend=attention_backend)
         if policy is not None:
             policy.warm_start(self.engine)
         self._wall_time = 0.0
+        self.memory = MemoryManager(self.engine, args.offload_dir)
+        self.engine.ready_check = self.memory.check_ready
+        self.weights = WeightUpdater(self.engine, self.memory)
 
     def get_tokenizer(self):
         """The transformers tokenizer of the model (None for a model without one)."""
@@ -103,26 +154,41 @@ class LLM:
         """Engine counters since start: requests, prompt/generated tokens, steps, prefill and
         decode time (seconds), preemptions, KV blocks (total and free), wall time in
         ``generate`` (seconds); with speculation, the policy's ``stats()`` (strategies run,
-        steps, predicted and observed tokens/s, decision time); with an EAGLE drafter (also
-        inside a ``Harvester``), ``drafter_version`` and ``tau_per_version`` (version -> tokens
-        committed per verify step, see ``EagleDrafter.stats``)."""
+        steps, predicted and observed tokens/s, decision time) and ``tau_per_weight_version``
+        (target weight version -> tokens committed per verify step while it served: drift
+        after a weight update shows here); with an EAGLE drafter (also inside a
+        ``Harvester``), ``drafter_version`` and ``tau_per_version`` (drafter version -> tokens
+        committed per verify step, see ``EagleDrafter.stats``). Always: ``weight_version``,
+        ``weight_updates``, ``weight_update_time`` / ``last_weight_update_time`` (seconds
+        applying updates) and ``sleep_level`` (0 awake, else the deepest level slept)."""
         d = self.engine.metrics.as_dict()
         d.update(kv_blocks_total=self.engine.blocks.num_blocks,
-                 kv_blocks_free=self.engine.blocks.num_free, generate_time=self._wall_time)
+                 kv_blocks_free=self.engine.blocks.num_free, generate_time=self._wall_time,
+                 sleep_level=self.memory.level, **self.weights.stats())
         drafter = self.engine.drafter
         if drafter is not None:
             d.update(self.engine.policy.stats())
+            d["tau_per_weight_version"] = self.weights.tau_per_weight_version()
         if isinstance(drafter, Harvester):
             drafter = drafter.inner
         if isinstance(drafter, EagleDrafter):
             d.update(drafter.stats())
         return d
 
+    # ---- weight sync (specengine.weights) ----------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        """Version of the target's weights: 0 as loaded, +1 per applied update (or the version
+        given to ``finish_weight_update``); stamped on every ``RequestOutput``."""
+        return self.engine.weight_version
+
     def update_weights(self, weights: Mapping[str, torch.Tensor]
                        | Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-        """Overwrite some or all of the target's weights in place, between ``generate`` calls:
-        a trainer pushing a new policy (SGLang's ``update_weights_from_tensor``, vLLM's weight
-        sync). Later steps use the new weights: the kernels' packed copies are rebuilt.
+        """Overwrite some or all of the target's weights in one call, between ``generate``
+        calls: ``begin_weight_update`` + ``load_weights(weights)`` + ``finish_weight_update``
+        (a trainer pushing a new policy: SGLang's ``update_weights_from_tensor``, TRL's
+        colocated push). Later steps use the new weights: the kernels' packed copies are
+        rebuilt once, the prefix cache is reset, ``weight_version`` goes up by one.
 
         An EAGLE drafter shares the target's embedding, final norm and LM head tensors, so
         those follow automatically; its own layer does not (it is now stale: train it online,
@@ -131,26 +197,110 @@ class LLM:
 
         Args:
             weights: ``(name, tensor)`` pairs or a dict, with Hugging Face parameter names (as
-                a transformers model's ``named_parameters()`` / ``state_dict()`` and
-                ``LlamaForCausalLM.load_weights`` have them), any subset (e.g. some layers).
-                Tensors are cast to the engine's dtype and copied to its device.
+                a transformers model's ``named_parameters()`` / ``state_dict()`` have them;
+                fused ``qkv_proj`` / ``gate_up_proj`` names too), any subset (e.g. some layers),
+                any floating dtype (cast to the engine's) and device. The tensors are read
+                while the call runs and not copied first: they must not change until it
+                returns (a generator must not yield one reused buffer).
 
         Returns:
-            the names copied (``rotary_emb.inv_freq`` and a tied ``lm_head.weight`` are
-            skipped, as in ``load_weights``).
+            the names applied (fused names as their q/k/v, gate/up parts; ``rotary_emb.inv_freq``
+            and a tied ``lm_head.weight`` are skipped, as in ``load_weights``).
 
         Raises:
-            ValueError: an unknown name or a shape that differs, naming the parameter.
-            TypeError: an entry that is not a tensor.
-            RuntimeError: requests are in flight (a ``generate_iter`` not run to its end).
+            ValueError: an unknown name, a shape that differs, NaN/inf values (naming the
+                tensor). TypeError: an entry that is not a floating-point tensor.
+            RuntimeError: requests are in flight (a ``generate_iter`` not run to its end), or a
+                weight update session is open.
             Nothing is changed when any of these is raised: all entries are checked first.
         """
-        if self.engine.has_unfinished():
-            raise RuntimeError("update_weights: requests are in flight; finish or abort them "
-                               "first (between generate calls)")
-        if isinstance(weights, Mapping):
-            weights = weights.items()
-        return self.engine.runner.model.update_weights(weights)
+        return self.weights.update(weights)
+
+    def begin_weight_update(self) -> None:
+        """Open a streamed weight update: ``load_weights(chunk)`` any number of times, then
+        ``finish_weight_update()`` (applies everything at once) or ``abort_weight_update()``.
+        The old weights keep serving until ``finish``.
+
+        Raises:
+            RuntimeError: a session is open already.
+        """
+        self.weights.begin()
+
+    def load_weights(self, weights) -> list[str]:
+        """Stage one chunk of a streamed update, or load a checkpoint.
+
+        Args:
+            weights: a ``(name, tensor)`` pair, a dict (a bucket) or an iterable of pairs, HF
+                names (fused ``qkv_proj``/``gate_up_proj`` accepted), any floating dtype: staged
+                into the open session (copied now, so buffers may be reused at once). Or a
+                path (str / ``os.PathLike``) of a checkpoint: a HF directory of safetensors
+                files or one ``.safetensors`` file; staged into the open session, or, with no
+                session open, applied at once as one update.
+
+        Returns:
+            the names staged (or applied, for a checkpoint with no session open).
+
+        Raises:
+            RuntimeError: a chunk with no session open.
+            ValueError: an unknown name, a shape that differs, NaN/inf values, a corrupt file;
+                TypeError: not a floating-point tensor, not a chunk. Either way the session is
+                aborted: nothing of it is applied, the old weights keep serving, and the next
+                ``load_weights(chunk)`` needs a new ``begin_weight_update()``.
+            FileNotFoundError: a checkpoint path that does not exist or has no safetensors.
+        """
+        if isinstance(weights, (str, os.PathLike)):
+            return self.weights.load_checkpoint(weights)
+        return self.weights.load(weights)
+
+    def finish_weight_update(self, weight_version: int | None = None) -> list[str]:
+        """Apply the open session's chunks at once: the kernels' packed copies are rebuilt
+        once, ``reset_prefix_cache()`` is called and ``weight_version`` becomes
+        ``weight_version`` (if given) or goes up by one. Returns the names applied.
+
+        Raises:
+            RuntimeError: no session is open, or requests are in flight (the session then
+                stays open). ValueError: ``weight_version`` not an int >= 0.
+        """
+        return self.weights.finish(weight_version)
+
+    def abort_weight_update(self) -> bool:
+        """Drop the open session; nothing is applied. Returns whether one was open."""
+        return self.weights.abort()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefix KV (weight updates do it themselves); True when done."""
+        return self.engine.reset_prefix_cache()
+
+    # ---- memory lifecycle (specengine.memory) -----------------------------------------------
+    def sleep(self, level: int = 1) -> dict[str, int]:
+        """Give memory back between rollouts (colocated trainer). Level 1: release the KV
+        caches and move the target's weights out (CPU: to a temporary file; CUDA: to pinned
+        host memory), restored by ``wake_up``. Level 2: release the KV caches and discard the
+        target's weights; new weights (``update_weights``, ``load_weights`` or a session) must
+        be loaded before generating. A drafter's own weights stay (an EAGLE layer survives
+        level 2). Generating while asleep raises RuntimeError.
+
+        Returns:
+            bytes released: ``weights``, ``packed`` (kernel copies), ``kv_cache``, ``total``.
+
+        Raises:
+            ValueError: ``level`` not 1 or 2. RuntimeError: requests are in flight.
+        """
+        return self.memory.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what ``sleep`` released: ``tags`` None (all) or a list of ``"weights"``,
+        ``"kv_cache"``, ``"cuda_graph"`` (accepted, nothing to do). Idempotent. After a
+        level-2 sleep, waking ``"weights"`` re-allocates them only: load new weights next.
+
+        Raises:
+            ValueError: an unknown tag (the message lists the known ones).
+        """
+        self.memory.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """True while the KV cache or the target's weights are released."""
+        return self.memory.is_sleeping
 
     def _to_token_ids(self, prompt, i: int) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -243,6 +393,12 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        self.memory.check_ready()
+        cap = self.engine_args.max_logprobs
+        for i, p in enumerate(params):
+            if cap >= 0 and p.logprobs is not None and p.logprobs > cap:
+                raise ValueError(f"prompt {i}: logprobs={p.logprobs} is above max_logprobs="
+                                 f"{cap} (raise it with LLM(max_logprobs=...))")
         tokenized = [self._to_token_ids(p, i) for i, p in enumerate(prompts)]
         for i, (_, ids) in enumerate(tokenized):
             self.engine.validate_prompt(ids, f"prompt {i}")
@@ -263,3 +419,16 @@ class LLM:
         finally:
             self.engine.abort_all()  # no-op after a normal finish; frees KV after an error
             self._wall_time += time.perf_counter() - t0
+
+
+def _vllm_dtype(dtype, model) -> str | torch.dtype:
+    """vLLM's dtype names: ``"auto"`` -> the checkpoint's float16/bfloat16 (``torch_dtype`` in
+    its config.json; bfloat16 for float32 or unknown), ``"half"`` -> float16, ``"float"`` ->
+    float32; anything else unchanged (``parse_dtype`` checks it)."""
+    if dtype == "auto":
+        from specengine.models.loader import resolve_model
+
+        hf = json.loads((resolve_model(model) / "config.json").read_text())
+        return "float16" if hf.get("torch_dtype", hf.get("dtype")) == "float16" else "bfloat16"
+    return {"half": "float16", "float": "float32"}.get(dtype, dtype) if isinstance(dtype, str) \
+        else dtype

@@ -118,6 +118,8 @@ class Engine:
         self.drafter = drafter
         self.policy = policy or StaticPolicy(drafter.strategy if drafter else None)
         self._next_id = 0
+        self.weight_version = 0  # stamped on outputs; weights.WeightUpdater advances it
+        self.ready_check = None  # callable raising when requests cannot run (memory.py)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -127,7 +129,10 @@ class Engine:
         Raises:
             ValueError: empty prompt, prompt not shorter than ``max_model_len``, a token id
                 outside the vocabulary, or a stop string without a tokenizer.
+            RuntimeError: from ``ready_check`` (the engine is asleep, see ``memory.py``).
         """
+        if self.ready_check is not None:
+            self.ready_check()
         if request_id is None:
             request_id = str(self._next_id)
             self._next_id += 1
@@ -191,6 +196,10 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget cached prefix KV (after a weight change); True when done."""
+        return True
 
     # ---- the step loop --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -428,4 +437,5 @@ class Engine:
             metrics["acceptance_rate_per_depth"] = [
                 sum(s.accepted_per_depth[d] for s in seqs if d < len(s.accepted_per_depth))
                 / spec_steps for d in range(depth)]
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, True, metrics)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, True, metrics,
+                             weight_version=self.weight_version)

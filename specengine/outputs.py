@@ -30,10 +30,23 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
+    @property
+    def sampled_logprobs(self) -> list[float] | None:
+        """Per generated token, the log-probability of the token that was sampled (what RL
+        importance sampling reads: vLLM ``logprobs=0``); None without logprobs."""
+        if self.logprobs is None:
+            return None
+        return [lp[t].logprob for t, lp in zip(self.token_ids, self.logprobs)]
+
 
 @dataclass
 class RequestOutput:
-    """All samples of one prompt, plus the request's timing metrics (seconds, tokens)."""
+    """All samples of one prompt, plus the request's timing metrics (seconds, tokens).
+
+    ``weight_version``: the version of the target's weights that generated it (0: as loaded;
+    +1 per weight update, see ``LLM.weight_version``; updates wait for requests to finish, so
+    one version produced the whole request).
+    """
 
     request_id: str
     prompt: str | None
@@ -41,3 +54,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     metrics: dict = field(default_factory=dict)
+    weight_version: int | None = None

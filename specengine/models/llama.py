@@ -103,7 +103,7 @@ class DecoderLayer(nn.Module):
         w = getattr(self, name)
         pw = self._packed.get(name)
         if pw is None or not pw.is_current(w):
-            pw = self._packed[name] = kernels.prepack(w, glu=name == "gate_up_proj")
+            pw = self._packed[name] = kernels.prepack(w, glu=name == "gate_up_proj", reuse=pw)
         return pw
 
     def prepack(self) -> None:
@@ -200,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
         """``[N, hidden_size]`` hidden states -> ``[N, vocab_size]`` float32 logits."""
         pw = self._lm_head_packed
         if pw is None or not pw.is_current(self.lm_head):
-            pw = self._lm_head_packed = kernels.prepack(self.lm_head)
+            pw = self._lm_head_packed = kernels.prepack(self.lm_head, reuse=pw)
         return kernels.linear(hidden, pw, out_f32=True)
 
     def prepack(self) -> None:
@@ -212,7 +212,7 @@ class LlamaForCausalLM(nn.Module):
             layer.prepack()
         pw = self._lm_head_packed
         if pw is None or not pw.is_current(self.lm_head):
-            self._lm_head_packed = kernels.prepack(self.lm_head)
+            self._lm_head_packed = kernels.prepack(self.lm_head, reuse=pw)
 
     def hf_parameters(self) -> dict[str, torch.Tensor]:
         """Hugging Face parameter name -> the tensor it fills: one of our parameters or a row

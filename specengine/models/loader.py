@@ -148,10 +148,12 @@ def load_tokenizer(model_dir: str | os.PathLike):
 
 
 def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
-               device: str | torch.device = "cpu") -> LoadedModel:
+               device: str | torch.device = "cpu", dummy: bool = False) -> LoadedModel:
     """Resolve (see ``resolve_model``), build and load a model with its tokenizer.
 
-    Weights are stored as float32 and cast to ``dtype`` while loading.
+    Weights are stored as float32 and cast to ``dtype`` while loading. ``dummy``: random
+    weights (``random_hf_state_dict``) instead of the checkpoint's (vLLM's
+    ``load_format="dummy"``: the trainer pushes real ones before rollouts).
 
     Raises:
         FileNotFoundError, ValueError: as ``resolve_model``, ``load_config``,
@@ -160,7 +162,8 @@ def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.bfloa
     model_dir = resolve_model(name_or_path)
     config = load_config(model_dir)
     model = LlamaForCausalLM(config, dtype=dtype)
-    model.load_weights(iter_safetensors(safetensors_files(model_dir)))
+    model.load_weights(random_hf_state_dict(config).items() if dummy else
+                       iter_safetensors(safetensors_files(model_dir)))
     model = model.to(device).eval()
     return LoadedModel(model, config, load_tokenizer(model_dir), model_dir)
 

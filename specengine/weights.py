@@ -1,0 +1,367 @@
+"""Weight updates of a running engine, the way RL trainers push them.
+
+A trainer sends Hugging Face-named tensors, either all at once (``update`` : SGLang's
+``update_weights_from_tensor``, TRL's colocated push) or streamed in chunks: one tensor
+(OpenRLHF, TRL's server) or a bucket (verl, slime). ``WeightUpdater`` stages the chunks of a
+session and applies them together at ``finish``, so the engine never serves a half-updated
+model, and rebuilds the kernels' packed copies once:
+
+    begin()  ->  load(chunk) ... load(chunk)  ->  finish()      (or abort(): nothing applied)
+
+Every entry is checked when its chunk arrives: the name (fused ``qkv_proj`` / ``gate_up_proj``
+names are split into q/k/v and gate/up), the shape, a floating-point dtype (any: cast to the
+engine's dtype) and finite values (a NaN or inf weight is refused, naming the tensor: it would
+make the model emit token 0 forever). A bad chunk raises and aborts the session: nothing of it
+(nor of earlier chunks) is applied and the old weights keep serving. ``finish`` also invalidates
+the prefix cache (``engine.reset_prefix_cache()``) and increments the weight version that
+``RequestOutput.weight_version`` reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+
+from specengine.models.loader import iter_safetensors, safetensors_files
+
+# Fused HF suffix (per layer) -> the unfused suffixes it holds, stacked along dim 0, with a
+# function of the config giving each part's rows.
+FUSED = {
+    "self_attn.qkv_proj.weight": ("self_attn.{}_proj.weight", ("q", "k", "v")),
+    "self_attn.qkv_proj.bias": ("self_attn.{}_proj.bias", ("q", "k", "v")),
+    "mlp.gate_up_proj.weight": ("mlp.{}_proj.weight", ("gate", "up")),
+}
+ABORTED = ("the weight update session was aborted: nothing of it was applied and the old "
+           "weights keep serving")
+
+
+def _part_rows(config, part: str) -> int:
+    c = config
+    return {"q": c.num_attention_heads * c.head_dim, "k": c.num_key_value_heads * c.head_dim,
+            "v": c.num_key_value_heads * c.head_dim, "gate": c.intermediate_size,
+            "up": c.intermediate_size}[part]
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """Run the block with one torch thread. A sync is hundreds of small memory-bound ops
+    (checks, copies, repacks): after each parallel op torch's OpenMP workers meet at a
+    barrier, and on a busy machine that wait dominates (measured on 2 busy cores: the default
+    model's sync took 2.6 s of CPU with 2 threads, 0.27 s with 1)."""
+    n = torch.get_num_threads()
+    if n > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if n > 1:
+            torch.set_num_threads(n)
+
+
+def check_finite(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    """Raise ValueError naming ``name`` when ``tensor`` has a NaN or inf value, or, when
+    ``dtype``'s range is much narrower than the tensor's (float16), a value beyond it (it
+    would become inf when cast). One pass (a sum) in the common case. (Casting float32 to
+    bfloat16 overflows only within 0.4% of float32's largest value: not checked.)
+
+    Raises:
+        ValueError: the message names the tensor and counts the bad values.
+    """
+    t = tensor.detach()
+    if t.numel() == 0:
+        return
+    if not torch.isfinite(t.sum()):  # one fast pass; NaN/inf anywhere makes the sum so
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:  # (else the sum overflowed: finite values)
+            raise ValueError(f"weight {name!r} has {bad} NaN/inf values (of {t.numel()}); "
+                             "refused")
+    limit = torch.finfo(dtype).max
+    if limit < torch.finfo(t.dtype).max / 2:  # a narrower range (float16): overflow on cast
+        lo, hi = (float(x) for x in torch.aminmax(t))
+        if lo < -limit or hi > limit:
+            raise ValueError(f"weight {name!r} has values in [{lo:.4g}, {hi:.4g}], beyond "
+                             f"{dtype}'s range (they would become inf); refused")
+
+
+def _pairs(chunk) -> Iterable[tuple[str, torch.Tensor]]:
+    """A chunk as ``(name, tensor)`` pairs: one pair, a Mapping, or an iterable of pairs."""
+    if isinstance(chunk, Mapping):
+        return chunk.items()
+    if isinstance(chunk, tuple) and len(chunk) == 2 and isinstance(chunk[0], str):
+        return [chunk]
+    if isinstance(chunk, (str, bytes, torch.Tensor)) or not isinstance(chunk, Iterable):
+        raise TypeError(f"weights must be a (name, tensor) pair, a dict or an iterable of "
+                        f"(name, tensor) pairs (or, for load_weights, a checkpoint path), "
+                        f"got {type(chunk).__name__}")
+    return chunk
+
+
+class WeightUpdater:
+    """One-call and streamed weight updates of ``engine``'s target model.
+
+    Args:
+        engine: the ``Engine`` (its ``runner.model`` is a ``LlamaForCausalLM``); it gets
+            ``weight_version`` (int) and ``reset_prefix_cache()`` calls.
+        memory: a ``memory.MemoryManager`` or None; before applying, asleep weights are made
+            resident (``ensure_weights_resident``), after it the names loaded are reported
+            (``mark_loaded``), so a level-2 sleep knows when every tensor is back.
+
+    Not thread-safe: call between engine steps (``finish`` and ``update`` refuse while
+    requests are in flight; ``begin``/``load``/``abort`` may run between the steps of a
+    generation, the old weights keep serving until ``finish``).
+    """
+
+    def __init__(self, engine, memory=None):
+        self.engine = engine
+        self.memory = memory
+        model = engine.runner.model
+        self.model = model
+        self.dtype = model.dtype
+        self.device = next(model.parameters()).device
+        self.shapes = {n: tuple(t.shape) for n, t in model.hf_parameters().items()}
+        engine.weight_version = 0
+        self._staged: dict[str, torch.Tensor] | None = None  # None: no session open
+        self._aborted: str | None = None  # why the last session was aborted
+        self.updates = 0
+        self.update_time = 0.0  # seconds spent in finish / update, all calls
+        self.last_update_time = 0.0
+        # (weight version, spec_steps, accepted_tokens) when each version came in
+        self._marks: list[tuple[int, int, int]] = [(0, 0, 0)]
+
+    @property
+    def version(self) -> int:
+        """Weight version: 0 for the weights loaded at start, +1 per applied update."""
+        return self.engine.weight_version
+
+    @property
+    def in_session(self) -> bool:
+        return self._staged is not None
+
+    # ---- checking ---------------------------------------------------------------------------
+    def _entries(self, name, tensor) -> list[tuple[str, torch.Tensor]]:
+        """Checked ``(name, tensor)`` entries for one input pair (a fused name gives several;
+        a skipped name none). Raises ValueError / TypeError naming the input."""
+        c = self.model.config
+        if not isinstance(name, str):
+            raise TypeError(f"weight names must be str, got {type(name).__name__} ({name!r})")
+        if name.endswith("rotary_emb.inv_freq") or (
+                name == "lm_head.weight" and c.tie_word_embeddings):
+            return []
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a tensor")
+        if not tensor.is_floating_point():
+            raise TypeError(f"weight {name!r} has dtype {tensor.dtype}; expected a "
+                            "floating-point tensor (it is cast to the engine's dtype)")
+        prefix, _, suffix = name.rpartition(".layers.")
+        layer, _, rest = suffix.partition(".")
+        if prefix == "model" and layer.isdigit() and rest in FUSED:
+            pattern, parts = FUSED[rest]
+            names = [f"model.layers.{layer}.{pattern.format(p)}" for p in parts]
+            rows = [_part_rows(c, p) for p in parts]
+            if names[0] not in self.shapes:
+                self._unknown(name)
+            want = (sum(rows), *self.shapes[names[0]][1:])
+            if tuple(tensor.shape) != want:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
+                                 f"{want} ({' + '.join(map(str, rows))} rows: "
+                                 f"{'/'.join(parts)})")
+            check_finite(name, tensor, self.dtype)
+            return list(zip(names, torch.split(tensor, rows)))
+        if name not in self.shapes:
+            self._unknown(name)
+        if tuple(tensor.shape) != self.shapes[name]:
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
+                             f"{self.shapes[name]}")
+        check_finite(name, tensor, self.dtype)
+        return [(name, tensor)]
+
+    def _unknown(self, name: str):
+        c = self.model.config
+        raise ValueError(f"unexpected weight {name!r} for {c.architecture} "
+                         f"(attention_bias={c.attention_bias}, "
+                         f"{c.num_hidden_layers} layers)")
+
+    def _stage(self, tensor: torch.Tensor, copy: bool) -> torch.Tensor:
+        """``tensor`` in the engine's dtype on its device: a copy when it is cast or moved,
+        or when ``copy`` (the caller may reuse its buffer after ``load`` returns)."""
+        if tensor.dtype != self.dtype or tensor.device != self.device:
+            return tensor.detach().to(device=self.device, dtype=self.dtype)
+        return tensor.detach().clone() if copy else tensor.detach()
+
+    def _check(self, chunk, mode: str) -> list[tuple[str, torch.Tensor]]:
+        """All entries of ``chunk``, checked, staged per ``mode``: ``"copy"`` (cast or
+        cloned now), ``"cast"`` (cast now, kept as is if already right: fresh tensors) or
+        ``"defer"`` (kept as given; cast when applied)."""
+        out = []
+        with one_torch_thread():
+            for name, tensor in _pairs(chunk):
+                for n, t in self._entries(name, tensor):
+                    out.append((n, t.detach() if mode == "defer" else
+                                self._stage(t, mode == "copy")))
+        return out
+
+    # ---- sessions ---------------------------------------------------------------------------
+    def begin(self) -> None:
+        """Open a session. Raises RuntimeError if one is open already."""
+        if self._staged is not None:
+            raise RuntimeError("a weight update session is already open: finish or abort "
+                               "it first")
+        self._staged, self._aborted = {}, None
+
+    def load(self, chunk, _mode: str = "copy") -> list[str]:
+        """Check and stage one chunk into the open session: a ``(name, tensor)`` pair, a dict
+        (a bucket) or an iterable of pairs. Tensors are copied (cast to the engine's dtype), so
+        the caller may reuse its buffers at once. A name given twice in a session: the last
+        value counts.
+
+        Returns:
+            the names staged from this chunk (fused names split into their parts; skipped
+            names, ``rotary_emb.inv_freq`` and a tied ``lm_head.weight``, left out).
+
+        Raises:
+            RuntimeError: no session is open (``begin`` first).
+            ValueError: an unknown name, a shape that differs, NaN/inf values (the message
+                names the tensor); TypeError: not a tensor, not a floating-point dtype, not a
+                chunk. On any of these the session is aborted: nothing is applied.
+        """
+        if self._staged is None:
+            why = f" (the last one was aborted: {self._aborted})" if self._aborted else ""
+            raise RuntimeError(f"no weight update session is open{why}; call "
+                               "begin_weight_update() first, or update_weights() for a "
+                               "one-call update")
+        try:
+            entries = self._check(chunk, _mode)
+        except (ValueError, TypeError) as e:
+            self._staged, self._aborted = None, str(e)
+            raise type(e)(f"{e}; {ABORTED}") from e
+        self._staged.update(entries)
+        return [n for n, _ in entries]
+
+    def load_checkpoint(self, path: str | os.PathLike) -> list[str]:
+        """Stage every tensor of a checkpoint (a HF directory of safetensors files, sharded
+        or not, or one ``.safetensors`` file; HF names) into the open session; with no session
+        open, apply it as one update. Returns the names staged / applied.
+
+        Raises:
+            FileNotFoundError: no such path, or a directory without safetensors files.
+            ValueError: a corrupt file, or a tensor refused as in ``load`` (the session, or the
+                one-call update, is aborted: nothing applied).
+        """
+        p = Path(path).expanduser()
+        if p.is_dir():
+            files = safetensors_files(p)
+        elif p.is_file() and p.suffix == ".safetensors":
+            files = [p]
+        elif p.exists():
+            raise ValueError(f"load_weights: {p} is neither a directory nor a .safetensors file")
+        else:
+            raise FileNotFoundError(f"load_weights: no such checkpoint: {p}")
+        if self._staged is not None:
+            return self.load(iter_safetensors(files), "cast")
+        self.begin()
+        self.load(iter_safetensors(files), "cast")
+        return self.finish()
+
+    def abort(self) -> bool:
+        """Drop the open session's staged tensors; the old weights keep serving. Returns
+        whether a session was open."""
+        was_open = self._staged is not None
+        self._staged, self._aborted = None, "abort_weight_update() was called" if was_open \
+            else self._aborted
+        return was_open
+
+    def finish(self, weight_version: int | None = None) -> list[str]:
+        """Apply the session's staged tensors at once: copy them into the parameters (in
+        place: tensors shared with an EAGLE drafter follow), rebuild the kernels' packed copies
+        once, reset the prefix cache, and set the weight version (``weight_version``, or the
+        current one + 1). An empty session still counts as an update.
+
+        Returns:
+            the names applied (in first-staged order).
+
+        Raises:
+            RuntimeError: no session is open, or requests are in flight (the session stays
+                open then: finish it after they are done, or abort it).
+            ValueError: ``weight_version`` not an int >= 0 (the session stays open).
+        """
+        if self._staged is None:
+            why = f" (the last one was aborted: {self._aborted})" if self._aborted else ""
+            raise RuntimeError(f"no weight update session is open{why}")
+        if weight_version is not None and (not isinstance(weight_version, int)
+                                           or isinstance(weight_version, bool)
+                                           or weight_version < 0):
+            raise ValueError(f"weight_version must be an int >= 0, got {weight_version!r}")
+        if self.engine.has_unfinished():
+            raise RuntimeError("finish_weight_update: requests are in flight; finish or abort "
+                               "them first (the session stays open)")
+        staged, self._staged = self._staged, None
+        return self._apply(staged, weight_version, time.perf_counter())
+
+    def update(self, weights) -> list[str]:
+        """``begin`` + ``load(weights)`` + ``finish`` in one call: all entries are checked
+        before any is applied. The tensors are not copied first (they are cast while being
+        applied), so they must stay unchanged until this returns (true for a dict, a list,
+        ``named_parameters()``, or a generator yielding distinct tensors).
+
+        Raises:
+            RuntimeError: a session is open, or requests are in flight.
+            ValueError, TypeError: as ``load``; nothing is changed then.
+        """
+        if self._staged is not None:
+            raise RuntimeError("update_weights: a weight update session is open; finish or "
+                               "abort it first")
+        if self.engine.has_unfinished():
+            raise RuntimeError("update_weights: requests are in flight; finish or abort them "
+                               "first (between generate calls)")
+        t0 = time.perf_counter()
+        return self._apply(dict(self._check(weights, "defer")), None, t0)
+
+    @torch.no_grad()
+    def _apply(self, staged: dict[str, torch.Tensor], version: int | None,
+               t0: float) -> list[str]:
+        """Copy ``staged`` into the parameters, repack, bump the version (``t0``: when the
+        update started, for ``update_time``)."""
+        if self.memory is not None:
+            self.memory.ensure_weights_resident()
+        with one_torch_thread():
+            dests = self.model.hf_parameters()
+            for name, tensor in staged.items():
+                dests[name].copy_(tensor)
+            self.model.prepack()
+        names = list(staged)
+        if self.memory is not None:
+            self.memory.mark_loaded(names)
+        m = self.engine.metrics
+        self.engine.weight_version = self.version + 1 if version is None else version
+        self._marks.append((self.version, m.spec_steps, m.accepted_tokens))
+        self.engine.reset_prefix_cache()
+        self.last_update_time = time.perf_counter() - t0
+        self.update_time += self.last_update_time
+        self.updates += 1
+        return names
+
+    # ---- metrics ----------------------------------------------------------------------------
+    def tau_per_weight_version(self) -> dict[int, float]:
+        """Weight version -> tau (tokens committed per verify step, the bonus token included)
+        over the speculative steps run while that version served; versions without any left
+        out. Counts come from the engine's ``spec_steps`` / ``accepted_tokens``."""
+        m = self.engine.metrics
+        ends = [(s, a) for _, s, a in self._marks[1:]] + [(m.spec_steps, m.accepted_tokens)]
+        totals: dict[int, list[int]] = {}
+        for (v, s0, a0), (s1, a1) in zip(self._marks, ends):
+            t = totals.setdefault(v, [0, 0])
+            t[0] += s1 - s0
+            t[1] += a1 - a0
+        return {v: round((a + s) / s, 3) for v, (s, a) in totals.items() if s}
+
+    def stats(self) -> dict:
+        """``weight_version``, ``weight_updates`` (count) and ``weight_update_time`` (seconds
+        applying updates, all calls; the last one in ``last_weight_update_time``)."""
+        return {"weight_version": self.version, "weight_updates": self.updates,
+                "weight_update_time": self.update_time,
+                "last_weight_update_time": self.last_update_time}
