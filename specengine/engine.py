@@ -19,15 +19,13 @@ from specengine.kv.block_manager import BlockManager
 from specengine.model_runner import ModelRunner
 from specengine.output_processor import OutputProcessor
 from specengine.outputs import CompletionOutput, RequestOutput
-from specengine.sampling import SampleNoise, SamplingParams, process_logits, sample
+from specengine.sampler import Sampler
+from specengine.sampling import SampleNoise, SamplingParams
 from specengine.scheduler import Scheduler
-from specengine.sequence import Logprob, Sequence
+from specengine.sequence import Sequence
 from specengine.speculative.drafters.base import Drafter, prune_tree
 from specengine.speculative.policy import StaticPolicy, StepRecord
 from specengine.speculative.strategy import Strategy
-from specengine.speculative.verify import verify
-
-LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
 @dataclass
@@ -96,22 +94,20 @@ class Engine:
                  logprobs_mode: str = "raw_logprobs", eos_token_ids: set[int] | None = None,
                  drafter: Drafter | None = None, policy=None,
                  attention_backend: str = "auto"):
-        if logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode={logprobs_mode!r}: use one of {LOGPROBS_MODES}")
         self.config = config
         self.tokenizer = tokenizer
-        self.logprobs_mode = logprobs_mode
+        if eos_token_ids is None:
+            eos_token_ids = set(model.config.eos_token_ids)
+            if tokenizer is not None and tokenizer.eos_token_id is not None:
+                eos_token_ids.add(tokenizer.eos_token_id)
+        self.output = OutputProcessor(tokenizer, eos_token_ids, config.max_model_len)
+        self.sampler = Sampler(tokenizer, logprobs_mode, self.output.stop_ids)
         device = next(model.parameters()).device
         self.runner = ModelRunner(model, config.num_kv_blocks, config.block_size,
                                   make_backend(attention_backend, device))
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size,
                                    self.runner.copy_block)
         self.scheduler = Scheduler(config, self.blocks)
-        if eos_token_ids is None:
-            eos_token_ids = set(model.config.eos_token_ids)
-            if tokenizer is not None and tokenizer.eos_token_id is not None:
-                eos_token_ids.add(tokenizer.eos_token_id)
-        self.output = OutputProcessor(tokenizer, eos_token_ids, config.max_model_len)
         self.seed_rng = torch.Generator().manual_seed(seed)
         self.requests: dict[str, Request] = {}
         self.metrics = EngineMetrics()
@@ -214,7 +210,7 @@ class Engine:
         seqs = [s for e, _ in plain for s in e.samplers]
         if seqs:
             rows = [r for e, r in plain for _ in e.samplers]
-            tokens, lps = self.sample(logits[rows], seqs)
+            tokens, lps = self.sampler.sample(logits[rows], seqs)
             commits += [(s, [t], [lp]) for s, t, lp in zip(seqs, tokens, lps)]
             for e, _ in plain:
                 cached = e.seq.num_cached + e.num_new
@@ -310,18 +306,8 @@ class Engine:
     def _verify(self, e: BatchEntry, logits: torch.Tensor):
         """Verify ``e.tree`` against the target's ``logits`` ``[1 + m, V]`` (root first), commit
         the accepted path's KV and return ``(seq, tokens, logprob entries)`` to append."""
-        seq, tree, p = e.seq, e.tree, e.seq.params
-        n_out = seq.num_output_tokens
-        masked = logits
-        if n_out < p.min_tokens and (ids := self.output.stop_ids(seq)):
-            masked = logits.clone()
-            for j, d in enumerate([0] + tree.depths):
-                if n_out + d < p.min_tokens:
-                    masked[j, ids] = float("-inf")
-        noise = None if p.greedy else torch.stack(
-            [seq.noise(n_out + d, masked.shape[1]) for d in range(tree.max_depth + 1)])
-        accepted, bonus = verify(tree, masked, p, noise)
-        tokens = [tree.tokens[a] for a in accepted] + [bonus]
+        seq, tree = e.seq, e.tree
+        accepted, tokens, lps = self.sampler.verify(seq, tree, logits)
         # KV commit: the accepted nodes move to contiguous positions after the root
         ctx = seq.num_cached + 1  # committed tokens including the root
         src = [ctx + a for a in accepted]
@@ -337,55 +323,7 @@ class Engine:
         for d in range(len(accepted)):
             m.accepted_per_depth[d] = m.accepted_per_depth.get(d, 0) + 1
         seq.spec_stats(tree.num_nodes, len(accepted))
-        lps: list = [None] * len(tokens)
-        if p.logprobs is not None:
-            rows = [0] + [1 + a for a in accepted]
-            src_rows = logits if self.logprobs_mode == "raw_logprobs" else (
-                masked if p.greedy else process_logits(masked, [p] * masked.shape[0]))
-            lp = torch.log_softmax(src_rows[rows].float(), dim=-1)
-            lps = [self._logprob_entry(lp[j], t, p.logprobs) for j, t in enumerate(tokens)]
         return seq, tokens, lps, accepted
-
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]):
-        """Next token (and logprobs entry) for each row of ``logits`` ``[B, V]`` float32."""
-        params = [s.params for s in seqs]
-        raw = logits
-        masked = None
-        for i, s in enumerate(seqs):
-            if s.num_output_tokens < s.params.min_tokens and (ids := self.output.stop_ids(s)):
-                masked = raw.clone() if masked is None else masked
-                masked[i, ids] = float("-inf")
-        masked = raw if masked is None else masked
-        if all(p.greedy for p in params):
-            processed = masked
-            tokens = torch.argmax(masked, dim=-1)
-        else:
-            processed = process_logits(masked, params)
-            vocab = logits.shape[1]
-            tokens = sample(processed, params, [None if s.params.greedy else
-                                                s.noise(s.num_output_tokens, vocab) for s in seqs])
-        tokens = tokens.tolist()
-        want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        entries: list[dict[int, Logprob] | None] = [None] * len(seqs)
-        if want:
-            src = raw if self.logprobs_mode == "raw_logprobs" else processed
-            lps = torch.log_softmax(src[want].float(), dim=-1)
-            for j, i in enumerate(want):
-                entries[i] = self._logprob_entry(lps[j], tokens[i], params[i].logprobs)
-        return tokens, entries
-
-    def _logprob_entry(self, lp: torch.Tensor, token: int, k: int) -> dict[int, Logprob]:
-        def decoded(t: int) -> str | None:
-            return self.tokenizer.decode([t]) if self.tokenizer is not None else None
-
-        value = float(lp[token])
-        out = {token: Logprob(value, int((lp > value).sum()) + 1, decoded(token))}
-        if k:
-            top = torch.topk(lp, k)
-            for rank, (v, t) in enumerate(zip(top.values.tolist(), top.indices.tolist()), 1):
-                if t not in out:
-                    out[t] = Logprob(v, rank, decoded(t))
-        return out
 
     def _request_output(self, req: Request, now: float) -> RequestOutput:
         del self.requests[req.request_id]
