@@ -7,7 +7,6 @@ requests; finished requests come back as ``RequestOutput``s.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -16,61 +15,17 @@ from specengine.attention import make_backend
 from specengine.batch import BatchEntry
 from specengine.config import EngineConfig
 from specengine.kv.block_manager import BlockManager
+from specengine.metrics import EngineMetrics, request_metrics
 from specengine.model_runner import ModelRunner
 from specengine.output_processor import OutputProcessor
-from specengine.outputs import CompletionOutput, RequestOutput
+from specengine.outputs import RequestOutput, request_output
 from specengine.sampler import Sampler
 from specengine.sampling import SampleNoise, SamplingParams
 from specengine.scheduler import Scheduler
-from specengine.sequence import Sequence
+from specengine.sequence import Request, Sequence
 from specengine.speculative.drafters.base import Drafter, prune_tree
 from specengine.speculative.policy import StaticPolicy, StepRecord
 from specengine.speculative.strategy import Strategy
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    arrival_time: float
-    first_token_time: float | None = None
-
-
-@dataclass
-class EngineMetrics:
-    """Counters since the engine started (tokens, steps, seconds)."""
-
-    requests: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    steps: int = 0
-    prefill_tokens: int = 0
-    prefill_time: float = 0.0
-    decode_time: float = 0.0
-    sample_time: float = 0.0
-    preemptions: int = 0
-    decode_steps: int = 0
-    draft_time: float = 0.0
-    spec_steps: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    accepted_per_depth: dict = field(default_factory=dict)
-    extra: dict = field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        """Counters plus derived ``acceptance_length`` (tau: tokens committed per verify
-        forward, the bonus token included) and ``acceptance_rate_per_depth``."""
-        d = {k: v for k, v in self.__dict__.items() if k != "extra"}
-        if self.spec_steps:
-            d["acceptance_length"] = (self.accepted_tokens + self.spec_steps) / self.spec_steps
-            d["acceptance_rate_per_depth"] = [
-                self.accepted_per_depth.get(i, 0) / self.spec_steps
-                for i in range(max(self.accepted_per_depth, default=-1) + 1)]
-        d.update(self.extra)
-        return d
 
 
 class Engine:
@@ -138,8 +93,7 @@ class Engine:
         self.requests[request_id] = Request(request_id, prompt, list(prompt_token_ids), params,
                                             seqs, time.perf_counter())
         self.scheduler.add(seqs)
-        self.metrics.requests += 1
-        self.metrics.prompt_tokens += len(prompt_token_ids)
+        self.metrics.record_request(len(prompt_token_ids))
         return request_id
 
     def validate_prompt(self, ids: list[int], what: str) -> None:
@@ -326,25 +280,6 @@ class Engine:
         return seq, tokens, lps, accepted
 
     def _request_output(self, req: Request, now: float) -> RequestOutput:
+        """The finished ``req``'s output (dropped from the engine's requests)."""
         del self.requests[req.request_id]
-        outs = [CompletionOutput(
-            index=s.index, text=s.text, token_ids=s.output_token_ids, logprobs=s.logprobs,
-            cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
-            finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in req.seqs]
-        seqs = req.seqs
-        spec_steps = sum(s.num_spec_steps for s in seqs)
-        depth = max((len(s.accepted_per_depth) for s in seqs), default=0)
-        metrics = {
-            "arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
-            "finished_time": now, "num_prompt_tokens": len(req.prompt_token_ids),
-            "num_generated_tokens": sum(len(o.token_ids) for o in outs),
-            "target_forwards": sum(s.num_forwards for s in seqs),
-            "spec_steps": spec_steps,
-            "drafted_tokens": sum(s.num_drafted for s in seqs),
-            "accepted_tokens": sum(s.num_accepted for s in seqs)}
-        if spec_steps:
-            metrics["acceptance_length"] = (metrics["accepted_tokens"] + spec_steps) / spec_steps
-            metrics["acceptance_rate_per_depth"] = [
-                sum(s.accepted_per_depth[d] for s in seqs if d < len(s.accepted_per_depth))
-                / spec_steps for d in range(depth)]
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, True, metrics)
+        return request_output(req, request_metrics(req, now))
