@@ -1,7 +1,11 @@
-"""The step loop: schedule -> run the model -> sample -> append tokens and check stops.
+"""The step loop: schedule -> draft -> one target forward -> sample / verify -> commit ->
+account.
 
-One ``Engine.step()`` advances every running sequence by one token and admits waiting
-requests; finished requests come back as ``RequestOutput``s.
+One ``Engine.step()`` advances every running sequence (by one token, or by the accepted part of
+its token tree plus the bonus token) and admits waiting requests; finished requests come back as
+``RequestOutput``s. The phases are methods of ``Engine``; what they hand each other is in
+``specengine.step``, the drawing in ``specengine.sampler``, the counters in
+``specengine.metrics``.
 """
 
 from __future__ import annotations
@@ -15,7 +19,13 @@ from specengine.attention import make_backend
 from specengine.batch import BatchEntry
 from specengine.config import EngineConfig
 from specengine.kv.block_manager import BlockManager
-from specengine.metrics import EngineMetrics, request_metrics
+from specengine.metrics import (
+    EngineMetrics,
+    StepTimes,
+    record_sequences,
+    request_metrics,
+    step_record,
+)
 from specengine.model_runner import ModelRunner
 from specengine.output_processor import OutputProcessor
 from specengine.outputs import RequestOutput, request_output
@@ -24,8 +34,9 @@ from specengine.sampling import SampleNoise, SamplingParams
 from specengine.scheduler import Scheduler
 from specengine.sequence import Request, Sequence
 from specengine.speculative.drafters.base import Drafter, prune_tree
-from specengine.speculative.policy import StaticPolicy, StepRecord
+from specengine.speculative.policy import StaticPolicy
 from specengine.speculative.strategy import Strategy
+from specengine.step import Commit, ForwardLayout
 
 
 class Engine:
@@ -38,7 +49,7 @@ class Engine:
         seed: seeds the generator that draws seeds for requests without one.
         logprobs_mode: ``"raw_logprobs"`` (log-softmax of the model's logits, before
             temperature/top-k/top-p/min-p; vLLM's default) or ``"processed_logprobs"`` (of the
-            distribution actually sampled from, after them).
+            distribution actually sampled from, after them); see ``Sampler``.
         eos_token_ids: ids that end a sample (default: from the model config and tokenizer).
         drafter: drafter for speculative decoding (None: plain decoding).
         policy: picks the strategy per step (default: the drafter's strategy, always).
@@ -114,9 +125,7 @@ class Engine:
         for req in self.requests.values():
             for s in req.seqs:
                 if not s.is_finished:
-                    self.scheduler.finish(s)
-                    if self.drafter is not None:
-                        self.drafter.release(s)
+                    self._release(s)
         self.scheduler.waiting.clear()
         self.requests.clear()
 
@@ -127,116 +136,47 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the requests that finished in it.
 
-        schedule -> draft (speculation) -> one target forward -> sample / verify -> KV commit
-        -> append tokens one at a time with the stop rules.
+        schedule -> draft -> one target forward -> sample / verify -> commit (KV commit, the
+        drafter observes the committed positions, then the tokens are appended one at a time
+        with the stop rules) -> account (counters, the policy's StepRecord).
         """
+        strategy, entries = self._schedule()
+        with ops.kernel_threads(ops.packed_covers(self._max_forward_tokens(entries, strategy))):
+            times = StepTimes()
+            num_proposed = self._draft(entries, strategy)
+            times.mark("drafted")
+            layout = ForwardLayout.of(entries)
+            logits, hidden = self._forward(entries)
+            times.mark("forwarded")
+            commits = self._sample(layout, logits)
+            self._commit_kv(layout, commits)
+            self._observe(layout, hidden, commits)
+            times.mark("sampled")
+            num_appended, finished = self._append(layout, commits, now=times.sampled)
+            self._account(layout, commits, strategy, times, num_proposed, num_appended)
+            return [self._request_output(req, now=times.sampled) for req in finished]
+
+    def _schedule(self) -> tuple[Strategy | None, list[BatchEntry]]:
+        """The policy's strategy for this step (None without a drafter, or to decode plainly)
+        and the scheduler's entries, with KV room for the strategy's draft tokens."""
         strategy = None
         if self.drafter is not None:
             strategy = self.policy.choose(len(self.scheduler.running))
-        entries = self.scheduler.schedule(lookahead=strategy.budget if strategy else 0)
-        rows = sum(e.num_new + (strategy.budget if strategy and not e.is_prefill else 0)
-                   for e in entries)
-        with ops.kernel_threads(ops.packed_covers(rows)):  # decode-sized: kernels' threads only
-            return self._step(entries, strategy)
+        return strategy, self.scheduler.schedule(lookahead=strategy.budget if strategy else 0)
 
-    def _step(self, entries: list[BatchEntry], strategy: Strategy | None) -> list[RequestOutput]:
-        m = self.metrics
-        t0 = time.perf_counter()
-        # draft nodes built this step, before the policy's cuts
-        num_proposed = self._draft(entries, strategy) if strategy is not None else None
-        t1 = time.perf_counter()
-        logits, hidden = self.runner.run(entries, self.blocks)
-        logits = logits.cpu()  # sampling and verification run on the CPU
-        t2 = time.perf_counter()
-        for e in entries:
-            for s in e.samplers:
-                s.num_forwards += 1
+    @staticmethod
+    def _max_forward_tokens(entries: list[BatchEntry], strategy: Strategy | None) -> int:
+        """Tokens the forward holds at most (every decode drafting the full budget): sizes the
+        kernels' threads (decode-sized steps use the kernels' threads only)."""
+        lookahead = strategy.budget if strategy else 0
+        return sum(e.num_new + (lookahead if not e.is_prefill else 0) for e in entries)
 
-        plain, trees, row, tok = [], [], 0, 0
-        offsets = []  # first token of each entry in the forward's layout
-        for e in entries:
-            n = 1 + (e.tree.num_nodes if e.tree is not None else 0)
-            (plain if e.tree is None else trees).append((e, row))
-            offsets.append(tok)
-            row += n
-            tok += e.num_new + n - 1
-        commits: list[tuple[Sequence, list[int], list]] = []
-        seqs = [s for e, _ in plain for s in e.samplers]
-        if seqs:
-            rows = [r for e, r in plain for _ in e.samplers]
-            tokens, lps = self.sampler.sample(logits[rows], seqs)
-            commits += [(s, [t], [lp]) for s, t, lp in zip(seqs, tokens, lps)]
-            for e, _ in plain:
-                cached = e.seq.num_cached + e.num_new
-                for s in e.samplers:
-                    s.num_cached = cached
-        accepted = {}
-        for e, r in trees:
-            seq, toks, lps, accepted[id(e)] = self._verify(e, logits[r:r + 1 + e.tree.num_nodes])
-            commits.append((seq, toks, lps))
-        if self.drafter is not None and self.drafter.wants_hidden:
-            self._observe(entries, offsets, hidden, accepted)
-        t3 = time.perf_counter()
-
-        finished: list[RequestOutput] = []
-        now = time.perf_counter()
-        for seq, toks, lps in commits:
-            req = self.requests[seq.request_id]
-            req.first_token_time = req.first_token_time or now
-            for tok, lp in zip(toks, lps):
-                m.generated_tokens += 1
-                if self.output.append(seq, tok, lp):
-                    self.scheduler.finish(seq)
-                    if self.drafter is not None:
-                        self.drafter.release(seq)
-                    if all(s.is_finished for s in req.seqs):
-                        finished.append(self._request_output(req, now))
-                    break
-        for e in entries:
-            if not e.is_prefill and not e.seq.is_finished:  # give back the draft slots
-                self.blocks.shrink(e.seq, e.seq.num_cached)
-        m.steps += 1
-        num_prefill = sum(e.num_new for e in entries if e.is_prefill)
-        m.prefill_tokens += num_prefill
-        if num_prefill:
-            m.prefill_time += t2 - t1
-        else:
-            m.decode_time += t2 - t1
-            m.decode_steps += 1
-        m.draft_time += t1 - t0
-        m.sample_time += t3 - t2
-        m.preemptions = self.scheduler.num_preemptions
-        if self.drafter is not None:
-            decodes = [e for e in entries if not e.is_prefill]
-            self.policy.record(StepRecord(
-                strategy=strategy, num_decode=len(decodes), num_prefill_tokens=num_prefill,
-                num_forward_tokens=len(hidden),
-                context_tokens=sum(e.seq.num_cached for e in decodes),
-                num_drafted=sum(e.tree.num_nodes for e in decodes if e.tree is not None),
-                num_committed=len(decodes) + sum(len(a) for a in accepted.values()),
-                accepted_per_seq=[len(a) for a in accepted.values()],
-                draft_time=t1 - t0, forward_time=t2 - t1,
-                other_time=time.perf_counter() - t2,
-                verified=[(e.seq, e.tree, accepted[id(e)]) for e, _ in trees],
-                num_proposed=num_proposed))
-        return finished
-
-    def _observe(self, entries, offsets, hidden, accepted) -> None:
-        """Hand the drafter the target's hidden states of the positions committed this step:
-        a prefill's tokens, a decode's root, and the accepted tree nodes after it."""
-        for e, off in zip(entries, offsets):
-            if e.tree is None:
-                rows = list(range(off, off + e.num_new))
-            else:
-                rows = [off] + [off + 1 + a for a in accepted[id(e)]]
-            feats = hidden[rows]
-            for s in e.samplers or [e.seq]:
-                self.drafter.observe(s, s.num_cached - len(rows), feats)
-
-    def _draft(self, entries: list[BatchEntry], strategy: Strategy) -> int:
+    def _draft(self, entries: list[BatchEntry], strategy: Strategy | None) -> int | None:
         """Attach a draft tree to each decode entry, pruned to what the sequence may still
         commit (``max_tokens``, ``max_model_len``), then cut by the policy's ``refine``.
-        Returns the draft nodes built (before the policy's cuts)."""
+        Returns the draft nodes built (before the policy's cuts); None without a strategy."""
+        if strategy is None:
+            return None
         decodes = [e for e in entries if not e.is_prefill]
         if not decodes:
             return 0
@@ -257,27 +197,110 @@ class Engine:
                 e.tree = tree
         return built
 
-    def _verify(self, e: BatchEntry, logits: torch.Tensor):
-        """Verify ``e.tree`` against the target's ``logits`` ``[1 + m, V]`` (root first), commit
-        the accepted path's KV and return ``(seq, tokens, logprob entries)`` to append."""
-        seq, tree = e.seq, e.tree
-        accepted, tokens, lps = self.sampler.verify(seq, tree, logits)
-        # KV commit: the accepted nodes move to contiguous positions after the root
-        ctx = seq.num_cached + 1  # committed tokens including the root
-        src = [ctx + a for a in accepted]
-        dst = [ctx + j for j in range(len(accepted))]
-        if src != dst:
-            self.runner.move_kv(self.blocks, seq, src, dst)
-        seq.num_cached = ctx + len(accepted)
-        # statistics
-        m = self.metrics
-        m.spec_steps += 1
-        m.drafted_tokens += tree.num_nodes
-        m.accepted_tokens += len(accepted)
-        for d in range(len(accepted)):
-            m.accepted_per_depth[d] = m.accepted_per_depth.get(d, 0) + 1
-        seq.spec_stats(tree.num_nodes, len(accepted))
-        return seq, tokens, lps, accepted
+    def _forward(self, entries: list[BatchEntry]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One target forward over every entry's tokens (prompts, decode roots, tree nodes),
+        writing their K/V into the cache.
+
+        Returns:
+            ``(logits, hidden)``: logits ``[R, V]`` float32 on the CPU (sampling and
+            verification run there), rows as ``ForwardLayout.logits_rows`` says; the last
+            hidden states ``[T, H]`` on the model's device.
+        """
+        logits, hidden = self.runner.run(entries, self.blocks)
+        return logits.cpu(), hidden
+
+    def _sample(self, layout: ForwardLayout, logits: torch.Tensor) -> list[Commit]:
+        """Draw every plain row in one ``Sampler.sample`` (each of a prefill's samples from the
+        prompt's last row) and verify each token tree (``Sampler.verify``).
+
+        Returns:
+            The commits: the plain rows' first, then the trees', in entry order.
+        """
+        plain = [(e, s, r) for e, r in layout.plain() for s in e.samplers]
+        commits = []
+        if plain:
+            tokens, lps = self.sampler.sample(logits[[r for _, _, r in plain]],
+                                              [s for _, s, _ in plain])
+            commits += [Commit(e, s, [t], [lp]) for (e, s, _), t, lp in zip(plain, tokens, lps)]
+        for e, r in layout.trees():
+            accepted, tokens, lps = self.sampler.verify(
+                e.seq, e.tree, logits[r:r + 1 + e.tree.num_nodes])
+            commits.append(Commit(e, e.seq, tokens, lps, accepted))
+        return commits
+
+    def _commit_kv(self, layout: ForwardLayout, commits: list[Commit]) -> None:
+        """KV commit: an entry without a tree has its tokens cached now (for each of its
+        samples); a verified tree's accepted nodes move to the contiguous positions after the
+        root, the rest of its slots are dropped."""
+        for e, _ in layout.plain():
+            cached = e.seq.num_cached + e.num_new
+            for s in e.samplers:
+                s.num_cached = cached
+        for c in commits:
+            if not c.is_verified:
+                continue
+            seq = c.seq
+            ctx = seq.num_cached + 1  # committed tokens including the root
+            src = [ctx + a for a in c.accepted]
+            dst = [ctx + j for j in range(len(c.accepted))]
+            if src != dst:
+                self.runner.move_kv(self.blocks, seq, src, dst)
+            seq.num_cached = ctx + len(c.accepted)
+
+    def _observe(self, layout: ForwardLayout, hidden: torch.Tensor,
+                 commits: list[Commit]) -> None:
+        """Hand a drafter that reads the target's features (EAGLE) the hidden states of the
+        positions committed this step: a prefill's tokens, a decode's root, and the accepted
+        tree nodes after it."""
+        if self.drafter is None or not self.drafter.wants_hidden:
+            return
+        accepted = {id(c.entry): c.accepted for c in commits if c.is_verified}
+        for i, e in enumerate(layout.entries):
+            rows = layout.committed_token_rows(i, accepted.get(id(e)))
+            feats = hidden[rows]
+            for s in e.samplers or [e.seq]:
+                self.drafter.observe(s, s.num_cached - len(rows), feats)
+
+    def _append(self, layout: ForwardLayout, commits: list[Commit],
+                now: float) -> tuple[int, list[Request]]:
+        """Append each commit's tokens one at a time with the stop rules (``OutputProcessor``);
+        a sequence that stops releases its KV blocks and drops the rest of its tokens. Then
+        the decodes still running give back their unused draft slots.
+
+        Returns:
+            ``(tokens appended, requests whose samples have all finished)``.
+        """
+        num_appended, finished = 0, []
+        for c in commits:
+            req = self.requests[c.seq.request_id]
+            req.first_token_time = req.first_token_time or now
+            for tok, lp in zip(c.tokens, c.logprobs):
+                num_appended += 1
+                if self.output.append(c.seq, tok, lp):
+                    self._release(c.seq)
+                    if all(s.is_finished for s in req.seqs):
+                        finished.append(req)
+                    break
+        for e in layout.decodes:
+            if not e.seq.is_finished:  # give back the draft slots
+                self.blocks.shrink(e.seq, e.seq.num_cached)
+        return num_appended, finished
+
+    def _release(self, seq: Sequence) -> None:
+        """Finish ``seq``: its KV blocks go back to the pool, its drafter state is dropped."""
+        self.scheduler.finish(seq)
+        if self.drafter is not None:
+            self.drafter.release(seq)
+
+    def _account(self, layout: ForwardLayout, commits: list[Commit], strategy: Strategy | None,
+                 times: StepTimes, num_proposed: int | None, num_appended: int) -> None:
+        """Count the step on the sequences and the engine (``EngineMetrics``), and hand the
+        policy its ``StepRecord`` (with speculation)."""
+        record_sequences(layout, commits)
+        self.metrics.record_step(layout, commits, times, num_appended,
+                                 self.scheduler.num_preemptions)
+        if self.drafter is not None:
+            self.policy.record(step_record(layout, commits, strategy, times, num_proposed))
 
     def _request_output(self, req: Request, now: float) -> RequestOutput:
         """The finished ``req``'s output (dropped from the engine's requests)."""

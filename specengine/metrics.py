@@ -1,10 +1,42 @@
-"""Accounting: the engine's counters and each request's metrics."""
+"""Accounting: the timestamps of a step's phases, the engine's counters, the per-sequence
+counters behind each request's metrics, and the ``StepRecord`` a policy learns from."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from specengine.sequence import Request
+from specengine.speculative.policy import StepRecord
+from specengine.speculative.strategy import Strategy
+from specengine.step import Commit, ForwardLayout
+
+
+@dataclass
+class StepTimes:
+    """``time.perf_counter()`` marks (seconds) of one step: its start and the end of each phase
+    before the tokens are appended."""
+
+    start: float = field(default_factory=time.perf_counter)
+    drafted: float = 0.0
+    forwarded: float = 0.0
+    sampled: float = 0.0  # sampled / verified, KV committed: the tokens' time
+
+    def mark(self, phase: str) -> None:
+        """Stamp the end of ``phase`` (``"drafted"``, ``"forwarded"`` or ``"sampled"``)."""
+        setattr(self, phase, time.perf_counter())
+
+    @property
+    def draft_time(self) -> float:
+        return self.drafted - self.start
+
+    @property
+    def forward_time(self) -> float:
+        return self.forwarded - self.drafted
+
+    @property
+    def sample_time(self) -> float:
+        return self.sampled - self.forwarded
 
 
 @dataclass
@@ -45,6 +77,42 @@ class EngineMetrics:
         self.requests += 1
         self.prompt_tokens += num_prompt_tokens
 
+    def record_step(self, layout: ForwardLayout, commits: list[Commit], times: StepTimes,
+                    num_appended: int, preemptions: int) -> None:
+        """Count one step: its verified trees, ``num_appended`` tokens appended, prompt tokens,
+        the phases' seconds (the forward as prefill time when it held prompt tokens, else as
+        decode time) and the scheduler's preemptions so far."""
+        for c in commits:
+            if c.is_verified:
+                self.spec_steps += 1
+                self.drafted_tokens += c.entry.tree.num_nodes
+                self.accepted_tokens += len(c.accepted)
+                for d in range(len(c.accepted)):
+                    self.accepted_per_depth[d] = self.accepted_per_depth.get(d, 0) + 1
+        self.generated_tokens += num_appended
+        self.steps += 1
+        num_prefill = layout.num_prefill_tokens
+        self.prefill_tokens += num_prefill
+        if num_prefill:
+            self.prefill_time += times.forward_time
+        else:
+            self.decode_time += times.forward_time
+            self.decode_steps += 1
+        self.draft_time += times.draft_time
+        self.sample_time += times.sample_time
+        self.preemptions = preemptions
+
+
+def record_sequences(layout: ForwardLayout, commits: list[Commit]) -> None:
+    """Count, on each sequence, the target forward it took part in and its verified tree (the
+    counters ``request_metrics`` sums)."""
+    for e in layout.entries:
+        for s in e.samplers:
+            s.num_forwards += 1
+    for c in commits:
+        if c.is_verified:
+            c.seq.spec_stats(c.entry.tree.num_nodes, len(c.accepted))
+
 
 def request_metrics(req: Request, now: float) -> dict:
     """A finished request's metrics (vLLM-like; seconds from ``time.perf_counter``, tokens):
@@ -68,3 +136,21 @@ def request_metrics(req: Request, now: float) -> dict:
             sum(s.accepted_per_depth[d] for s in seqs if d < len(s.accepted_per_depth))
             / spec_steps for d in range(depth)]
     return metrics
+
+
+def step_record(layout: ForwardLayout, commits: list[Commit], strategy: Strategy | None,
+                times: StepTimes, num_proposed: int | None) -> StepRecord:
+    """What the step did and cost, for the policy (``other_time`` runs until now)."""
+    decodes = layout.decodes
+    verified = [c for c in commits if c.is_verified]
+    return StepRecord(
+        strategy=strategy, num_decode=len(decodes), num_prefill_tokens=layout.num_prefill_tokens,
+        num_forward_tokens=layout.num_tokens,
+        context_tokens=sum(e.seq.num_cached for e in decodes),
+        num_drafted=sum(e.tree.num_nodes for e in decodes if e.tree is not None),
+        num_committed=len(decodes) + sum(len(c.accepted) for c in verified),
+        accepted_per_seq=[len(c.accepted) for c in verified],
+        draft_time=times.draft_time, forward_time=times.forward_time,
+        other_time=time.perf_counter() - times.forwarded,
+        verified=[(c.seq, c.entry.tree, c.accepted) for c in verified],
+        num_proposed=num_proposed)
