@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specengine.sequence import Logprob
+from specengine.sequence import Logprob, Request
 
 
 @dataclass
@@ -55,3 +55,15 @@ class RequestOutput:
     finished: bool = True
     metrics: dict = field(default_factory=dict)
     weight_version: int | None = None
+
+
+def request_output(req: Request, metrics: dict, weight_version: int | None = None
+                   ) -> RequestOutput:
+    """The finished ``req`` as a ``RequestOutput``: one ``CompletionOutput`` per sample, in
+    sample order, the request's ``metrics`` and the target ``weight_version`` that produced it."""
+    outs = [CompletionOutput(
+        index=s.index, text=s.text, token_ids=s.output_token_ids, logprobs=s.logprobs,
+        cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
+        finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in req.seqs]
+    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, True, metrics,
+                         weight_version=weight_version)

@@ -1,7 +1,8 @@
-"""Sampling parameters (vLLM's names) and the sampler that turns logits into tokens.
-
-The sampler applies, in this order: ``min_tokens`` masking of stop tokens, temperature, top-k,
-top-p (nucleus, Holtzman et al. 2019), min-p; then greedy argmax (temperature 0) or a draw.
+"""Sampling parameters (vLLM's names) and the primitives that turn logits into tokens:
+``process_logits`` (temperature, top-k, top-p (nucleus, Holtzman et al. 2019), min-p), the
+sampling noise (``noise_rows``, ``SampleNoise``) and ``sample`` (greedy argmax at temperature 0,
+else a draw). ``specengine.sampler.Sampler`` puts them together, after the ``min_tokens``
+masking of stop tokens.
 
 Draws use the exponential race (the Gumbel-max trick): the token at output position ``j`` of a
 sample is ``argmax(p_j / E_j)`` with ``E_j ~ Exp(1)^V`` counter-based on

@@ -1,4 +1,5 @@
-"""One generated sample: its tokens, KV block table, RNG, stop state and outputs so far."""
+"""One generated sample (``Sequence``: its tokens, KV block table, noise, stop state and outputs
+so far) and the request that groups a prompt's samples (``Request``)."""
 
 from __future__ import annotations
 
@@ -93,3 +94,17 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, req={self.request_id}#{self.index}, "
                 f"len={len(self)}, cached={self.num_cached}, {self.status.value})")
+
+
+@dataclass
+class Request:
+    """One prompt and its ``n`` samples, with the times its metrics report
+    (``time.perf_counter`` seconds; ``first_token_time`` is None until a token was appended)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    arrival_time: float
+    first_token_time: float | None = None
