@@ -124,12 +124,12 @@ def test_sleep_waits_for_requests_in_flight(tiny_llama_tok_dir, ref):
     """A request in flight finishes on the awake engine before the sleep runs; one that
     arrives while the sleep waits is held back, then refused (503), never run asleep."""
     llm = make_llm(tiny_llama_tok_dir)
-    want = offline(ref, max_tokens=60)
+    want = offline(ref, max_tokens=200)
     app = build_app(llm, "tiny")
     loop = app.state.server.engine
     with Server(app) as s:
         stream = requests.post(f"{s.url}/v1/completions", stream=True, timeout=60, json={
-            "prompt": PROMPT, **GREEDY, "max_tokens": 60, "stream": True,
+            "prompt": PROMPT, **GREEDY, "max_tokens": 200, "stream": True,
             "return_token_ids": True})
         lines = stream.iter_lines()
         first = next(line for line in lines if line)  # in flight
@@ -156,7 +156,7 @@ def test_sleep_waits_for_requests_in_flight(tiny_llama_tok_dir, ref):
         assert results["sleep"].status_code == 200
         asleep_error(results["late"], "asleep")
         post(s, "/wake_up", {})
-        assert ids(complete(s, max_tokens=60)) == want
+        assert ids(complete(s, max_tokens=200)) == want
 
 
 def test_level2_update_from_disk_equals_fresh_engine(tiny_llama_tok_dir, new_weights_dir,
