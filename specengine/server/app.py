@@ -8,12 +8,15 @@ Routes:
     TRL ``vllm-serve``: ``/health/``, ``/get_world_size/``, ``/generate/``, ``/chat/``,
         ``/reset_prefix_cache/``, ``/close_communicator/``, ``/update_named_param/`` with the
         tensor in the body (``trl_routes``).
-    RL control: ``/reset_prefix_cache``, and the place for sleep / wake-up / weight routes
-        (``control_routes``).
+    RL control (``control_routes``): ``/sleep``, ``/wake_up``, ``/is_sleeping``,
+        ``/update_weights_from_disk``, ``/get_weight_version``, a streamed weight session
+        (``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``,
+        ``/abort_weight_update``), ``/reset_prefix_cache``, and SGLang's names
+        (``/release_memory_occupation``, ``/resume_memory_occupation``, ``/flush_cache``).
 
 Every error is answered with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``:
 400 for bad JSON, unknown fields, wrong types, invalid sampling values and too-long prompts,
-404 for an unknown model or route.
+404 for an unknown model or route, 503 for a generate request while the engine is asleep.
 """
 
 from __future__ import annotations

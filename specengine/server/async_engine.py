@@ -40,6 +40,11 @@ class RequestAborted(RuntimeError):
     """The request was aborted (client disconnect or server shutdown)."""
 
 
+class EngineNotReadyError(RuntimeError):
+    """The engine cannot run requests now: it is asleep, or its weights were discarded by a
+    level-2 sleep and not loaded since (the message says which and what to call)."""
+
+
 @dataclass
 class SampleDelta:
     """What one sample gained in one step.
@@ -212,6 +217,11 @@ class AsyncEngine:
         self._put(("exclusive" if exclusive else "call", fn, args, fut))
         return await asyncio.wrap_future(fut)
 
+    async def abort_all(self) -> list[str]:
+        """Abort every request submitted so far that has not finished (in flight, or waiting
+        for an exclusive call); their handles raise ``RequestAborted``. Returns their ids."""
+        return await self.call(self._abort_all)
+
     def _put(self, cmd: tuple) -> None:
         self._commands.put(cmd)
 
@@ -276,6 +286,14 @@ class AsyncEngine:
 
     def _add(self, t: _Tracked) -> None:
         rid = t.handle.request_id
+        check = getattr(self.engine, "ready_check", None)
+        try:
+            if check is not None:
+                check()
+        except RuntimeError as e:  # asleep: a clear error of its own kind (the server: 503)
+            self.stats.requests_failed += 1
+            t.handle._push(Update(error=EngineNotReadyError(str(e))))
+            return
         try:
             self.engine.add_request(t.prompt_token_ids, t.params, prompt=t.prompt, request_id=rid)
         except Exception as e:  # noqa: BLE001 - this request fails alone
@@ -298,6 +316,12 @@ class AsyncEngine:
         if t is not None:
             self.stats.requests_aborted += 1
             t.handle._push(Update(error=RequestAborted(f"request {rid} was aborted")))
+
+    def _abort_all(self) -> list[str]:
+        rids = list(self._tracked) + [d.handle.request_id for d in self._deferred]
+        for rid in rids:
+            self._abort(rid)
+        return rids
 
     def _step(self) -> None:
         t0 = time.perf_counter()

@@ -1,23 +1,130 @@
 """RL control routes: what a trainer calls between rollouts (not generation).
 
-Here now: ``POST /reset_prefix_cache`` (vLLM's route; ``{"success": bool}``).
+Every route runs its ``LLM`` call on the engine thread (``AsyncEngine.call``); those that
+change the weights or the memory run with ``exclusive=True``: once no request is in flight,
+with requests that arrive meanwhile held back until it has run, so no request ever runs on two
+sets of weights, or while the engine is asleep. A generate request that arrives while the
+engine is asleep (or its weights were discarded and not loaded since) gets a 503
+(``service_unavailable``, code ``engine_sleeping``), never garbage.
 
-The place for the rest of issue 14's control routes, once ``LLM`` has the methods they wrap:
-``POST /sleep`` (``LLM.sleep(level)``), ``POST /wake_up`` (``LLM.wake_up(tags)``),
-``POST /update_weights_from_disk`` (``LLM.load_weights(path)``) and ``GET /get_weight_version``.
-Each should run through ``ServerState.engine.call(fn, ..., exclusive=True)`` so it happens
-with no request in flight, like ``reset_prefix_cache`` below.
+Memory (vLLM's dev routes, SGLang's names):
+    ``POST /sleep``: ``{"level": 1|2}`` (default 1; vLLM's ``?level=`` query works too) ->
+        ``LLM.sleep(level)``; ``{"success": true, "released_bytes": {weights, packed,
+        kv_cache, total}}``.
+    ``POST /wake_up``: ``{"tags": null | ["weights"] | ["kv_cache"] | ...}`` (vLLM's
+        ``?tags=weights&tags=kv_cache`` works too) -> ``LLM.wake_up(tags)``;
+        ``{"success": true, "is_sleeping": bool}``. ``GET /is_sleeping`` -> ``{"is_sleeping"}``.
+    ``POST /release_memory_occupation`` (SGLang): ``{"tags": null | [...]}``. Tags null or with
+        ``"weights"``: ``sleep(level=1)`` (the weights are kept restorable, unlike SGLang without
+        a CPU backup: a release and resume without a push keeps serving the same model). Tags
+        without ``"weights"`` (``["kv_cache"]``): the KV cache only, done as ``sleep(1)`` then
+        ``wake_up(["weights"])`` (the weights make one round trip through the offload copy).
+    ``POST /resume_memory_occupation`` (SGLang): ``{"tags": null | [...]}`` -> ``wake_up(tags)``.
+
+Weights:
+    ``POST /update_weights_from_disk`` (SGLang): ``{"model_path": dir or .safetensors file,
+        "load_format": null|"auto"|"safetensors", "weight_version": int or digit string or
+        null, "abort_all_requests": bool, "flush_cache": bool}`` -> ``begin_weight_update``,
+        ``load_weights(model_path)``, ``finish_weight_update(weight_version)``; requests in
+        flight finish first (or are aborted with ``abort_all_requests``). ``flush_cache`` is
+        accepted and always true in effect (every weight change resets the prefix cache).
+        -> ``{"success": true, "message", "num_paused_requests": 0, "weight_version",
+        "num_tensors"}``.
+    ``GET /get_weight_version`` (SGLang), ``GET /weight_info`` (vLLM) -> ``{"weight_version"}``.
+    A streamed session over HTTP (vLLM's route names): ``POST /start_weight_update`` ->
+        ``begin_weight_update``; ``POST /update_weights`` with one tensor encoded as
+        ``/update_named_param/`` takes it (JSON ``{"name", "dtype", "shape", "data"}``, ``data``
+        base64, or a raw ``application/octet-stream`` body with ``name``/``dtype``/``shape``
+        query parameters) or a bucket ``{"named_tensors": [{"name", "dtype", "shape", "data"},
+        ...]}`` -> ``load_weights(chunk)`` (the old weights keep serving);
+        ``POST /finish_weight_update`` ``{"weight_version": ...}`` (optional) -> applies it
+        once no request is in flight; ``POST /abort_weight_update`` -> drops it
+        (``{"aborted": bool}``, 200 even with no session open).
+    ``POST /reset_prefix_cache`` (vLLM) -> ``{"success": bool}``; ``GET|POST /flush_cache``
+        (SGLang) -> ``{"success": bool, "message"}``.
+
+Errors (a bad level or tag, a chunk with no session open, a bad checkpoint path, a name or
+shape the model does not have) are 400s with the OpenAI-style body; a refused chunk aborts its
+session (nothing of it is applied, as ``LLM.load_weights`` documents).
 """
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+import json
 
+from fastapi import APIRouter, Request
+from pydantic import ValidationError
+
+from specengine.server.async_engine import EngineDeadError
+from specengine.server.protocol import APIError, Strict, validation_error_body
 from specengine.server.state import ServerState
+from specengine.server.trl_routes import UpdateNamedParam, named_tensor, read_named_tensor
 
 router = APIRouter()
 
 
+# ---- request bodies --------------------------------------------------------------------------
+class SleepRequest(Strict):
+    level: int = 1
+
+
+class TagsRequest(Strict):
+    tags: list[str] | None = None
+
+
+class UpdateFromDiskRequest(Strict):
+    model_path: str
+    load_format: str | None = None
+    weight_version: int | str | None = None
+    abort_all_requests: bool = False
+    flush_cache: bool = True
+
+
+class StartWeightUpdate(Strict):
+    is_checkpoint_format: bool = True
+
+
+class FinishWeightUpdate(Strict):
+    weight_version: int | str | None = None
+
+
+class WeightBucket(Strict):
+    named_tensors: list[UpdateNamedParam]
+
+
+async def _body(request: Request, model: type[Strict]):
+    """``model`` from the JSON body; an empty body gives the defaults. Errors are 400s."""
+    raw = await request.body()
+    if not raw.strip():
+        raw = b"{}"
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        err = validation_error_body(e.errors())["error"]
+        raise APIError(err["message"], param=err["param"], code=err["code"]) from None
+
+
+def _version(v: int | str | None, param: str = "weight_version") -> int | None:
+    """A weight version as an int (SGLang sends strings: digits are accepted)."""
+    if v is None or isinstance(v, int):
+        return v
+    if v.isdigit():
+        return int(v)
+    raise APIError(f"weight_version={v!r} must be an integer >= 0 (or a string of digits)",
+                   param=param)
+
+
+async def _run(st: ServerState, fn, *args, exclusive: bool = True, param: str | None = None):
+    """``fn(*args)`` on the engine thread; its errors as 400s (503 when the loop stopped)."""
+    try:
+        return await st.engine.call(fn, *args, exclusive=exclusive)
+    except EngineDeadError as e:
+        raise APIError(str(e), status=503, type="service_unavailable") from None
+    except (ValueError, TypeError, RuntimeError, OSError) as e:
+        raise APIError(str(e), param=param) from None
+
+
+# ---- prefix cache ----------------------------------------------------------------------------
 async def reset_prefix_cache(st: ServerState) -> bool:
     """``LLM.reset_prefix_cache()`` once no request is in flight; True when the engine has no
     prefix cache (nothing to reset)."""
@@ -31,3 +138,171 @@ async def reset_prefix_cache(st: ServerState) -> bool:
 async def reset_prefix_cache_route(request: Request):
     """vLLM's ``POST /reset_prefix_cache`` (TRL's ``VLLMClient.reset_prefix_cache``)."""
     return {"success": await reset_prefix_cache(request.app.state.server)}
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request):
+    """SGLang's ``/flush_cache`` (slime retries a GET until it answers 200)."""
+    ok = await reset_prefix_cache(request.app.state.server)
+    return {"success": ok, "message": "Cache flushed." if ok else "Cache not flushed."}
+
+
+# ---- memory ----------------------------------------------------------------------------------
+@router.post("/sleep")
+async def sleep(request: Request):
+    """``LLM.sleep(level)``; see the module docstring."""
+    st: ServerState = request.app.state.server
+    q = request.query_params
+    if "level" in q:
+        try:
+            body = SleepRequest(level=int(q["level"]))
+        except ValueError:
+            raise APIError(f"level={q['level']!r} must be 1 or 2", param="level") from None
+    else:
+        body = await _body(request, SleepRequest)
+    released = await _run(st, st.llm.sleep, body.level, param="level")
+    return {"success": True, "released_bytes": released}
+
+
+@router.post("/wake_up")
+async def wake_up(request: Request):
+    """``LLM.wake_up(tags)``; see the module docstring."""
+    st: ServerState = request.app.state.server
+    tags = request.query_params.getlist("tags")
+    body = TagsRequest(tags=tags) if tags else await _body(request, TagsRequest)
+    await _run(st, st.llm.wake_up, body.tags, param="tags")
+    return {"success": True, "is_sleeping": st.llm.is_sleeping()}
+
+
+@router.get("/is_sleeping")
+async def is_sleeping(request: Request):
+    st: ServerState = request.app.state.server
+    return {"is_sleeping": await st.engine.call(st.llm.is_sleeping)}
+
+
+@router.post("/release_memory_occupation")
+async def release_memory_occupation(request: Request):
+    """SGLang's release; see the module docstring for how tags map to ``sleep``."""
+    st: ServerState = request.app.state.server
+    body = await _body(request, TagsRequest)
+    tags = body.tags
+    if tags is not None:
+        from specengine.memory import TAGS
+
+        bad = [t for t in tags if t not in TAGS]
+        if bad:
+            raise APIError(f"release_memory_occupation: unknown tags {bad}; known tags: "
+                           f"{list(TAGS)}", param="tags")
+
+    def release():
+        released = st.llm.sleep(1)
+        if tags is not None and "weights" not in tags:
+            st.llm.wake_up(["weights"])
+        return released
+
+    released = await _run(st, release, param="tags")
+    return {"success": True, "message": "Memory released.", "released_bytes": released}
+
+
+@router.post("/resume_memory_occupation")
+async def resume_memory_occupation(request: Request):
+    """SGLang's resume: ``LLM.wake_up(tags)``."""
+    st: ServerState = request.app.state.server
+    body = await _body(request, TagsRequest)
+    await _run(st, st.llm.wake_up, body.tags, param="tags")
+    return {"success": True, "message": "Memory resumed."}
+
+
+# ---- weights ---------------------------------------------------------------------------------
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(request: Request):
+    """SGLang's ``/update_weights_from_disk``; see the module docstring."""
+    st: ServerState = request.app.state.server
+    body = await _body(request, UpdateFromDiskRequest)
+    if body.load_format not in (None, "auto", "safetensors"):
+        raise APIError(f"load_format={body.load_format!r} is not supported (only auto / "
+                       "safetensors: a directory of .safetensors files)", param="load_format")
+    version = _version(body.weight_version)
+    if body.abort_all_requests:
+        await st.engine.abort_all()
+    llm = st.llm
+
+    def update():
+        llm.begin_weight_update()
+        try:
+            llm.load_weights(body.model_path)
+        except BaseException:
+            llm.abort_weight_update()
+            raise
+        names = llm.finish_weight_update(version)
+        return names, llm.weight_version
+
+    names, version = await _run(st, update, param="model_path")
+    return {"success": True, "message": f"Succeeded to update model weights from "
+            f"{body.model_path}.", "num_paused_requests": 0,
+            "weight_version": version, "num_tensors": len(names)}
+
+
+@router.get("/get_weight_version")
+@router.get("/weight_info")
+async def get_weight_version(request: Request):
+    """The version of the weights serving now: 0 as loaded, +1 per applied update."""
+    st: ServerState = request.app.state.server
+    return {"weight_version": await st.engine.call(lambda: st.llm.weight_version)}
+
+
+@router.post("/start_weight_update")
+async def start_weight_update(request: Request):
+    """Open a streamed weight update session (``LLM.begin_weight_update``)."""
+    st: ServerState = request.app.state.server
+    body = await _body(request, StartWeightUpdate)
+    if not body.is_checkpoint_format:
+        raise APIError("only checkpoint-format (Hugging Face named) tensors are accepted",
+                       param="is_checkpoint_format")
+    await _run(st, st.llm.begin_weight_update, exclusive=False)
+    return {"message": "Weight update started"}
+
+
+@router.post("/update_weights")
+async def update_weights(request: Request):
+    """Stage one tensor or a bucket into the open session (``LLM.load_weights(chunk)``); the
+    old weights keep serving meanwhile. Returns ``{"message", "names"}`` (names staged)."""
+    st: ServerState = request.app.state.server
+    chunk = None
+    if not request.headers.get("content-type", "").startswith("application/octet-stream"):
+        raw = await request.body()
+        try:
+            parsed = json.loads(raw) if raw.strip() else None
+        except ValueError:
+            parsed = None  # read_named_tensor reports the bad JSON
+        if isinstance(parsed, dict) and "named_tensors" in parsed:
+            bucket = await _body(request, WeightBucket)
+            chunk = [(e.name, named_tensor(e)) for e in bucket.named_tensors]
+    if chunk is None:
+        chunk = [await read_named_tensor(request)]
+    names = await _run(st, st.llm.load_weights, chunk, exclusive=False, param="name")
+    return {"message": "Weights updated", "names": names}
+
+
+@router.post("/finish_weight_update")
+async def finish_weight_update(request: Request):
+    """Apply the open session once no request is in flight (``LLM.finish_weight_update``)."""
+    st: ServerState = request.app.state.server
+    body = await _body(request, FinishWeightUpdate)
+    version, llm = _version(body.weight_version), st.llm
+
+    def finish():
+        return llm.finish_weight_update(version), llm.weight_version
+
+    names, version = await _run(st, finish, param="weight_version")
+    return {"message": "Weight update finished", "weight_version": version,
+            "num_tensors": len(names)}
+
+
+@router.post("/abort_weight_update")
+async def abort_weight_update(request: Request):
+    """Drop the open session: nothing of it is applied, the old weights keep serving."""
+    st: ServerState = request.app.state.server
+    aborted = await _run(st, st.llm.abort_weight_update, exclusive=False)
+    return {"message": "Weight update aborted" if aborted else "No weight update was open",
+            "aborted": aborted}

@@ -11,7 +11,12 @@ from starlette.requests import Request
 from specengine.kv.block_manager import cdiv
 from specengine.outputs import RequestOutput
 from specengine.sampling import SamplingParams
-from specengine.server.async_engine import AsyncEngine, EngineDeadError, RequestAborted
+from specengine.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineNotReadyError,
+    RequestAborted,
+)
 from specengine.server.protocol import APIError
 
 DISCONNECT_POLL_S = 0.5  # how often a waiting handler checks whether its client is gone
@@ -87,8 +92,24 @@ class ServerState:
                            "smaller max_tokens", param=param)
 
     # ---- running --------------------------------------------------------------------------
+    def check_ready(self) -> None:
+        """Raise a 503 ``APIError`` while the engine is asleep (``/sleep``) or its weights were
+        discarded and not loaded since. (Read on the event loop, so a request can still pass
+        just before a sleep runs: the engine thread checks again and fails it the same way.)"""
+        check = getattr(self.llm.engine, "ready_check", None)
+        if check is not None:
+            try:
+                check()
+            except RuntimeError as e:
+                raise as_api_error(EngineNotReadyError(str(e))) from None
+
     def submit(self, prompts: list[Prompt], params: list[SamplingParams], stream: bool):
-        """Submit prompts (already checked) to the engine loop; returns their handles."""
+        """Submit prompts (already checked) to the engine loop; returns their handles.
+
+        Raises:
+            APIError: 503 while the engine is asleep or its loop has stopped.
+        """
+        self.check_ready()
         try:
             return [self.engine.submit(p.token_ids, sp, p.text, stream)
                     for p, sp in zip(prompts, params)]
@@ -101,7 +122,8 @@ class ServerState:
 
         Raises:
             APIError: 400 for a request the engine refused, 499 for a client that went away,
-                503 when the engine loop stopped, 500 for an engine failure.
+                503 when the engine loop stopped or the engine is asleep, 500 for an engine
+                failure.
         """
         tasks = [asyncio.ensure_future(h.result()) for h in handles]
         try:
@@ -129,6 +151,8 @@ def as_api_error(e: BaseException) -> APIError:
         return e
     if isinstance(e, (ValueError, TypeError)):
         return APIError(str(e))
+    if isinstance(e, EngineNotReadyError):
+        return APIError(str(e), status=503, type="service_unavailable", code="engine_sleeping")
     if isinstance(e, RequestAborted):
         return APIError(str(e), status=499, type="client_closed_request")
     if isinstance(e, EngineDeadError):

@@ -189,11 +189,16 @@ def tensor_from_bytes(name: str, dtype: str, shape: list[int], data: bytes) -> t
     return torch.frombuffer(bytearray(data), dtype=dt).reshape(shape)
 
 
-@router.post("/update_named_param/")
-async def update_named_param(request: Request):
-    """TRL's ``/update_named_param/`` with the tensor in the body; see the module docstring.
-    Returns ``{"message", "names"}`` (the parameters copied) once the weights are in place."""
-    st: ServerState = request.app.state.server
+async def read_named_tensor(request: Request) -> tuple[str, torch.Tensor]:
+    """The ``(name, tensor)`` in a request body encoded as ``/update_named_param/`` takes it:
+    JSON ``{"name", "dtype", "shape", "data"}`` (``data``: base64 of the bytes), or a raw
+    ``application/octet-stream`` body with ``name``, ``dtype`` and ``shape`` (``2,3``) as query
+    parameters; little-endian, C order.
+
+    Raises:
+        APIError: unknown or missing fields, bad base64, a dtype that is not a float dtype, a
+            byte count that does not match the shape.
+    """
     raw = await request.body()
     if request.headers.get("content-type", "").startswith("application/octet-stream"):
         q = dict(request.query_params)
@@ -209,23 +214,38 @@ async def update_named_param(request: Request):
         except ValueError:
             raise APIError(f"shape={q['shape']!r} must be comma-separated integers",
                            param="shape") from None
-        name, dtype, data = q["name"], q["dtype"], raw
-    else:
-        try:
-            body = UpdateNamedParam.model_validate_json(raw)
-        except ValidationError as e:
-            err = validation_error_body(e.errors())["error"]
-            raise APIError(err["message"], param=err["param"], code=err["code"]) from None
-        if body.data is None:
-            raise APIError(f"{body.name}: this server has no NCCL communicator; send the "
-                           "tensor's bytes in 'data' (base64) or as a raw "
-                           "application/octet-stream body", param="data")
-        try:
-            data = base64.b64decode(body.data, validate=True)
-        except (binascii.Error, ValueError):
-            raise APIError(f"{body.name}: 'data' is not valid base64", param="data") from None
-        name, dtype, shape = body.name, body.dtype, body.shape
-    tensor = tensor_from_bytes(name, dtype, shape, data)
+        return q["name"], tensor_from_bytes(q["name"], q["dtype"], shape, raw)
+    try:
+        body = UpdateNamedParam.model_validate_json(raw)
+    except ValidationError as e:
+        err = validation_error_body(e.errors())["error"]
+        raise APIError(err["message"], param=err["param"], code=err["code"]) from None
+    return body.name, named_tensor(body)
+
+
+def named_tensor(body: UpdateNamedParam) -> torch.Tensor:
+    """The tensor of one JSON-encoded entry (``data`` in base64).
+
+    Raises:
+        APIError: no ``data``, bad base64, or as ``tensor_from_bytes``.
+    """
+    if body.data is None:
+        raise APIError(f"{body.name}: this server has no NCCL communicator; send the "
+                       "tensor's bytes in 'data' (base64) or as a raw "
+                       "application/octet-stream body", param="data")
+    try:
+        data = base64.b64decode(body.data, validate=True)
+    except (binascii.Error, ValueError):
+        raise APIError(f"{body.name}: 'data' is not valid base64", param="data") from None
+    return tensor_from_bytes(body.name, body.dtype, body.shape, data)
+
+
+@router.post("/update_named_param/")
+async def update_named_param(request: Request):
+    """TRL's ``/update_named_param/`` with the tensor in the body; see the module docstring.
+    Returns ``{"message", "names"}`` (the parameters copied) once the weights are in place."""
+    st: ServerState = request.app.state.server
+    name, tensor = await read_named_tensor(request)
     try:
         names = await st.engine.call(st.llm.update_weights, [(name, tensor)], exclusive=True)
     except (ValueError, TypeError) as e:
