@@ -44,6 +44,8 @@ class LLM:
         speculative_config: e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``; see
             ``specengine.speculative.config.SpeculativeConfig``. Outputs are unchanged by it: greedy
             output is identical, sampled output has the same distribution.
+        enable_prefix_caching: reuse the KV of full blocks already computed for the same leading
+            tokens (vLLM's automatic prefix caching; outputs are unchanged by it).
 
     Raises:
         ValueError: unknown alias or dtype, ``max_model_len`` above the model's limit, a KV
@@ -55,7 +57,8 @@ class LLM:
                  seed: int = 0, block_size: int = 16, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None,
                  logprobs_mode: str = "raw_logprobs", speculative_config: dict | None = None,
-                 device: str = "auto", attention_backend: str = "auto"):
+                 device: str = "auto", attention_backend: str = "auto",
+                 enable_prefix_caching: bool = True):
         from specengine.models.loader import load_model
 
         torch_dtype = parse_dtype(dtype)
@@ -83,7 +86,8 @@ class LLM:
         self.engine_config = EngineConfig(
             max_model_len=max_model_len, block_size=block_size, num_kv_blocks=num_blocks,
             max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens or max(4096, max_model_len))
+            max_num_batched_tokens=max_num_batched_tokens or max(4096, max_model_len),
+            enable_prefix_caching=bool(enable_prefix_caching))
         self.speculative_config = SpeculativeConfig.from_dict(speculative_config)
         drafter = make_drafter(self.speculative_config, loaded, num_blocks, block_size) \
             if self.speculative_config else None
@@ -105,10 +109,14 @@ class LLM:
         ``generate`` (seconds); with speculation, the policy's ``stats()`` (strategies run,
         steps, predicted and observed tokens/s, decision time); with an EAGLE drafter (also
         inside a ``Harvester``), ``drafter_version`` and ``tau_per_version`` (version -> tokens
-        committed per verify step, see ``EagleDrafter.stats``)."""
+        committed per verify step, see ``EagleDrafter.stats``); prefix caching:
+        ``prefix_cache_hit_rate`` (hit / queried prompt tokens), ``prefix_cache_hit_tokens``,
+        ``prefix_cache_queried_tokens``, ``prefix_cache_blocks`` (cached now; those nobody uses
+        count in ``kv_blocks_free``, they are evicted on demand)."""
         d = self.engine.metrics.as_dict()
         d.update(kv_blocks_total=self.engine.blocks.num_blocks,
                  kv_blocks_free=self.engine.blocks.num_free, generate_time=self._wall_time)
+        d.update(self.engine.blocks.prefix_cache_stats())
         drafter = self.engine.drafter
         if drafter is not None:
             d.update(self.engine.policy.stats())
@@ -122,7 +130,8 @@ class LLM:
                        | Iterable[tuple[str, torch.Tensor]]) -> list[str]:
         """Overwrite some or all of the target's weights in place, between ``generate`` calls:
         a trainer pushing a new policy (SGLang's ``update_weights_from_tensor``, vLLM's weight
-        sync). Later steps use the new weights: the kernels' packed copies are rebuilt.
+        sync). Later steps use the new weights: the kernels' packed copies are rebuilt and the
+        prefix cache is cleared.
 
         An EAGLE drafter shares the target's embedding, final norm and LM head tensors, so
         those follow automatically; its own layer does not (it is now stale: train it online,
@@ -150,7 +159,16 @@ class LLM:
                                "first (between generate calls)")
         if isinstance(weights, Mapping):
             weights = weights.items()
-        return self.engine.runner.model.update_weights(weights)
+        names = self.engine.runner.model.update_weights(weights)
+        self.reset_prefix_cache()  # cached KV was computed with the old weights
+        return names
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block (vLLM's ``LLM.reset_prefix_cache``; RL trainers call
+        it after a weight push, ``update_weights`` does it itself). Returns False, changing
+        nothing, while requests are in flight (a ``generate_iter`` not run to its end); else
+        True."""
+        return self.engine.reset_prefix_cache()
 
     def _to_token_ids(self, prompt, i: int) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

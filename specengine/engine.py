@@ -105,7 +105,7 @@ class Engine:
         self.runner = ModelRunner(model, config.num_kv_blocks, config.block_size,
                                   make_backend(attention_backend, device))
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size,
-                                   self.runner.copy_block)
+                                   self.runner.copy_block, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks)
         if eos_token_ids is None:
             eos_token_ids = set(model.config.eos_token_ids)
@@ -192,6 +192,14 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block (vLLM's ``reset_prefix_cache``). Returns False, and
+        changes nothing, while requests are in flight; True otherwise (also without caching)."""
+        if self.has_unfinished():
+            return False
+        self.blocks.reset_prefix_cache()
+        return True
+
     # ---- the step loop --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the requests that finished in it.
@@ -202,6 +210,9 @@ class Engine:
         strategy = None
         if self.drafter is not None:
             strategy = self.policy.choose(len(self.scheduler.running))
+            if self.drafter.wants_hidden:  # prefix hits must bring their features along
+                self.blocks.track_features(self.runner.model.config.hidden_size,
+                                           self.runner.dtype, self.runner.device)
         entries = self.scheduler.schedule(lookahead=strategy.budget if strategy else 0)
         rows = sum(e.num_new + (strategy.budget if strategy and not e.is_prefill else 0)
                    for e in entries)
@@ -298,9 +309,10 @@ class Engine:
                 rows = list(range(off, off + e.num_new))
             else:
                 rows = [off] + [off + 1 + a for a in accepted[id(e)]]
-            feats = hidden[rows]
+            start, feats = self.blocks.observe_features(  # + cached prefix after a hit
+                e.seq, e.seq.num_cached - len(rows), hidden[rows], e.is_prefill)
             for s in e.samplers or [e.seq]:
-                self.drafter.observe(s, s.num_cached - len(rows), feats)
+                self.drafter.observe(s, start, feats)
 
     def _draft(self, entries: list[BatchEntry], strategy: Strategy) -> int:
         """Attach a draft tree to each decode entry, pruned to what the sequence may still
