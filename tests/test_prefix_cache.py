@@ -356,11 +356,14 @@ def test_eagle_and_harvested_features_after_hits_equal_recomputed(tiny_dir):
                                        "num_speculative_tokens": 3})
         buf = HiddenBuffer()
         harvest(llm, buf)
-        outs = [ids(llm.generate(reqs, greedy(), use_tqdm=False)) for _ in range(2)]
+        outs = [ids(llm.generate(reqs, greedy(), use_tqdm=False))]
+        # copies admitted with the first one share its blocks (features written that step)
+        assert llm.get_metrics()["prefix_cache_hit_tokens"] == caching * 2 * 2 * 3 * BS
+        outs.append(ids(llm.generate(reqs, greedy(), use_tqdm=False)))
         assert outs[0] == outs[1]
         m = llm.get_metrics()
         assert m["spec_steps"] > 0
-        assert (m["prefix_cache_hit_tokens"] > 0) == caching
+        assert m["prefix_cache_hit_tokens"] == caching * (2 * 2 + 6) * 3 * BS
         rollouts[caching] = (outs[0], sorted(buf.snapshot(), key=lambda r: r.token_ids))
         if caching:
             assert_baseline(llm)

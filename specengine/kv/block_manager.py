@@ -121,7 +121,8 @@ class BlockManager:
 
     # ---- prefix caching ----------------------------------------------------------------------
     def _hashes(self, seq: Sequence, n: int) -> list[bytes]:
-        """Chain hashes of ``seq``'s first ``n`` full blocks (kept on ``seq.block_hashes``)."""
+        """Chain hashes of (at least) ``seq``'s first ``n`` full blocks (``seq.block_hashes``,
+        extended in place)."""
         return chain_hashes(seq.token_ids, self.block_size, n, seq.block_hashes)
 
     def match(self, seq: Sequence) -> list[int]:
@@ -133,8 +134,8 @@ class BlockManager:
         """
         if self.cache is None or len(seq) < 2:
             return []
-        hit = []
-        for h in self._hashes(seq, (len(seq) - 1) // self.block_size):
+        hit, n = [], (len(seq) - 1) // self.block_size
+        for h in self._hashes(seq, n)[:n]:  # (more may be known)
             b = self.cache.lookup(h)
             if b is None or (self.features is not None and b not in self._pending
                              and not self.features.covers(b)):
