@@ -178,7 +178,8 @@ def main() -> int:
     spec = {"method": args.drafter, "num_speculative_tokens": cfg["depth"],
             "candidate_trees": cfg["trees"], "policy": "static"}
     t_start = time.perf_counter()
-    llm = LLM(MODEL, dtype=args.dtype, max_num_seqs=256, speculative_config=spec)
+    llm = LLM(MODEL, dtype=args.dtype, max_num_seqs=256, speculative_config=spec,
+              enable_prefix_caching=False)  # each strategy's run pays its own prefill
     candidates = candidate_strategies(llm.speculative_config)
     loads = workloads(llm, cfg)
     warm_load = loads[f"steady-{cfg['steady'][1]}"]

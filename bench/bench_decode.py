@@ -55,7 +55,8 @@ def engine_llm(dtype: str, prompts: list[list[int]], max_tokens: int) -> LLM:
     blocks = sum(-(-(len(p) + max_tokens + 1) // BLOCK) + 1 for p in prompts) + 16
     return LLM(MODEL, dtype=dtype, block_size=BLOCK, max_num_seqs=len(prompts),
                kv_cache_memory_bytes=blocks * BLOCK * per_token,
-               max_num_batched_tokens=sum(len(p) for p in prompts) + len(prompts) + 64)
+               max_num_batched_tokens=sum(len(p) for p in prompts) + len(prompts) + 64,
+               enable_prefix_caching=False)  # every repeat pays its prefill
 
 
 def run_engine(llm: LLM, prompts: list[list[int]], max_tokens: int, repeats: int) -> dict:

@@ -169,7 +169,8 @@ def llm_kwargs(model: str, dtype: str, prompts: dict[str, list[list[int]]], max_
     blocks = sum(-(-(n + max_tokens + max_budget + 1) // BLOCK) + 1 for n in longest) + 16
     return {"dtype": dtype, "block_size": BLOCK, "max_num_seqs": b,
             "kv_cache_memory_bytes": blocks * BLOCK * per_token,
-            "max_num_batched_tokens": max(2048, sum(longest) + b * (max_budget + 1) + 64)}
+            "max_num_batched_tokens": max(2048, sum(longest) + b * (max_budget + 1) + 64),
+            "enable_prefix_caching": False}  # repeated runs of a prompt pay its prefill
 
 
 DELTA_KEYS = ("requests", "generated_tokens", "steps", "decode_steps", "prefill_time",

@@ -53,7 +53,9 @@ class LLM:
     vLLM engine arguments (what verl, TRL and OpenRLHF pass; checked by
     ``specengine.llm_args``), keyword only:
 
-    - honoured: ``enable_prefix_caching`` (default True; stored as ``enable_prefix_caching``),
+    - honoured: ``enable_prefix_caching`` (default True: reuse the KV of full blocks already
+      computed for the same leading tokens, vLLM's automatic prefix caching; outputs are
+      unchanged by it),
       ``load_format`` (``"auto"``/``"safetensors"``: the checkpoint; ``"dummy"``: random
       weights, for a trainer that pushes real ones before rollouts), ``max_logprobs``
       (default 20: ``SamplingParams.logprobs`` above it is refused; -1: no limit),
@@ -128,7 +130,8 @@ class LLM:
         self.engine_config = EngineConfig(
             max_model_len=max_model_len, block_size=block_size, num_kv_blocks=num_blocks,
             max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens or max(4096, max_model_len))
+            max_num_batched_tokens=max_num_batched_tokens or max(4096, max_model_len),
+            enable_prefix_caching=bool(args.enable_prefix_caching))
         self.speculative_config = SpeculativeConfig.from_dict(speculative_config)
         drafter = make_drafter(self.speculative_config, loaded, num_blocks, block_size) \
             if self.speculative_config else None
@@ -160,11 +163,15 @@ class LLM:
         ``Harvester``), ``drafter_version`` and ``tau_per_version`` (drafter version -> tokens
         committed per verify step, see ``EagleDrafter.stats``). Always: ``weight_version``,
         ``weight_updates``, ``weight_update_time`` / ``last_weight_update_time`` (seconds
-        applying updates) and ``sleep_level`` (0 awake, else the deepest level slept)."""
+        applying updates) and ``sleep_level`` (0 awake, else the deepest level slept); prefix
+        caching: ``prefix_cache_hit_rate`` (hit / queried prompt tokens),
+        ``prefix_cache_hit_tokens``, ``prefix_cache_queried_tokens``, ``prefix_cache_blocks``
+        (cached now; those nobody uses count in ``kv_blocks_free``, evicted on demand)."""
         d = self.engine.metrics.as_dict()
         d.update(kv_blocks_total=self.engine.blocks.num_blocks,
                  kv_blocks_free=self.engine.blocks.num_free, generate_time=self._wall_time,
                  sleep_level=self.memory.level, **self.weights.stats())
+        d.update(self.engine.blocks.prefix_cache_stats())
         drafter = self.engine.drafter
         if drafter is not None:
             d.update(self.engine.policy.stats())
@@ -268,7 +275,10 @@ class LLM:
         return self.weights.abort()
 
     def reset_prefix_cache(self) -> bool:
-        """Forget all cached prefix KV (weight updates do it themselves); True when done."""
+        """Forget every cached KV block (vLLM's ``LLM.reset_prefix_cache``; RL trainers call
+        it after a weight push, weight updates do it themselves). Returns False, changing
+        nothing, while requests are in flight (a ``generate_iter`` not run to its end); else
+        True."""
         return self.engine.reset_prefix_cache()
 
     # ---- memory lifecycle (specengine.memory) -----------------------------------------------

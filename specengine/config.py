@@ -34,6 +34,8 @@ class EngineConfig:
         num_kv_blocks: KV pool size (blocks), derived from ``kv_cache_memory_bytes``.
         max_num_seqs: most sequences in one step.
         max_num_batched_tokens: most tokens in one forward (prefill budget).
+        enable_prefix_caching: reuse the KV of full blocks already computed for the same
+            leading tokens (``kv/prefix_cache.py``).
     """
 
     max_model_len: int
@@ -41,3 +43,4 @@ class EngineConfig:
     num_kv_blocks: int = 0
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
+    enable_prefix_caching: bool = True

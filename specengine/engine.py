@@ -72,7 +72,7 @@ class Engine:
         self.runner = ModelRunner(model, config.num_kv_blocks, config.block_size,
                                   make_backend(attention_backend, device))
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size,
-                                   self.runner.copy_block)
+                                   self.runner.copy_block, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks)
         self.seed_rng = torch.Generator().manual_seed(seed)
         self.requests: dict[str, Request] = {}
@@ -155,7 +155,11 @@ class Engine:
         return self.scheduler.has_work()
 
     def reset_prefix_cache(self) -> bool:
-        """Forget cached prefix KV (after a weight change); True when done."""
+        """Forget every cached KV block (vLLM's ``reset_prefix_cache``). Returns False, and
+        changes nothing, while requests are in flight; True otherwise (also without caching)."""
+        if self.has_unfinished():
+            return False
+        self.blocks.reset_prefix_cache()
         return True
 
     # ---- the step loop --------------------------------------------------------------------
@@ -189,6 +193,9 @@ class Engine:
         strategy = None
         if self.drafter is not None:
             strategy = self.policy.choose(len(self.scheduler.running))
+            if self.drafter.wants_hidden:  # prefix hits must bring their features along
+                self.blocks.track_features(self.runner.model.config.hidden_size,
+                                           self.runner.dtype, self.runner.device)
         return strategy, self.scheduler.schedule(lookahead=strategy.budget if strategy else 0)
 
     @staticmethod
@@ -284,9 +291,10 @@ class Engine:
         accepted = {id(c.entry): c.accepted for c in commits if c.is_verified}
         for i, e in enumerate(layout.entries):
             rows = layout.committed_token_rows(i, accepted.get(id(e)))
-            feats = hidden[rows]
+            start, feats = self.blocks.observe_features(  # + the cached prefix after a hit
+                e.seq, e.seq.num_cached - len(rows), hidden[rows], e.is_prefill)
             for s in e.samplers or [e.seq]:
-                self.drafter.observe(s, s.num_cached - len(rows), feats)
+                self.drafter.observe(s, start, feats)
 
     def _append(self, layout: ForwardLayout, commits: list[Commit],
                 now: float) -> tuple[int, list[Request]]:

@@ -5,6 +5,9 @@ admits waiting requests (whole prompts, all ``n`` samples of a prompt together s
 prompt's blocks). When the KV pool cannot hold the next decode tokens, the most recently
 admitted sequence is preempted: its blocks are freed and it is recomputed later from its
 tokens so far (vLLM's recompute preemption). Outputs do not change; nothing crashes.
+
+With prefix caching, an admitted prompt's leading full blocks found in the cache are attached,
+not recomputed: its prefill entry feeds only the tokens after them (always the last one).
 """
 
 from __future__ import annotations
@@ -50,20 +53,23 @@ class Scheduler:
                 raise RuntimeError(
                     f"request {leader.request_id} needs {need} KV blocks for {len(leader)} tokens "
                     f"but the pool has only {self.blocks.num_blocks}; raise kv_cache_memory_bytes")
+            hit = self.blocks.match(leader)  # leading blocks found in the prefix cache
+            need = self.blocks.admission_cost(leader, hit)
+            num_new = len(leader) - len(hit) * self.blocks.block_size
             # keep one free block per running sequence so admitted work can keep decoding
-            if len(leader) > budget and entries:
+            if num_new > budget and entries:
                 break
             if self.blocks.num_free - need < len(self.running) and self.running:
                 break
             if self.blocks.num_free < need:
                 break
             self.waiting.popleft()
-            self.blocks.allocate_shared(group)
+            self.blocks.allocate_shared(group, hit)
             for s in group:
                 s.status = SequenceStatus.RUNNING
                 self.running.append(s)
-            entries.append(BatchEntry(leader, len(leader), list(group), is_prefill=True))
-            budget -= len(leader)
+            entries.append(BatchEntry(leader, num_new, list(group), is_prefill=True))
+            budget -= num_new
         if not entries and self.waiting:
             leader = self.waiting[0][0]
             raise RuntimeError(f"request {leader.request_id} ({len(leader)} tokens) cannot be "
@@ -77,6 +83,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted while making room for an earlier sequence
+            self.blocks.commit(seq)  # blocks filled by the last step join the prefix cache
             n = min(num_slots, self.config.max_model_len - seq.num_cached)
             while self.blocks.blocks_to_grow(seq, n) > self.blocks.num_free:
                 victim = self.running[-1]
@@ -91,6 +98,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and queue it (first) for recomputation."""
         self.running.remove(seq)
+        self.blocks.commit(seq)
         self.blocks.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft([seq])
@@ -101,4 +109,5 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         if seq in self.running:
             self.running.remove(seq)
+        self.blocks.commit(seq)
         self.blocks.free(seq)

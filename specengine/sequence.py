@@ -33,7 +33,9 @@ class Sequence:
 
     ``num_cached`` counts the leading tokens whose K/V are in the cache; the tokens after it
     go through the model at the next step (the whole prompt at prefill, the last sampled token
-    at decode). ``block_table`` lists KV block ids in position order.
+    at decode). ``block_table`` lists KV block ids in position order. ``block_hashes`` holds
+    the prefix-cache chain hashes of the leading full blocks computed so far, and
+    ``num_registered_blocks`` how many leading blocks the prefix cache has already seen.
     """
 
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int],
@@ -48,6 +50,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_cached = 0
+        self.block_hashes: list[bytes] = []
+        self.num_registered_blocks = 0
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.text = ""

@@ -438,6 +438,23 @@ def test_trl_legacy_generate_replay(server, ref, llm):
     assert post(server, "/close_communicator/", {}).status_code == 200
 
 
+def test_reset_prefix_cache_routes_really_reset(server):
+    """vLLM's and TRL's reset routes empty the prefix cache that served requests fill (and
+    that a repeated prompt hits)."""
+    body = {"model": "tiny", "prompt": "Count: " + ", ".join(map(str, range(1, 30))),
+            "max_tokens": 4, "temperature": 0}
+    for route, want in [("/reset_prefix_cache", {"success": True}),
+                        ("/reset_prefix_cache/", {"message": "Request received, resetting "
+                                                             "prefix cache status: True"})]:
+        assert post(server, "/v1/completions", body).status_code == 200
+        hits = wait_idle(server)["prefix_cache_hit_tokens"]
+        assert post(server, "/v1/completions", body).status_code == 200
+        m = wait_idle(server)
+        assert m["prefix_cache_blocks"] > 0 and m["prefix_cache_hit_tokens"] > hits
+        assert post(server, route, {}).json() == want
+        assert metrics(server)["prefix_cache_blocks"] == 0
+
+
 def test_trl_repetition_penalty(server, ref):
     r = post(server, "/generate/", {"prompts": ["x"], "repetition_penalty": 1.2,
                                     "max_tokens": 4, "temperature": 0})

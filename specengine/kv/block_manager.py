@@ -1,15 +1,29 @@
-"""Block tables of sequences over the reference-counted block allocator (vLLM's PagedAttention).
+"""Block tables of sequences over the reference-counted block allocator (vLLM's PagedAttention),
+with automatic prefix caching.
 
 A sequence's K/V for position ``p`` live in block ``block_table[p // block_size]`` at offset
 ``p % block_size``. The ``n`` samples of one prompt share the prompt's blocks (reference counts);
 the first sample that writes into a shared block gets its own copy (copy-on-write).
+
+With prefix caching (``enable_prefix_caching``), every block full of committed tokens is
+registered in a ``PrefixCache`` under the chain hash of its tokens and all tokens before it; the
+cache holds one reference of its own, so the block outlives its sequences with its K/V intact.
+A new prompt's leading full blocks that are registered are attached instead of recomputed
+(``match`` / ``allocate_shared``); registered blocks nobody uses are evicted least-recently-
+released first, only when a fresh block is needed. Only the scheduler registers blocks
+(``allocate_shared`` for a prompt's full blocks, ``commit`` for blocks filled since); draft-tree
+slots past ``num_cached`` are never registered.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from specengine.kv.allocator import make_allocator
+from specengine.kv.block_features import BlockFeatures
+from specengine.kv.prefix_cache import PrefixCache, chain_hashes
 from specengine.sequence import Sequence
 
 
@@ -25,21 +39,219 @@ class BlockManager:
         block_size: tokens per block.
         copy_block: ``copy_block(src, dst)`` copies one block's K/V in every layer (used for
             copy-on-write of a shared partial block).
+        enable_prefix_caching: keep and reuse full blocks by hash (see the module docstring);
+            off for drafters' own pools.
+
+    ``num_free`` counts the blocks a request can get: the allocator's free blocks plus the
+    cached blocks nobody uses (evicted on demand).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, copy_block: Callable[[int, int], None]):
+    def __init__(self, num_blocks: int, block_size: int, copy_block: Callable[[int, int], None],
+                 enable_prefix_caching: bool = False):
         self.block_size = block_size
         self.allocator = make_allocator(num_blocks)
         self.copy_block = copy_block
+        self.cache = PrefixCache() if enable_prefix_caching else None
+        self.features: BlockFeatures | None = None
+        # seq id -> (blocks the sequence registered at admission, tokens its prefill computes):
+        # registered before their K/V are written (this step's forward); unregistered again if
+        # the sequence is freed before that forward completed (an error, an abort)
+        self._unconfirmed: dict[int, tuple[list[int], int]] = {}
+        self._pending: set[int] = set()  # the blocks in ``_unconfirmed``
 
     @property
     def num_free(self) -> int:
-        return self.allocator.num_free
+        """Blocks available to new work: free ones plus evictable cached ones."""
+        return self.allocator.num_free + (self.cache.num_evictable if self.cache is not None else 0)
 
     @property
     def num_blocks(self) -> int:
         return self.allocator.num_blocks
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache (in use or evictable)."""
+        return len(self.cache) if self.cache is not None else 0
+
+    @property
+    def num_evictable(self) -> int:
+        """Cached blocks nobody uses (refcount 1, the cache's own reference)."""
+        return self.cache.num_evictable if self.cache is not None else 0
+
+    # ---- allocation primitives -------------------------------------------------------------
+    def _alloc_n(self, n: int) -> list[int]:
+        """``n`` fresh blocks with refcount 1, evicting least-recently-released cached blocks
+        when the free list is short. Raises RuntimeError (nothing changed) if ``n`` exceed
+        ``num_free``."""
+        if n > self.num_free:
+            raise RuntimeError(f"out of KV blocks: asked for {n}, {self.num_free} free")
+        while self.allocator.num_free < n:
+            self.allocator.free(self.cache.pop_lru())  # drops the cache's reference
+        blocks = list(self.allocator.allocate_n(n))
+        if self.features is not None:
+            self.features.invalidate(blocks)
+        return blocks
+
+    def _release(self, block: int) -> None:
+        """Drop one user's reference; a cached block left with only the cache's reference
+        becomes evictable."""
+        self.allocator.free(block)
+        if self.cache is not None and self.cache.is_registered(block) \
+                and self.allocator.refcount(block) == 1:
+            self.cache.release(block)
+
+    def _attach(self, block: int) -> None:
+        """One more user of cached ``block`` (revived if it was evictable)."""
+        self.cache.acquire(block)
+        self.allocator.incref(block)
+
+    def _register(self, h: bytes, block: int) -> bool:
+        """Register ``block`` under ``h`` (the cache takes a reference) unless either is
+        registered already; returns whether it was."""
+        if self.cache.lookup(h) is not None or self.cache.is_registered(block):
+            return False
+        self.cache.register(h, block)
+        self.allocator.incref(block)
+        return True
+
+    def _drop(self, block: int) -> None:
+        """Unregister ``block`` and drop the cache's reference."""
+        self.cache.unregister(block)
+        self._release(block)
+
+    # ---- prefix caching ----------------------------------------------------------------------
+    def _hashes(self, seq: Sequence, n: int) -> list[bytes]:
+        """Chain hashes of (at least) ``seq``'s first ``n`` full blocks (``seq.block_hashes``,
+        extended in place)."""
+        return chain_hashes(seq.token_ids, self.block_size, n, seq.block_hashes)
+
+    def match(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding ``seq``'s leading full blocks, in order (nothing is changed).
+
+        Only blocks wholly inside the first ``len(seq) - 1`` tokens count: the last token always
+        runs through the model (the step needs its logits) and is never written into a shared
+        block. With ``features`` tracked, a block counts only if its features are valid too.
+        """
+        if self.cache is None or len(seq) < 2:
+            return []
+        hit, n = [], (len(seq) - 1) // self.block_size
+        for h in self._hashes(seq, n)[:n]:  # (more may be known)
+            b = self.cache.lookup(h)
+            if b is None or (self.features is not None and b not in self._pending
+                             and not self.features.covers(b)):
+                break  # (a pending block's features are written this step, before they are read)
+            hit.append(b)
+        return hit
+
+    def admission_cost(self, seq: Sequence, hit: list[int]) -> int:
+        """Blocks of ``num_free`` that ``allocate_shared([seq, ...], hit)`` uses up: fresh
+        blocks for the tokens after ``hit``, and the evictable blocks of ``hit`` revived."""
+        revived = sum(1 for b in hit if self.cache.is_evictable(b)) if hit else 0
+        return cdiv(len(seq), self.block_size) - len(hit) + revived
+
+    def allocate_shared(self, seqs: list[Sequence], hit: list[int] | None = None) -> None:
+        """Give all ``seqs`` (samples of one prompt, same tokens) one set of blocks for their
+        tokens: the cached blocks ``hit`` (from ``match``) first, then fresh ones. Sets each
+        sequence's ``num_cached`` to the tokens in ``hit``; registers the prompt's other full
+        blocks (their K/V are written by this step's forward, which later admissions of the same
+        step may already share). Counts the lookup in the cache's counters.
+
+        Raises:
+            RuntimeError: the pool is short (check ``admission_cost`` against ``num_free``).
+        """
+        hit = list(hit or [])
+        leader, bs = seqs[0], self.block_size
+        if self.admission_cost(leader, hit) > self.num_free:
+            raise RuntimeError(f"out of KV blocks: {self.admission_cost(leader, hit)} needed, "
+                               f"{self.num_free} free")
+        for b in hit:
+            self._attach(b)
+        blocks = hit + self._alloc_n(cdiv(len(leader), bs) - len(hit))
+        for _ in seqs[1:]:
+            for b in blocks:
+                self.allocator.incref(b)
+        for s in seqs:
+            s.block_table = list(blocks)
+            s.num_cached = len(hit) * bs
+        if self.cache is None:
+            return
+        self.cache.queried_tokens += len(leader)
+        self.cache.hit_tokens += len(hit) * bs
+        full = len(leader) // bs
+        hashes = self._hashes(leader, full)
+        pending = [blocks[i] for i in range(len(hit), full) if self._register(hashes[i], blocks[i])]
+        if pending:
+            self._unconfirmed[leader.seq_id] = (pending, full * bs)
+            self._pending.update(pending)
+        for s in seqs:
+            s.block_hashes = hashes if s is leader else list(hashes)
+            s.num_registered_blocks = full
+
+    def commit(self, seq: Sequence) -> None:
+        """Register ``seq``'s blocks that became full of committed tokens (positions below
+        ``min(num_cached, len(seq))``) since the last call. Called by the scheduler between
+        steps, before a sequence's blocks are freed, never on draft slots."""
+        if self.cache is None or not seq.block_table:
+            return
+        pend = self._unconfirmed.get(seq.seq_id)
+        if pend is not None and seq.num_cached >= pend[1]:  # its prefill forward completed
+            del self._unconfirmed[seq.seq_id]
+            self._pending.difference_update(pend[0])
+        full = min(seq.num_cached, len(seq)) // self.block_size
+        if full <= seq.num_registered_blocks:
+            return
+        hashes = self._hashes(seq, full)
+        for i in range(seq.num_registered_blocks, full):
+            self._register(hashes[i], seq.block_table[i])
+        seq.num_registered_blocks = full
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (blocks in use stay with their sequences, unregistered);
+        returns how many were forgotten."""
+        if self.cache is None:
+            return 0
+        blocks = self.cache.blocks()
+        for b in blocks:
+            self._drop(b)
+        self._unconfirmed.clear()
+        self._pending.clear()
+        return len(blocks)
+
+    def prefix_cache_stats(self) -> dict:
+        """``prefix_cache_hit_rate`` (hit / queried tokens), ``prefix_cache_hit_tokens``,
+        ``prefix_cache_queried_tokens`` (prompt tokens looked up at admission, recomputed
+        preempted sequences included), ``prefix_cache_blocks`` (registered now)."""
+        c = self.cache
+        return {"prefix_cache_hit_rate": c.hit_rate() if c is not None else 0.0,
+                "prefix_cache_hit_tokens": c.hit_tokens if c is not None else 0,
+                "prefix_cache_queried_tokens": c.queried_tokens if c is not None else 0,
+                "prefix_cache_blocks": self.num_cached_blocks}
+
+    # ---- features for drafters that read target hidden states (EAGLE) --------------------------
+    def track_features(self, hidden_size: int, dtype: torch.dtype,
+                       device: torch.device | str = "cpu") -> None:
+        """Keep target features per slot from now on (idempotent). Blocks cached before
+        have none: the cache is emptied when tracking starts (call it between requests)."""
+        if self.features is None and self.cache is not None:
+            self.reset_prefix_cache()
+            self.features = BlockFeatures(self.num_blocks, self.block_size, hidden_size, dtype,
+                                          device)
+
+    def observe_features(self, seq: Sequence, start: int, feats: torch.Tensor,
+                         is_prefill: bool) -> tuple[int, torch.Tensor]:
+        """Record the target features ``feats`` ``[r, H]`` of ``seq``'s positions
+        ``start .. start+r-1`` (when tracked). Returns what a drafter should observe: for a
+        prefill after a prefix-cache hit (``start`` > 0), the cached features of positions
+        ``0 .. start-1`` prepended and start 0; else ``(start, feats)`` unchanged."""
+        if self.features is None:
+            return start, feats
+        self.features.write(self.slots(seq, start, start + feats.shape[0]), feats)
+        if is_prefill and start > 0:
+            prefix = self.features.read(self.slots(seq, 0, start)).to(feats.device, feats.dtype)
+            return 0, torch.cat([prefix, feats])
+        return start, feats
+
+    # ---- sequences ---------------------------------------------------------------------------
     def blocks_to_grow(self, seq: Sequence, num_new: int) -> int:
         """Blocks that ``grow(seq, num_new)`` would take from the pool."""
         first, end = seq.num_cached, seq.num_cached + num_new
@@ -49,43 +261,45 @@ class BlockManager:
             need += 1  # copy-on-write of the shared block we will write into
         return need
 
-    def allocate_shared(self, seqs: list[Sequence]) -> None:
-        """Give all ``seqs`` (samples of one prompt, same tokens) one set of blocks for their
-        tokens. Raises RuntimeError when the pool is short (check ``num_free`` first)."""
-        blocks = self.allocator.allocate_n(cdiv(len(seqs[0]), self.block_size))
-        for _ in seqs[1:]:
-            for b in blocks:
-                self.allocator.incref(b)
-        for s in seqs:
-            s.block_table = list(blocks)
-
     def grow(self, seq: Sequence, num_new: int) -> None:
         """Make positions ``num_cached .. num_cached+num_new-1`` of ``seq`` writable: add blocks
         and un-share the block written first if it is shared."""
         i = seq.num_cached // self.block_size
         if num_new and i < len(seq.block_table) and self.allocator.refcount(seq.block_table[i]) > 1:
             old = seq.block_table[i]
-            new = self.allocator.allocate()
+            new = self._alloc_n(1)[0]
             self.copy_block(old, new)
-            self.allocator.free(old)
+            if self.features is not None:
+                self.features.copy_block(old, new)
+            self._release(old)
             seq.block_table[i] = new
         need = cdiv(seq.num_cached + num_new, self.block_size) - len(seq.block_table)
         if need > 0:
-            seq.block_table.extend(self.allocator.allocate_n(need))
+            seq.block_table.extend(self._alloc_n(need))
 
     def shrink(self, seq: Sequence, num_tokens: int) -> None:
         """Release the blocks past the first ``num_tokens`` positions of ``seq``."""
         keep = cdiv(num_tokens, self.block_size)
-        for b in seq.block_table[keep:]:
-            self.allocator.free(b)
+        for b in reversed(seq.block_table[keep:]):
+            self._release(b)
         del seq.block_table[keep:]
 
     def free(self, seq: Sequence) -> None:
-        """Release all blocks of ``seq`` (shared blocks stay with the other holders)."""
-        for b in seq.block_table:
-            self.allocator.free(b)
+        """Release all blocks of ``seq`` (shared blocks stay with the other holders, registered
+        ones with the prefix cache). Blocks ``seq`` registered at admission whose K/V its
+        prefill never wrote (freed before that forward completed) are unregistered first."""
+        pend = self._unconfirmed.pop(seq.seq_id, None)
+        if pend is not None:
+            self._pending.difference_update(pend[0])
+            if seq.num_cached < pend[1]:
+                for b in pend[0]:
+                    if self.cache.is_registered(b):
+                        self._drop(b)
+        for b in reversed(seq.block_table):  # the tail is evicted before the head
+            self._release(b)
         seq.block_table = []
         seq.num_cached = 0
+        seq.num_registered_blocks = 0
 
     def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Flat cache slots of positions ``start .. end-1`` of ``seq``."""
