@@ -49,7 +49,7 @@ from specengine.speculative.strategy import Strategy
 from specengine.speculative.tree import DraftTree
 
 FORMAT = "specengine-eagle"
-DRAFTERS_DIR = Path(__file__).resolve().parent.parent / "drafters"
+DRAFTERS_DIR = Path(__file__).resolve().parents[2] / "drafters"  # specengine/drafters
 LAYER_KEYS = ("input_norm", "qkv_proj", "qkv_bias", "o_proj", "o_bias", "post_attn_norm",
               "gate_up_proj", "down_proj")
 
