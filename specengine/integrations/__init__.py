@@ -1,0 +1,7 @@
+"""Adapters that let RL training frameworks drive specengine as their rollout engine.
+
+One small module per framework, each importing its framework only when imported itself
+(``import specengine.integrations`` imports none of them):
+
+- ``specengine.integrations.trl``: a ``rollout_func`` for TRL's ``GRPOTrainer``.
+"""
