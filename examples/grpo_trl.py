@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", choices=("auto", "static", "bandit"), default="auto")
     ap.add_argument("--engine-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="engine weights and KV cache (the trainer stays float32)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch.set_num_threads (0: torch's default; 1 on a busy shared machine)")
     ap.add_argument("--out", help="write the per-step rows and the run's settings as JSON")
     ap.add_argument("--output-dir", default="/tmp/specengine-grpo-trl",
                     help="TRL's output_dir (nothing is saved there)")
@@ -94,6 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("steps", "prompts", "generations", "max_completion_length"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.threads < 0:
+        ap.error("--threads must be >= 0")
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
 
     from specengine import LLM
     from specengine.integrations.trl import RolloutLogger, SpecEngineRollout
