@@ -1,2 +1,9 @@
-"""Adapters that plug specengine into RL frameworks: one small module each, imported lazily
-(``import specengine`` imports none of them)."""
+"""Adapters that let RL training frameworks drive specengine as their rollout engine.
+
+One small module per framework, each importing its framework only when imported itself
+(``import specengine.integrations`` imports none of them):
+
+- ``specengine.integrations.trl``: a ``rollout_func`` for TRL's ``GRPOTrainer``;
+- ``specengine.integrations.verl``: a rollout with verl's ``BaseRollout`` contract and its
+  server's ``generate``.
+"""
