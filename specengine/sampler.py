@@ -2,11 +2,9 @@
 plain rows and verified token trees alike.
 
 Every row goes through the same pieces: the ``min_tokens`` masking of stop ids
-(``mask_stop_ids``), the repetition / presence / frequency penalties of the row's own context
-(``penalties.penalize``; a tree row's context includes the draft tokens on its path), then a
-draw (greedy argmax, or the exponential race with the sequence's noise: ``sampling.sample`` for
-plain rows, ``speculative.verify.verify`` along a token tree), then the logprob entries vLLM
-returns (``logprob_entries``).
+(``mask_stop_ids``), then a draw (greedy argmax, or the exponential race with the sequence's
+noise: ``sampling.sample`` for plain rows, ``speculative.verify.verify`` along a token tree), then
+the logprob entries vLLM returns (``logprob_entries``).
 """
 
 from __future__ import annotations
@@ -35,6 +33,11 @@ class Sampler:
             temperature/top-k/top-p/min-p; vLLM's default) or ``"processed_logprobs"`` (of the
             distribution actually sampled from, after them and after the ``min_tokens`` mask and
             the penalties).
+
+    Every row's logits are penalised right after the ``min_tokens`` mask with the repetition /
+    presence / frequency penalties of the row's own context (``penalties.penalize``): a tree
+    row's context is the committed tokens plus the draft tokens on its root-to-node path
+    (``penalties.tree_paths``), so verification stays exact.
         stop_ids: the token ids that would end a sequence (``OutputProcessor.stop_ids``); they
             are masked out while the sequence has fewer than ``min_tokens`` output tokens.
 
