@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from specengine.penalties import penalize, tree_paths
 from specengine.sampling import SamplingParams, process_logits, sample
 from specengine.sequence import Logprob, Sequence
 from specengine.speculative.tree import DraftTree
@@ -30,7 +31,13 @@ class Sampler:
         tokenizer: decodes the tokens of logprob entries (None: ``decoded_token`` is None).
         logprobs_mode: ``"raw_logprobs"`` (log-softmax of the model's logits, before
             temperature/top-k/top-p/min-p; vLLM's default) or ``"processed_logprobs"`` (of the
-            distribution actually sampled from, after them and after the ``min_tokens`` mask).
+            distribution actually sampled from, after them and after the ``min_tokens`` mask and
+            the penalties).
+
+    Every row's logits are penalised right after the ``min_tokens`` mask with the repetition /
+    presence / frequency penalties of the row's own context (``penalties.penalize``): a tree
+    row's context is the committed tokens plus the draft tokens on its root-to-node path
+    (``penalties.tree_paths``), so verification stays exact.
         stop_ids: the token ids that would end a sequence (``OutputProcessor.stop_ids``); they
             are masked out while the sequence has fewer than ``min_tokens`` output tokens.
 
@@ -56,6 +63,7 @@ class Sampler:
             asks for no logprobs) per row.
         """
         masked = self.mask_stop_ids(logits, seqs, [s.num_output_tokens for s in seqs])
+        masked = penalize(masked, seqs)
         params = [s.params for s in seqs]
         processed = self.process(masked, params)
         vocab = logits.shape[1]
@@ -80,6 +88,7 @@ class Sampler:
         p, n_out = seq.params, seq.num_output_tokens
         depths = [0] + tree.depths
         masked = self.mask_stop_ids(logits, [seq] * len(depths), [n_out + d for d in depths])
+        masked = penalize(masked, [seq] * len(depths), paths=tree_paths(tree))
         noise = None if p.greedy else torch.stack(
             [seq.noise(n_out + d, logits.shape[1]) for d in range(tree.max_depth + 1)])
         accepted, bonus = verify(tree, masked, p, noise)
@@ -113,7 +122,8 @@ class Sampler:
         """One logprob entry per token: ``tokens[i]`` was drawn from row ``rows[i]``.
 
         Args:
-            logits: ``[R, V]`` float32 raw logits. masked: the same after ``mask_stop_ids``.
+            logits: ``[R, V]`` float32 raw logits. masked: the same after ``mask_stop_ids``
+                and the penalties.
             params: one SamplingParams per row of ``logits``; a row's ``logprobs`` is the
                 number of top tokens in its entry (None: no entry).
             processed: ``process(masked, params)`` when already computed (it is computed here

@@ -47,6 +47,13 @@ class SamplingParams:
         logprobs: number of top log-probabilities to return per token (the sampled token's is
             always included); None returns none.
         skip_special_tokens: drop special tokens from ``text``.
+        repetition_penalty: > 0 (1 disables): the logit of every token that occurs in the
+            prompt or the output so far is divided by it when positive, multiplied by it
+            otherwise (HF / vLLM; ``specengine.penalties``).
+        presence_penalty: in [-2, 2] (0 disables): subtracted from the logit of every token
+            that occurs in the output so far (OpenAI / vLLM; the prompt does not count).
+        frequency_penalty: in [-2, 2] (0 disables): times a token's count in the output so
+            far, subtracted from its logit.
 
     Raises:
         ValueError: a value outside its range, naming the parameter.
@@ -66,6 +73,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -78,7 +88,8 @@ class SamplingParams:
         def is_real(x) -> bool:
             return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
-        for name in ("temperature", "top_p", "min_p"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
             if not is_real(getattr(self, name)):
                 raise bad(name, "must be a finite number")
         for name in ("n", "top_k", "max_tokens", "min_tokens"):
@@ -94,6 +105,11 @@ class SamplingParams:
             raise bad("top_k", "must be an integer: -1 or 0 to disable, or >= 1")
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", "must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be > 0 (1 disables it)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise bad(name, "must be in [-2, 2] (0 disables it)")
         if self.max_tokens < 1:
             raise bad("max_tokens", "must be an integer >= 1")
         if not 0 <= self.min_tokens <= self.max_tokens:
@@ -111,6 +127,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any of the repetition / presence / frequency penalties is on."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
     @property
     def stop_strings(self) -> list[str]:

@@ -18,7 +18,14 @@ def test_params_validation_names_the_field():
                          ({"temperature": float("nan")}, "temperature"),
                          ({"temperature": float("inf")}, "temperature"),
                          ({"top_p": float("nan")}, "top_p"), ({"n": True}, "n"),
-                         ({"max_tokens": 1.5}, "max_tokens")]:
+                         ({"max_tokens": 1.5}, "max_tokens"),
+                         ({"repetition_penalty": 0}, "repetition_penalty"),
+                         ({"repetition_penalty": -1.2}, "repetition_penalty"),
+                         ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+                         ({"presence_penalty": 2.5}, "presence_penalty"),
+                         ({"presence_penalty": float("nan")}, "presence_penalty"),
+                         ({"frequency_penalty": -2.01}, "frequency_penalty"),
+                         ({"frequency_penalty": True}, "frequency_penalty")]:
         with pytest.raises(ValueError, match=name):
             SamplingParams(**kwargs)
     with pytest.raises(ValueError, match="unknown sampling parameter.*bogus"):

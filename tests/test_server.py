@@ -456,17 +456,49 @@ def test_reset_prefix_cache_routes_really_reset(server):
 
 
 def test_trl_repetition_penalty(server, ref):
-    r = post(server, "/generate/", {"prompts": ["x"], "repetition_penalty": 1.2,
-                                    "max_tokens": 4, "temperature": 0})
-    if "repetition_penalty" in sampling_fields():
-        assert r.status_code == 200
-        want = offline(ref, "x", repetition_penalty=1.2, max_tokens=4, temperature=0)
-        assert r.json()["completion_ids"] == [want.outputs[0].token_ids]
-    else:
-        assert r.status_code == 400
-        assert r.json()["error"] == {
-            "message": "repetition_penalty=1.2 is not supported yet (only 1)",
-            "type": "invalid_request_error", "param": "repetition_penalty", "code": None}
+    """TRL always sends ``repetition_penalty``: 1.3 gives offline's tokens, which differ from
+    the unpenalised ones (the penalty is applied, not dropped)."""
+    assert {"repetition_penalty", "presence_penalty", "frequency_penalty"} <= sampling_fields()
+    body = {"prompts": ["Count: 1, 2, 3,"], "max_tokens": 16, "temperature": 0,
+            "generation_kwargs": {"ignore_eos": True}}
+    r = post(server, "/generate/", {**body, "repetition_penalty": 1.3})
+    assert r.status_code == 200
+    want = offline(ref, "Count: 1, 2, 3,", repetition_penalty=1.3, max_tokens=16,
+                   temperature=0, ignore_eos=True)
+    assert r.json()["completion_ids"] == [want.outputs[0].token_ids]
+    unpenalised = post(server, "/generate/", body).json()["completion_ids"]
+    assert unpenalised == [offline(ref, "Count: 1, 2, 3,", max_tokens=16, temperature=0,
+                                   ignore_eos=True).outputs[0].token_ids]
+    assert unpenalised != r.json()["completion_ids"]
+    r = post(server, "/generate/", {**body, "repetition_penalty": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty"
+
+
+def test_openai_penalties_equal_offline(client, ref, server):
+    """``presence_penalty`` / ``frequency_penalty`` (OpenAI's) and ``repetition_penalty``
+    (vLLM's extension) reach the engine: the same tokens as offline, not the unpenalised
+    ones; out-of-range values are 400s naming the field."""
+    kw = dict(presence_penalty=1.5, frequency_penalty=0.5, max_tokens=16, temperature=0)
+    r = client.completions.create(model="tiny", prompt="a a a a a", **kw,
+                                  extra_body={"repetition_penalty": 1.2, "ignore_eos": True,
+                                              "return_token_ids": True})
+    want = offline(ref, "a a a a a", repetition_penalty=1.2, ignore_eos=True, **kw)
+    assert r.choices[0].token_ids == want.outputs[0].token_ids
+    plain = offline(ref, "a a a a a", max_tokens=16, temperature=0, ignore_eos=True)
+    assert plain.outputs[0].token_ids != want.outputs[0].token_ids
+    c = client.chat.completions.create(model="tiny", messages=CONV, max_tokens=8,
+                                       temperature=0, frequency_penalty=-1.0,
+                                       extra_body={"ignore_eos": True,
+                                                   "return_token_ids": True})
+    want = ref.chat(CONV, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                         frequency_penalty=-1.0), use_tqdm=False)[0]
+    assert c.choices[0].token_ids == want.outputs[0].token_ids
+    assert c.choices[0].token_ids != ref.chat(CONV, SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "presence_penalty": 3})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "presence_penalty"
+    assert "must be in [-2, 2]" in r.json()["error"]["message"]
 
 
 def test_update_named_param_in_body(tiny_llama_tok_dir, ref):

@@ -8,12 +8,18 @@ token the target samples when ``q_T = p_j``, and agrees with it with probability
 ``(1 - TV) / (1 + TV)`` otherwise: the shared-Gumbel coupling of Daliri et al. 2024, "Coupling
 without Communication and Drafter-Invariant Speculative Decoding" (arXiv 2408.07978).
 Verification (``verify_coupled``) is unchanged, so output stays lossless whatever is drafted.
+
+A request's repetition / presence / frequency penalties are applied to the draft logits first,
+each row with its own context (the committed tokens plus the draft path to the row's node,
+``specengine.penalties``), as verification applies them to the target's: not needed for
+losslessness, but otherwise the draft keeps proposing the tokens the target is penalised for.
 """
 
 from __future__ import annotations
 
 import torch
 
+from specengine.penalties import penalize
 from specengine.sampling import SamplingParams
 from specengine.sequence import Sequence
 
@@ -21,7 +27,8 @@ TOP_P_WINDOW = 256  # drafting's top-p keeps at most this many tokens
 
 
 def coupled_logprobs(logits: torch.Tensor, seqs: list[Sequence], positions: list[int],
-                     vocab: int, vocab_map: torch.Tensor | None = None) -> torch.Tensor:
+                     vocab: int, vocab_map: torch.Tensor | None = None,
+                     paths: list[list[int]] | None = None) -> torch.Tensor:
     """Log-probabilities to rank each row's draft children by (top-k of a row = its children).
 
     Args:
@@ -33,12 +40,17 @@ def coupled_logprobs(logits: torch.Tensor, seqs: list[Sequence], positions: list
         vocab: the target's vocabulary size V (the noise is ``seq.noise(position, V)``).
         vocab_map: ``[Vd]`` int64 target ids of the draft vocabulary (EAGLE / FR-Spec), or
             None when ``Vd == V``.
+        paths: per row the draft tokens from the root to the node whose children it drafts
+            (that node included), or None for none: with the committed tokens, the context of
+            the row's penalties (``penalties.penalize``).
 
     Returns:
         ``[R, Vd]`` float32: greedy rows ``log_softmax(logits)`` (as uncoupled drafting);
         sampled rows ``log_softmax(filtered(logits / T) - log E)`` with ``E`` the row's noise
-        (``[vocab_map]``), tokens the request's top-k / top-p / min-p drop being ``-inf``.
+        (``[vocab_map]``), tokens the request's top-k / top-p / min-p drop being ``-inf``;
+        ``logits`` penalised first for requests with penalties.
     """
+    logits = penalize(logits, seqs, vocab, paths, vocab_map)
     sampled = [r for r, s in enumerate(seqs) if not s.params.greedy]
     if not sampled:
         return torch.log_softmax(logits, -1)

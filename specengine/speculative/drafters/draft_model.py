@@ -96,8 +96,9 @@ class DraftModelDrafter(Drafter):
                               is_prefill=True) for i in live]
         for step in range(d):
             logits, _ = self.runner.run(entries, self.blocks)
+            chains = [shadows[i].token_ids[len(seqs[i]):] for i in live]  # drafted so far
             logp = coupled_logprobs(logits[:, :self.vocab_size].float(), live_seqs,
-                                    [n + step for n in n_out], self.vocab_size)
+                                    [n + step for n in n_out], self.vocab_size, None, chains)
             top = torch.topk(logp, k, dim=-1)
             for row, i in enumerate(live):
                 sh = shadows[i]

@@ -163,14 +163,15 @@ class EagleDrafter(Drafter):
             meta.tree_mask = mask
         return meta
 
-    def _topk(self, feats: torch.Tensor, k: int, seqs: list[Sequence],
-              positions: list[int]) -> list[list[tuple[int, float]]]:
+    def _topk(self, feats: torch.Tensor, k: int, seqs: list[Sequence], positions: list[int],
+              paths: list[list[int]] | None = None) -> list[list[tuple[int, float]]]:
         """Per row of ``feats`` ``[R, H]``: the top-k children as (target id, log-probability)
         by ``coupled_logprobs`` (row r drafts for ``seqs[r]`` at output position
-        ``positions[r]``), best first; tokens of log-probability ``-inf`` are left out."""
+        ``positions[r]``, after the draft tokens ``paths[r]``), best first; tokens of
+        log-probability ``-inf`` are left out."""
         m = self.model
         logp = coupled_logprobs(m.draft_logits(feats), seqs, positions, m.config.vocab_size,
-                                m.vocab_map)
+                                m.vocab_map, paths)
         top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
         rows = zip(m.to_full_ids(top.indices).tolist(), top.values.tolist())
         return [[(t, lp) for t, lp in zip(ts, lps) if lp > -torch.inf] for ts, lps in rows]
@@ -242,6 +243,7 @@ class EagleDrafter(Drafter):
         shadows = [states[i].shadow for i in live]
         f = self._feed_prefix(live_seqs, [states[i] for i in live])
         n_out = [s.num_output_tokens for s in live_seqs]  # output position of depth-1 tokens
+        pen = any(s.params.has_penalties for s in live_seqs)  # draft paths are needed
         # candidates per sequence: (cum logprob, depth, token, parent candidate, logprob)
         cands = [[(lp, 1, t, -1, lp) for t, lp in kids]
                  for kids in self._topk(f, k, live_seqs, n_out)]
@@ -251,7 +253,8 @@ class EagleDrafter(Drafter):
         for depth in range(2, d + 1):
             f, rows = self._feed_depth(live_seqs, shadows, cands, frontier, fed, feed_feat, depth)
             kids = self._topk(f, k, [live_seqs[b] for b, _, _ in rows],
-                              [n_out[b] + depth - 1 for b, _, _ in rows])
+                              [n_out[b] + depth - 1 for b, _, _ in rows],
+                              [_path(cands[b], ci) for b, ci, _ in rows] if pen else None)
             new = [[] for _ in live]
             for r, (b, ci, _) in enumerate(rows):
                 cum = cands[b][ci][0]
@@ -279,6 +282,16 @@ class EagleDrafter(Drafter):
         return DraftTree([cands[c][2] for c in keep],
                          [index[cands[c][3]] if cands[c][3] >= 0 else -1 for c in keep],
                          [cands[c][4] for c in keep])
+
+
+def _path(cands: list[tuple], c: int) -> list[int]:
+    """The tokens from the root's child down to candidate ``c`` (``cands``: (cum logprob,
+    depth, token, parent candidate, logprob) tuples)."""
+    out = []
+    while c >= 0:
+        out.append(cands[c][2])
+        c = cands[c][3]
+    return out[::-1]
 
 
 def make_eagle(cfg, target, num_blocks: int, block_size: int) -> EagleDrafter:
