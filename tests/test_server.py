@@ -322,7 +322,20 @@ def test_error_messages(server):
     assert r.status_code == 404 and r.json()["error"]["message"] == "Not Found: GET /v1/nothing"
 
 
-def test_client_disconnect_aborts_only_that_request(client, ref, server):
+@pytest.fixture
+def slow_steps(llm, monkeypatch):
+    """Each engine step takes at least 10 ms more, so a 240-token request lasts >= 2.4 s
+    whatever the machine: a client that leaves after 0.3 s is always gone mid-request."""
+    step = llm.engine.step
+
+    def slow_step():
+        time.sleep(0.01)
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", slow_step)
+
+
+def test_client_disconnect_aborts_only_that_request(client, ref, server, slow_steps):
     m0 = metrics(server)
     before, tokens_before = m0["server"]["requests_aborted"], m0["generated_tokens"]
     r = requests.post(f"{server.url}/v1/completions", stream=True, timeout=60, json={
@@ -344,7 +357,7 @@ def test_client_disconnect_aborts_only_that_request(client, ref, server):
     assert m["kv_blocks_free"] == m["kv_blocks_total"]
 
 
-def test_non_streaming_disconnect_aborts(server):
+def test_non_streaming_disconnect_aborts(server, slow_steps):
     m0 = metrics(server)
     with pytest.raises(requests.exceptions.ReadTimeout):
         requests.post(f"{server.url}/v1/completions", timeout=(5, 0.3), json={

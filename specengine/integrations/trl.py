@@ -129,8 +129,8 @@ class SpecEngineRollout:
     Raises (from a call):
         TypeError: ``prompts`` is not a non-empty list, or the trainer's model is a PEFT model
             (merge the adapter first: the engine holds full weights).
-        ValueError: a sampling setting the engine does not have (``repetition_penalty`` other
-            than 1.0 on an engine without it, an unknown ``generation_kwargs`` key), a prompt
+        ValueError: a sampling setting the engine does not have (an unknown
+            ``generation_kwargs`` key), a prompt
             too long for the engine, or a parameter name / shape the engine does not have.
     """
 
@@ -282,9 +282,6 @@ class SpecEngineRollout:
               "max_tokens": int(trainer.max_completion_length)}
         penalty = getattr(trainer, "repetition_penalty", 1.0)
         if penalty is not None and float(penalty) != 1.0:
-            if "repetition_penalty" not in fields:
-                raise ValueError(f"repetition_penalty={penalty}: this specengine has no "
-                                 "repetition penalty; set GRPOConfig(repetition_penalty=1.0)")
             kw["repetition_penalty"] = float(penalty)
         extra = dict(getattr(trainer.args, "generation_kwargs", None) or {})
         unknown = sorted(k for k in extra if k not in fields or k.startswith("_")

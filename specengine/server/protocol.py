@@ -180,7 +180,6 @@ class TRLChatRequest(Strict):
 
 
 # ---- sampling parameters --------------------------------------------------------------------
-_PENALTY_NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 _SP_ERROR = re.compile(r"SamplingParams\.(\w+)=")
 
 
@@ -193,25 +192,18 @@ def make_sampling_params(kwargs: dict, param_names: dict[str, str] | None = None
                          ) -> SamplingParams:
     """``SamplingParams(**kwargs)`` with its errors as 400s naming the request field.
 
-    ``kwargs`` may hold ``presence_penalty`` / ``frequency_penalty`` / ``repetition_penalty``:
-    passed on when ``SamplingParams`` has them, else accepted only at their neutral value
-    (0, 0, 1). ``None`` values are dropped (the default applies). ``param_names`` maps a
+    ``None`` values are dropped (the default applies). ``param_names`` maps a
     ``SamplingParams`` field to the request's name for it (e.g. ``logprobs`` ->
     ``top_logprobs``).
 
     Raises:
-        APIError: an unknown key, an unsupported penalty, or a value SamplingParams refuses.
+        APIError: an unknown key or a value SamplingParams refuses.
     """
     known = sampling_fields()
     names = param_names or {}
     args = {}
     for k, v in kwargs.items():
         if v is None:
-            continue
-        if k in _PENALTY_NEUTRAL and k not in known:
-            if v != _PENALTY_NEUTRAL[k]:
-                raise APIError(f"{k}={v!r} is not supported yet (only "
-                               f"{_PENALTY_NEUTRAL[k]:g})", param=k)
             continue
         if k not in known:
             raise APIError(f"unknown sampling parameter {k!r}; known: {sorted(known)}",
