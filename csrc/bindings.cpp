@@ -1,7 +1,10 @@
 // Python bindings of specengine._C: the KV block allocator and the CPU/CUDA kernels.
-#include <torch/extension.h>
+// torch/csrc/utils/pybind.h brings pybind11 with torch's at::Tensor casters; the whole of
+// torch/extension.h (the C++ frontend) is not needed and would double the build time.
+#include <torch/csrc/utils/pybind.h>
 
 #include "allocator.h"
+#include "kernels.h"
 #include "ops.h"
 #include "pool.h"
 

@@ -6,13 +6,14 @@
 // features; a thread owns a contiguous range of output features. Every output element is one
 // dot product accumulated over K in a fixed order (16 lanes, then a fixed horizontal sum), so
 // row i of linear(x) equals linear(x[i:i+1]) bit for bit whatever M is (batch invariance).
-#include <ATen/Parallel.h>
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 
-#include "ops.h"
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
+#include "kernels.h"
 #include "pool.h"
 #include "vec.h"
 
@@ -21,14 +22,6 @@ namespace {
 
 using bf16 = c10::BFloat16;
 constexpr int64_t kTileM = 4, kTileN = 4;
-
-struct LinearArgs {
-  const void* x;     // [M, K]
-  const void* w;     // [N, K]
-  const float* b;    // [N] float32 or nullptr
-  float* y;          // [M, N] float32
-  int64_t M, N, K;
-};
 
 bool has_avx512_bf16() {
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -246,12 +239,6 @@ SE_CLONES void rope_rows_bf16(bf16* x, const float* c, const float* s, int64_t t
   rope_rows(x, c, s, t0, t1, H, D, a, b, sc, ss);
 }
 
-void check_float_dtype(const at::Tensor& t, const char* name) {
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
-                   " must be float32 or bfloat16, got ", t.scalar_type());
-  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor");
-}
-
 }  // namespace
 
 const char* cpu_isa() {
@@ -263,32 +250,13 @@ const char* cpu_isa() {
   return "generic";
 }
 
-at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& w,
-                      const std::optional<at::Tensor>& b) {
-  check_float_dtype(x, "x");
-  TORCH_CHECK_VALUE(x.dim() == 2, "x must be [M, K], got shape ", x.sizes());
-  TORCH_CHECK_VALUE(w.dim() == 2 && w.size(1) == x.size(1), "weight must be [N, K=", x.size(1),
-                    "], got shape ", w.sizes());
-  TORCH_CHECK_TYPE(w.scalar_type() == x.scalar_type(), "weight dtype ", w.scalar_type(),
-                   " differs from x dtype ", x.scalar_type());
-  TORCH_CHECK_VALUE(w.is_contiguous(), "weight must be contiguous");
-  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
-  at::Tensor bias;
-  if (b.has_value() && b->defined()) {
-    TORCH_CHECK_VALUE(b->dim() == 1 && b->size(0) == N, "bias must be [N=", N, "], got ",
-                      b->sizes());
-    bias = b->to(at::kFloat).contiguous();
-  }
-  auto xc = x.contiguous();
-  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M == 0 || N == 0) return y.to(x.scalar_type());
-  LinearArgs a{xc.data_ptr(), w.data_ptr(), bias.defined() ? bias.data_ptr<float>() : nullptr,
-               y.data_ptr<float>(), M, N, K};
-  const bool is_bf16 = x.scalar_type() == at::kBFloat16;
-  const bool fast_bf16 = is_bf16 && has_avx512_bf16();
+void linear_kernel(const LinearArgs& a, bool is_bf16) {
+  const int64_t N = a.N, K = a.K;
+  [[maybe_unused]] const bool fast_bf16 = is_bf16 && has_avx512_bf16();  // x86-64 only
   // Ranges of whole 4-feature tiles per thread; ~64 KiB of weights per task at least.
   const int64_t tiles = (N + kTileN - 1) / kTileN;
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (kTileN * K * w.element_size()));
+  const int64_t element_size = is_bf16 ? 2 : 4;
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (kTileN * K * element_size));
   parallel_ranges(tiles, grain, 4, [&](int64_t t0, int64_t t1) {
     const int64_t n0 = t0 * kTileN, n1 = std::min(N, t1 * kTileN);
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -297,101 +265,41 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& w,
     if (is_bf16) return linear_bf16_portable_range(a, n0, n1);
     linear_f32_range(a, n0, n1);
   });
-  return is_bf16 ? y.to(at::kBFloat16) : y;
 }
 
-void rope_inplace_cpu(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  check_float_dtype(x, "x");
-  TORCH_CHECK_VALUE(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
-                    "x must be [T, H, D] with contiguous even D, got ", x.sizes(), " strides ",
-                    x.strides());
-  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
-  for (const at::Tensor* c : {&cos, &sin}) {
-    TORCH_CHECK_TYPE(c->scalar_type() == at::kFloat, "cos/sin must be float32, got ",
-                     c->scalar_type());
-    TORCH_CHECK_VALUE(c->dim() == 2 && c->size(0) == T && c->size(1) == D && c->stride(1) == 1,
-                      "cos/sin must be [T=", T, ", D=", D, "] with contiguous rows, got ",
-                      c->sizes());
-  }
-  if (T == 0 || H == 0) return;
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
+void rope_kernel(void* x, bool is_bf16, const float* cos, const float* sin, int64_t T,
+                 int64_t H, int64_t D, int64_t sx_t, int64_t sx_h, int64_t sc, int64_t ss) {
   auto run = [&](int64_t t0, int64_t t1) {
-    if (x.scalar_type() == at::kFloat)
-      rope_rows_f32(x.data_ptr<float>(), cp, sp, t0, t1, H, D, x.stride(0), x.stride(1),
-                    cos.stride(0), sin.stride(0));
+    if (!is_bf16)
+      rope_rows_f32(static_cast<float*>(x), cos, sin, t0, t1, H, D, sx_t, sx_h, sc, ss);
     else
-      rope_rows_bf16(x.data_ptr<bf16>(), cp, sp, t0, t1, H, D, x.stride(0), x.stride(1),
-                     cos.stride(0), sin.stride(0));
+      rope_rows_bf16(static_cast<bf16*>(x), cos, sin, t0, t1, H, D, sx_t, sx_h, sc, ss);
   };
   if (T * H * D < (1 << 16)) return run(0, T);
   parallel_ranges(T, 8, 2, run);
 }
 
-at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& w, double eps) {
-  check_float_dtype(x, "x");
-  const int64_t D = x.size(-1);
-  TORCH_CHECK_VALUE(w.dim() == 1 && w.size(0) == D, "weight must be [", D, "], got ", w.sizes());
-  auto xc = x.contiguous();
-  auto wc = w.to(x.scalar_type()).contiguous();
-  auto out = at::empty_like(xc);
-  const int64_t R = D ? xc.numel() / D : 0;
+void rms_norm_kernel(const void* x, const void* residual, const void* w, void* out,
+                     void* new_res, bool is_bf16, int64_t R, int64_t D, float eps) {
   parallel_ranges(R, 16, 1, [&](int64_t r0, int64_t r1) {
-    if (x.scalar_type() == at::kFloat)
-      rms_rows_f32(xc.data_ptr<float>(), nullptr, wc.data_ptr<float>(), out.data_ptr<float>(),
-                   nullptr, r0, r1, D, static_cast<float>(eps));
+    if (!is_bf16)
+      rms_rows_f32(static_cast<const float*>(x), static_cast<const float*>(residual),
+                   static_cast<const float*>(w), static_cast<float*>(out),
+                   static_cast<float*>(new_res), r0, r1, D, eps);
     else
-      rms_rows_bf16(xc.data_ptr<bf16>(), nullptr, wc.data_ptr<bf16>(), out.data_ptr<bf16>(),
-                    nullptr, r0, r1, D, static_cast<float>(eps));
+      rms_rows_bf16(static_cast<const bf16*>(x), static_cast<const bf16*>(residual),
+                    static_cast<const bf16*>(w), static_cast<bf16*>(out),
+                    static_cast<bf16*>(new_res), r0, r1, D, eps);
   });
-  return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> add_rms_norm_cpu(const at::Tensor& x,
-                                                    const at::Tensor& residual,
-                                                    const at::Tensor& w, double eps) {
-  check_float_dtype(x, "x");
-  TORCH_CHECK_VALUE(residual.sizes() == x.sizes(), "residual shape ", residual.sizes(),
-                    " differs from x shape ", x.sizes());
-  TORCH_CHECK_TYPE(residual.scalar_type() == x.scalar_type(), "residual dtype differs from x");
-  const int64_t D = x.size(-1);
-  TORCH_CHECK_VALUE(w.dim() == 1 && w.size(0) == D, "weight must be [", D, "], got ", w.sizes());
-  auto xc = x.contiguous();
-  auto rc = residual.contiguous();
-  auto wc = w.to(x.scalar_type()).contiguous();
-  auto out = at::empty_like(xc);
-  auto new_res = at::empty_like(xc);
-  const int64_t R = D ? xc.numel() / D : 0;
+void silu_and_mul_kernel(const void* x, void* out, bool is_bf16, int64_t R, int64_t d) {
   parallel_ranges(R, 16, 1, [&](int64_t r0, int64_t r1) {
-    if (x.scalar_type() == at::kFloat)
-      rms_rows_f32(xc.data_ptr<float>(), rc.data_ptr<float>(), wc.data_ptr<float>(),
-                   out.data_ptr<float>(), new_res.data_ptr<float>(), r0, r1, D,
-                   static_cast<float>(eps));
+    if (!is_bf16)
+      silu_mul_rows(static_cast<const float*>(x), static_cast<float*>(out), r0, r1, d);
     else
-      rms_rows_bf16(xc.data_ptr<bf16>(), rc.data_ptr<bf16>(), wc.data_ptr<bf16>(),
-                    out.data_ptr<bf16>(), new_res.data_ptr<bf16>(), r0, r1, D,
-                    static_cast<float>(eps));
+      silu_mul_rows(static_cast<const bf16*>(x), static_cast<bf16*>(out), r0, r1, d);
   });
-  return {out, new_res};
-}
-
-at::Tensor silu_and_mul_cpu(const at::Tensor& x) {
-  check_float_dtype(x, "x");
-  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) % 2 == 0, "x last dim must be even, got ",
-                    x.sizes());
-  const int64_t d = x.size(-1) / 2;
-  auto xc = x.contiguous();
-  auto sizes = x.sizes().vec();
-  sizes.back() = d;
-  auto out = at::empty(sizes, x.options());
-  const int64_t R = d ? out.numel() / d : 0;
-  parallel_ranges(R, 16, 1, [&](int64_t r0, int64_t r1) {
-    if (x.scalar_type() == at::kFloat)
-      silu_mul_rows(xc.data_ptr<float>(), out.data_ptr<float>(), r0, r1, d);
-    else
-      silu_mul_rows(xc.data_ptr<bf16>(), out.data_ptr<bf16>(), r0, r1, d);
-  });
-  return out;
 }
 
 }  // namespace specengine

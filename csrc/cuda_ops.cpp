@@ -2,6 +2,7 @@
 // Compiled only when the extension is built with CUDA (SPECENGINE_WITH_CUDA).
 #ifdef SPECENGINE_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
 

@@ -11,19 +11,21 @@
 // Each C element is one row of A times one column of B accumulated over K in a fixed order, and
 // the tile unit computes rows independently, so row i of the result does not depend on M or on
 // the other rows (batch invariance), nor on the thread that ran its chunk.
-#include <ATen/ATen.h>
-#include <cpuid.h>
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <vector>
 
-#include "ops.h"
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+#include <immintrin.h>
+#endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include "kernels.h"
 #include "pool.h"
 #include "vec.h"
 
@@ -40,16 +42,8 @@ struct TileConfig {
   uint8_t rows[16];
 };
 
-struct AmxArgs {
-  const uint16_t* x;      // [M, xs] bf16 bits, K padded to Kb*32 (zeros) unless K % 32 == 0
-  int64_t xs;             // row stride of x in elements
-  const uint16_t* w;      // packed [P, Kb, 2, 16, 32]
-  const float* bias;      // [N] or nullptr (not in glu mode)
-  uint16_t* y;            // [M, ldy] bf16 bits
-  int64_t ldy, M, N, Kb;  // N: valid output features (glu: I)
-  bool glu;
-};
-
+// x86-64 only: AMX tiles and AVX-512 (function-level targets, chosen at run time).
+#if defined(__x86_64__) && defined(__GNUC__)
 #define SE_AMX_TARGET \
   __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 
@@ -160,6 +154,7 @@ SE_AMX_TARGET void amx_pairs(const AmxArgs& a, int64_t p0, int64_t p1) {
   }
   _tile_release();
 }
+#endif
 
 bool detect_amx() {
   if (const char* s = std::getenv("SPECENGINE_NO_AMX"); s && *s && std::strcmp(s, "0") != 0)
@@ -187,19 +182,9 @@ bool amx_available() {
   return ok;
 }
 
-at::Tensor amx_pack_weight(const at::Tensor& w, bool glu) {
-  TORCH_CHECK_VALUE(amx_available(), "AMX-BF16 is not available on this machine");
-  TORCH_CHECK_TYPE(w.scalar_type() == at::kBFloat16, "weight must be bfloat16, got ",
-                   w.scalar_type());
-  TORCH_CHECK_VALUE(w.dim() == 2 && w.device().is_cpu(), "weight must be a 2-D CPU tensor");
-  const int64_t N = w.size(0), K = w.size(1), Kb = (K + 31) / 32;
-  TORCH_CHECK_VALUE(!glu || N % 32 == 0, "glu packing needs 2*I rows with I % 16 == 0, got ",
-                    N);
+void amx_pack(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, bool glu) {
+  const int64_t Kb = (K + 31) / 32;
   const int64_t P = glu ? N / 32 : (N + 31) / 32;
-  auto wc = w.contiguous();
-  auto packed = at::zeros({P, Kb, 2, 16, 32}, w.options());
-  const auto* src = reinterpret_cast<const uint16_t*>(wc.data_ptr());
-  auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
   const int64_t I = N / 2;
   for (int64_t p = 0; p < P; ++p)
     for (int t = 0; t < 2; ++t)
@@ -212,52 +197,17 @@ at::Tensor amx_pack_weight(const at::Tensor& w, bool glu) {
           dst[((p * Kb + kb) * 2 + t) * 512 + kp * 32 + n * 2 + e] = s[k];
         }
       }
-  return packed;
 }
 
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                      const std::optional<at::Tensor>& bias, bool glu) {
-  TORCH_CHECK_VALUE(amx_available(), "AMX-BF16 is not available on this machine");
-  TORCH_CHECK_TYPE(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
-                   "x and packed weight must be bfloat16");
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.device().is_cpu(), "x must be [M, K] on the CPU");
-  TORCH_CHECK_VALUE(packed.dim() == 5 && packed.size(2) == 2 && packed.size(3) == 16 &&
-                        packed.size(4) == 32 && packed.is_contiguous(),
-                    "packed weight must come from pack_weight_amx, got ", packed.sizes());
-  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0), Kb = packed.size(1);
-  TORCH_CHECK_VALUE((K + 31) / 32 == Kb, "x has K=", K, " but the packed weight has ", Kb * 32,
-                    " (padded) input features");
-  const int64_t out_n = glu ? N / 2 : N;
-  TORCH_CHECK_VALUE(glu ? (N % 32 == 0 && P == N / 32) : (P == (N + 31) / 32),
-                    "N=", N, " does not match the packed weight (", P, " pairs)");
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK_VALUE(!glu, "glu mode takes no bias");
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N, "bias must be [N=", N, "]");
-    b = bias->scalar_type() == at::kFloat && bias->is_contiguous() ? *bias
-                                                                    : bias->to(at::kFloat).contiguous();
-  }
-  auto y = at::empty({M, out_n}, x.options());
-  if (M == 0 || out_n == 0) return y;
-  at::Tensor xp;
-  const uint16_t* xptr;
-  int64_t xs;
-  if (K % 32 == 0 && x.stride(1) == 1 && x.stride(0) >= K) {
-    xptr = reinterpret_cast<const uint16_t*>(x.data_ptr());
-    xs = x.stride(0);
-  } else {
-    xp = at::zeros({M, Kb * 32}, x.options());
-    xp.narrow(1, 0, K).copy_(x);
-    xptr = reinterpret_cast<const uint16_t*>(xp.data_ptr());
-    xs = Kb * 32;
-  }
-  AmxArgs a{xptr, xs, reinterpret_cast<const uint16_t*>(packed.data_ptr()),
-            b.defined() ? b.data_ptr<float>() : nullptr,
-            reinterpret_cast<uint16_t*>(y.data_ptr()), out_n, M, out_n, Kb, glu};
-  const int64_t pair_bytes = Kb * kPairElems * 2;
+void amx_linear_kernel(const AmxArgs& a, int64_t P) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  const int64_t pair_bytes = a.Kb * kPairElems * 2;
   parallel_ranges(P, std::max<int64_t>(1, (48 << 10) / pair_bytes), 4,
                   [&](int64_t p0, int64_t p1) { amx_pairs(a, p0, p1); });
-  return y;
+#else
+  (void)a;
+  (void)P;
+#endif
 }
 
 }  // namespace specengine

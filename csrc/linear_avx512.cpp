@@ -16,32 +16,24 @@
 // order, whatever M, the tile or the thread: row i of the result equals linear(x[i:i+1]) bit for
 // bit (batch invariance), which keeps speculative verification (many rows) and plain decoding
 // (one row) on identical numbers.
-#include <ATen/ATen.h>
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cstring>
 
-#include "ops.h"
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
+#include "kernels.h"
 #include "pool.h"
 #include "vec.h"
 
 namespace specengine {
 namespace {
 
-constexpr int64_t kGroup = 64;  // output features per group
+constexpr int64_t kGroup = kAvx512Group;  // output features per group
 constexpr int kMaxRows = 6;     // rows of x per tile
 
-struct Args {
-  const void* x;     // [M, xs]: bf16 (K padded to even with zeros) or f32
-  int64_t xs;        // row stride of x in elements
-  const void* w;     // packed
-  const float* bias;  // [N] or nullptr
-  void* y;           // [M, ldy] bf16 or f32
-  int64_t ldy, M, N, K;  // N: valid output features (glu: I); K: padded K (bf16: even)
-  bool glu, out_f32;
-  bool bf16;  // x and w are bf16: the glu epilogue rounds its intermediates to bf16
-};
+using Args = Avx512LinearArgs;
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define SE_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
@@ -195,99 +187,52 @@ bool has_avx512(bool bf16) {
 #endif
 }
 
+// Source row of feature slot s (0..63) of group g, or -1 for padding.
+int64_t packed_row(int64_t N, bool glu, int64_t g, int64_t s) {
+  if (glu) return (s < 32 ? 0 : N / 2) + g * 32 + s % 32;
+  const int64_t r = g * kGroup + s;
+  return r < N ? r : -1;
+}
+
 }  // namespace
 
 bool avx512_linear_available(bool bf16) { return has_avx512(bf16); }
 
-at::Tensor avx512_pack_weight(const at::Tensor& w, bool glu) {
-  TORCH_CHECK_VALUE(w.dim() == 2 && w.device().is_cpu(), "weight must be a 2-D CPU tensor, got ",
-                    w.sizes());
-  const bool bf16 = w.scalar_type() == at::kBFloat16;
-  TORCH_CHECK_TYPE(bf16 || w.scalar_type() == at::kFloat, "weight must be bfloat16 or float32, got ",
-                   w.scalar_type());
-  TORCH_CHECK_VALUE(has_avx512(bf16), "this CPU lacks AVX-512", bf16 ? " BF16" : "");
-  const int64_t N = w.size(0), K = w.size(1);
-  TORCH_CHECK_VALUE(!glu || N % 64 == 0, "glu packing needs 2*I rows with I % 32 == 0, got ", N);
+void avx512_pack_bf16(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, bool glu) {
   const int64_t G = glu ? N / 64 : (N + kGroup - 1) / kGroup;
-  const int64_t I = N / 2;
-  auto wc = w.contiguous();
-  // source row of feature slot s (0..63) of group g, or -1 for padding
-  auto row_of = [&](int64_t g, int64_t s) -> int64_t {
-    if (glu) return (s < 32 ? 0 : I) + g * 32 + s % 32;
-    const int64_t r = g * kGroup + s;
-    return r < N ? r : -1;
-  };
-  if (bf16) {
-    const int64_t kp_n = (K + 1) / 2;
-    auto packed = at::zeros({G, kp_n, kGroup, 2}, w.options());
-    const auto* src = reinterpret_cast<const uint16_t*>(wc.data_ptr());
-    auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t s = 0; s < kGroup; ++s) {
-        const int64_t r = row_of(g, s);
-        if (r < 0) continue;
-        for (int64_t k = 0; k < K; ++k)
-          dst[((g * kp_n + k / 2) * kGroup + s) * 2 + k % 2] = src[r * K + k];
-      }
-    return packed;
-  }
-  auto packed = at::zeros({G, K, kGroup}, w.options());
-  const float* src = wc.data_ptr<float>();
-  float* dst = packed.data_ptr<float>();
+  const int64_t kp_n = (K + 1) / 2;
   for (int64_t g = 0; g < G; ++g)
     for (int64_t s = 0; s < kGroup; ++s) {
-      const int64_t r = row_of(g, s);
+      const int64_t r = packed_row(N, glu, g, s);
+      if (r < 0) continue;
+      for (int64_t k = 0; k < K; ++k)
+        dst[((g * kp_n + k / 2) * kGroup + s) * 2 + k % 2] = src[r * K + k];
+    }
+}
+
+void avx512_pack_f32(const float* src, float* dst, int64_t N, int64_t K, bool glu) {
+  const int64_t G = glu ? N / 64 : (N + kGroup - 1) / kGroup;
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t s = 0; s < kGroup; ++s) {
+      const int64_t r = packed_row(N, glu, g, s);
       if (r < 0) continue;
       for (int64_t k = 0; k < K; ++k) dst[(g * K + k) * kGroup + s] = src[r * K + k];
     }
-  return packed;
 }
 
-at::Tensor avx512_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                         const std::optional<at::Tensor>& bias, bool glu, bool out_f32) {
-  const bool bf16 = packed.scalar_type() == at::kBFloat16;
-  TORCH_CHECK_TYPE(x.scalar_type() == packed.scalar_type(), "x dtype ", x.scalar_type(),
-                   " differs from the packed weight's ", packed.scalar_type());
-  TORCH_CHECK_VALUE(has_avx512(bf16), "this CPU lacks AVX-512", bf16 ? " BF16" : "");
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.device().is_cpu(), "x must be [M, K] on the CPU, got ",
-                    x.sizes());
-  TORCH_CHECK_VALUE(packed.is_contiguous() && packed.size(-1) == (bf16 ? 2 : kGroup) &&
-                        packed.dim() == (bf16 ? 4 : 3),
-                    "packed weight must come from avx512_pack_weight, got ", packed.sizes());
-  const int64_t M = x.size(0), K = x.size(1), G = packed.size(0);
-  const int64_t Kpad = bf16 ? 2 * packed.size(1) : packed.size(1);
-  TORCH_CHECK_VALUE(bf16 ? (K + 1) / 2 * 2 == Kpad : K == Kpad, "x has K=", K,
-                    " but the packed weight has ", Kpad, " input features");
-  TORCH_CHECK_VALUE(glu ? (N % 64 == 0 && G == N / 64) : (G == (N + kGroup - 1) / kGroup),
-                    "N=", N, " does not match the packed weight (", G, " groups)");
-  const int64_t out_n = glu ? N / 2 : N;
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK_VALUE(!glu, "glu mode takes no bias");
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N, "bias must be [N=", N, "], got ",
-                      bias->sizes());
-    b = bias->scalar_type() == at::kFloat && bias->is_contiguous()
-            ? *bias
-            : bias->to(at::kFloat).contiguous();
-  }
-  auto y = at::empty({M, out_n}, x.options().dtype(out_f32 ? at::kFloat : x.scalar_type()));
-  if (M == 0 || out_n == 0) return y;
-  at::Tensor xc = x;
-  if (x.stride(1) != 1 || Kpad != K || x.stride(0) < K) {
-    xc = at::zeros({M, Kpad}, x.options());
-    xc.narrow(1, 0, K).copy_(x);
-  }
-  Args a{xc.data_ptr(), xc.stride(0), packed.data_ptr(), b.defined() ? b.data_ptr<float>() : nullptr,
-         y.data_ptr(), out_n, M, out_n, Kpad, glu, out_f32 || !bf16, bf16};
+void avx512_linear_kernel(const Avx512LinearArgs& a, int64_t G, int64_t element_size) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  const int64_t group_bytes = Kpad * kGroup * packed.element_size();
+  const int64_t group_bytes = a.K * kGroup * element_size;
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / group_bytes);
   parallel_ranges(G, grain, 4, [&](int64_t g0, int64_t g1) {
-    if (bf16) run_groups<true>(a, g0, g1);
+    if (a.bf16) run_groups<true>(a, g0, g1);
     else run_groups<false>(a, g0, g1);
   });
+#else
+  (void)a;
+  (void)G;
+  (void)element_size;
 #endif
-  return y;
 }
 
 }  // namespace specengine

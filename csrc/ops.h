@@ -1,10 +1,11 @@
-// Declarations of the CPU (and, with SPECENGINE_WITH_CUDA, CUDA) ops bound in bindings.cpp.
+// Declarations of the CPU (and, with SPECENGINE_WITH_CUDA, CUDA) tensor ops bound in
+// bindings.cpp: ops.cpp checks their arguments and runs the plain C++ kernels of kernels.h.
 #pragma once
 
 #include <optional>
 #include <tuple>
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 namespace specengine {
 
@@ -33,7 +34,6 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& w, const std::optio
 
 // AMX-BF16 linear over weights packed once by amx_pack_weight ([N, K] bf16 -> tiles; glu:
 // fused gate_up [2I, K] whose linear_amx output is silu(gate) * up [M, I]).
-bool amx_available();
 at::Tensor amx_pack_weight(const at::Tensor& w, bool glu);
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                       const std::optional<at::Tensor>& bias, bool glu);
@@ -41,7 +41,6 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
 // Linear on AVX-512 CPUs over weights packed once by avx512_pack_weight ([N, K] bf16 or f32;
 // glu: fused gate_up [2I, K] whose avx512_linear output is silu(gate) * up [M, I]); out_f32
 // writes float32 (logits) instead of x's dtype. Rows are batch-invariant.
-bool avx512_linear_available(bool bf16);
 at::Tensor avx512_pack_weight(const at::Tensor& w, bool glu);
 at::Tensor avx512_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                          const std::optional<at::Tensor>& bias, bool glu, bool out_f32);
@@ -58,9 +57,6 @@ at::Tensor silu_and_mul_cpu(const at::Tensor& x);
 // Sampling noise E ~ Exp(1) [P, vocab] float32 for output positions [P] (int64) of the stream
 // `key`: counter-based, every row the same whatever else is asked (csrc/noise.cpp).
 at::Tensor exponential_noise(int64_t key, const at::Tensor& positions, int64_t vocab);
-
-// Which CPU code path the kernels take: "avx512_bf16", "avx512" or "generic".
-const char* cpu_isa();
 
 #ifdef SPECENGINE_WITH_CUDA
 at::Tensor paged_attention_cuda(const at::Tensor& query, const at::Tensor& k_cache,

@@ -2,7 +2,6 @@
 #include "pool.h"
 
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <pthread.h>
 #include <sched.h>
 
@@ -24,6 +23,15 @@ namespace {
 constexpr uint64_t kMask16 = 0xffff;
 inline uint64_t pack(uint64_t gen, uint64_t n, uint64_t next) {
   return (gen << 32) | (n << 16) | next;
+}
+
+// Spin-wait hint: x86 PAUSE, Arm YIELD, nothing on other CPUs.
+inline void spin_pause() {
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
 }
 
 int spin_us() {
@@ -74,7 +82,7 @@ struct Pool {
       const auto limit = std::chrono::microseconds(spin_us());
       uint32_t g = gen.load(std::memory_order_acquire);
       for (int i = 0; g == seen; ++i) {
-        _mm_pause();
+        spin_pause();
         if ((i & 63) == 63 && std::chrono::steady_clock::now() - t0 > limit) break;
         g = gen.load(std::memory_order_acquire);
       }
@@ -117,7 +125,7 @@ struct Pool {
     in_pool_job = false;
     // Only chunks a running helper has claimed are left.
     for (int i = 0; done.load(std::memory_order_acquire) < n; ++i) {
-      if (i < 4096) _mm_pause();
+      if (i < 4096) spin_pause();
       else sched_yield();
     }
   }

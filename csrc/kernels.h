@@ -1,0 +1,100 @@
+// The CPU kernels behind the ops of ops.h, in plain C++ over raw pointers: no torch header, so
+// each kernel file compiles in seconds. ops.cpp checks the tensors, allocates the outputs and
+// calls these; every pointer here is to contiguous memory unless a stride says otherwise.
+// bf16 data is passed as its uint16_t bits or as c10::BFloat16 (vec.h), never converted here.
+#pragma once
+
+#include <cstdint>
+
+namespace specengine {
+
+// ---- paged attention (attention.cpp) -------------------------------------------------------
+struct AttnArgs {
+  const float* q;          // [T, H, D] float32, already multiplied by scale
+  const void* k_cache;     // [NB, BS, KVH, D]
+  const void* v_cache;
+  const int32_t* block_tables;  // [S, MB]
+  const int32_t* query_seq;     // [T]
+  const int32_t* kv_lens;       // [T]
+  const int32_t* tree_base;     // [T] or nullptr
+  const bool* tree_mask;        // [T, W] or nullptr
+  float* out;                   // [T, H, D] float32
+  int64_t T, H, KVH, D, NB, BS, MB, W;
+};
+
+// True when bf16 query and caches of head_dim D take the AVX-512 BF16 path
+// (paged_attention_bf16_fast); x86-64 CPUs with AVX-512 BF16 only.
+bool paged_attention_fast_available(int64_t D);
+// AVX-512 BF16 path: q_bf16 [T, H, D] bf16 bits, unscaled (a.q is not read); a.out float32.
+void paged_attention_bf16_fast(const AttnArgs& a, const uint16_t* q_bf16, float scale);
+// Portable path over float32 (bf16_cache false) or bf16 caches; a.q float32, scaled.
+void paged_attention_generic(const AttnArgs& a, bool bf16_cache);
+
+// ---- linear, norms, RoPE, SiLU (cpu_ops.cpp) ------------------------------------------------
+struct LinearArgs {
+  const void* x;     // [M, K]
+  const void* w;     // [N, K]
+  const float* b;    // [N] float32 or nullptr
+  float* y;          // [M, N] float32
+  int64_t M, N, K;
+};
+
+// y = x @ w^T + b for bf16 (is_bf16) or float32 x and w; batch-invariant rows.
+void linear_kernel(const LinearArgs& a, bool is_bf16);
+// Rotate-half RoPE in place on x [T, H, D] (row strides sx_t, sx_h; D contiguous) with float32
+// cos/sin rows of stride sc/ss; x is float32, or bf16 when is_bf16.
+void rope_kernel(void* x, bool is_bf16, const float* cos, const float* sin, int64_t T,
+                 int64_t H, int64_t D, int64_t sx_t, int64_t sx_h, int64_t sc, int64_t ss);
+// RMSNorm of R rows of D into out; with residual (non-null), first new_res = x + residual.
+void rms_norm_kernel(const void* x, const void* residual, const void* w, void* out,
+                     void* new_res, bool is_bf16, int64_t R, int64_t D, float eps);
+// silu(x[:, :d]) * x[:, d:] for R rows of 2d -> out [R, d].
+void silu_and_mul_kernel(const void* x, void* out, bool is_bf16, int64_t R, int64_t d);
+// "avx512_bf16", "avx512", "avx2" or "generic".
+const char* cpu_isa();
+
+// ---- AMX-BF16 linear (linear_amx.cpp) -------------------------------------------------------
+struct AmxArgs {
+  const uint16_t* x;      // [M, xs] bf16 bits, K padded to Kb*32 (zeros) unless K % 32 == 0
+  int64_t xs;             // row stride of x in elements
+  const uint16_t* w;      // packed [P, Kb, 2, 16, 32]
+  const float* bias;      // [N] or nullptr (not in glu mode)
+  uint16_t* y;            // [M, ldy] bf16 bits
+  int64_t ldy, M, N, Kb;  // N: valid output features (glu: I)
+  bool glu;
+};
+
+bool amx_available();
+// [N, K] bf16 bits -> dst [P, Kb, 2, 16, 32] (zero-filled by the caller).
+void amx_pack(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, bool glu);
+// The P packed feature pairs of a.w; only when amx_available().
+void amx_linear_kernel(const AmxArgs& a, int64_t P);
+
+// ---- AVX-512 linear (linear_avx512.cpp) -----------------------------------------------------
+struct Avx512LinearArgs {
+  const void* x;     // [M, xs]: bf16 (K padded to even with zeros) or f32
+  int64_t xs;        // row stride of x in elements
+  const void* w;     // packed
+  const float* bias;  // [N] or nullptr
+  void* y;           // [M, ldy] bf16 or f32
+  int64_t ldy, M, N, K;  // N: valid output features (glu: I); K: padded K (bf16: even)
+  bool glu, out_f32;
+  bool bf16;  // x and w are bf16: the glu epilogue rounds its intermediates to bf16
+};
+
+constexpr int64_t kAvx512Group = 64;  // output features per packed group
+bool avx512_linear_available(bool bf16);
+// [N, K] weights -> groups of 64 features: bf16 bits into dst [G, ceil(K/2), 64, 2], float32
+// into dst [G, K, 64]; dst zero-filled by the caller.
+void avx512_pack_bf16(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, bool glu);
+void avx512_pack_f32(const float* src, float* dst, int64_t N, int64_t K, bool glu);
+// The G packed groups of a.w (element_size: 2 for bf16, 4 for float32); only when
+// avx512_linear_available(a.bf16).
+void avx512_linear_kernel(const Avx512LinearArgs& a, int64_t G, int64_t element_size);
+
+// ---- sampling noise (noise.cpp) -------------------------------------------------------------
+// out [P, vocab] float32 = Exp(1) noise of stream `key` at output positions [P].
+void exponential_noise_kernel(int64_t key, const int64_t* positions, int64_t P, int64_t vocab,
+                              float* out);
+
+}  // namespace specengine
