@@ -88,16 +88,21 @@ class Checked:
 
 
 def run_checked(model_dir, tmp_path, llm, plain_llm, **kw):
+    """Train; returns ``(rollout, records, logger, weight version before the run)`` (an
+    engine shared between runs has its version counted on from the earlier ones)."""
+    base = llm.weight_version
     rollout, plain = SpecEngineRollout(llm), SpecEngineRollout(plain_llm)
     checked = Checked(rollout, plain)
     logger = RolloutLogger(rollout, print_fn=None)
     trainer = make_trainer(model_dir, tmp_path, checked, callbacks=[logger], **kw)
     trainer.train()
-    return rollout, checked.records, logger
+    return rollout, checked.records, logger, base
 
 
-def check_run(rollout, records, logger, *, steps, prompts, generations, max_len, greedy):
-    """The assertions shared by the tiny and the real-model runs."""
+def check_run(rollout, records, logger, *, steps, prompts, generations, max_len, greedy,
+              base=0):
+    """The assertions shared by the tiny and the real-model runs (``base``: the engine's
+    weight version before the run; each step's push adds one)."""
     assert len(records) == steps == len(rollout.history) == len(logger.rows)
     assert rollout.num_weight_pushes == steps
     for step, (rec, stats) in enumerate(zip(records, rollout.history)):
@@ -112,11 +117,11 @@ def check_run(rollout, records, logger, *, steps, prompts, generations, max_len,
         assert [len(lp) for lp in out["logprobs"]] == lengths
         assert all(1 <= k <= max_len for k in lengths)
         assert all(r in ("stop", "length") for r in out["finish_reason"])
-        assert out["weight_version"] == [step + 1] * n
+        assert out["weight_version"] == [base + step + 1] * n
         # the engine served every token, with speculation
         assert rec["served"] == sum(lengths) == stats.generated_tokens
         assert stats.spec_steps > 0 and stats.accepted_tokens > 0 and stats.tau > 1.0
-        assert stats.step == step and stats.synced and stats.weight_version == step + 1
+        assert stats.step == step and stats.synced and stats.weight_version == base + step + 1
         # the engine held exactly the trainer's weights (float32 both: the cast is exact)
         assert rec["weights_equal"]
         # speculation changed nothing: token for token what plain decoding samples
@@ -135,7 +140,7 @@ def check_run(rollout, records, logger, *, steps, prompts, generations, max_len,
     if not greedy:  # the optimizer step moved the weights, and the engine got the new ones
         assert any(not torch.equal(records[0]["weights"][k], records[1]["weights"][k])
                    for k in records[0]["weights"])
-    assert [r["weight_version"] for r in logger.rows] == list(range(1, steps + 1))
+    assert [r["weight_version"] for r in logger.rows] == list(range(base + 1, base + steps + 1))
     assert all(r["tau"] > 1.0 and r["generate_seconds"] > 0 for r in logger.rows)
 
 
@@ -148,11 +153,11 @@ def test_grpo_tiny_served_by_engine(tiny_llama_tok_dir, tmp_path, greedy):
             "num_speculative_tokens": 3}
     llm, plain_llm = engine_llm(tiny_llama_tok_dir, spec), engine_llm(tiny_llama_tok_dir)
     kw = dict(prompts=2, generations=2, max_len=12, steps=2)
-    rollout, records, logger = run_checked(
+    rollout, records, logger, base = run_checked(
         tiny_llama_tok_dir, tmp_path, llm, plain_llm,
         generation_kwargs={"temperature": 0.0} if greedy else None, **kw)
     check_run(rollout, records, logger, greedy=greedy, max_len=12, prompts=2, generations=2,
-              steps=2)
+              steps=2, base=base)
 
 
 @pytest.fixture(scope="module")
@@ -296,8 +301,8 @@ def real_engines(default_model_dir):
 def test_grpo_real_model_served_by_engine(default_model_dir, real_engines, tmp_path, greedy):
     """2 GRPO steps of the default model through TRL, generated with EAGLE speculation."""
     llm, plain_llm = real_engines
-    rollout, records, logger = run_checked(
+    rollout, records, logger, base = run_checked(
         default_model_dir, tmp_path, llm, plain_llm, prompts=2, generations=2, max_len=12,
         steps=2, lr=1e-5, generation_kwargs={"temperature": 0.0} if greedy else None)
     check_run(rollout, records, logger, greedy=greedy, max_len=12, prompts=2, generations=2,
-              steps=2)
+              steps=2, base=base)
