@@ -8,6 +8,12 @@
 namespace py = pybind11;
 using specengine::BlockAllocator;
 
+namespace specengine {
+// csrc/noise.cpp (declared here to keep the change local to the two files).
+at::Tensor exponential_noise_batch(const at::Tensor& keys, const at::Tensor& positions,
+                                   int64_t vocab);
+}  // namespace specengine
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "specengine C++ extension: KV block allocator, paged attention, small-M linear";
 
@@ -65,6 +71,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exponential_noise", &specengine::exponential_noise, py::arg("key"),
         py::arg("positions"), py::arg("vocab"),
         "Exp(1) sampling noise [P, vocab] float32 of (key, position) rows, counter-based.");
+  m.def("exponential_noise_batch", &specengine::exponential_noise_batch, py::arg("keys"),
+        py::arg("positions"), py::arg("vocab"),
+        "exponential_noise of (keys[r], positions[r]) in row r: [P, vocab] float32, one call.");
   m.def("set_pool_threads", &specengine::set_pool_threads, py::arg("n"),
         "Threads of the kernels' pool (0: follow torch.get_num_threads()).");
   m.def("pool_threads", &specengine::pool_threads, "Threads the kernels' pool uses now.");

@@ -9,6 +9,7 @@
 // any order, on any thread, and is the same every time; specengine/sampling.py holds the same
 // formula in torch (the reference, and the path without the extension). About 40x faster than
 // torch's exponential_ with a seeded generator (0.7 ms for 49k tokens on one core).
+// exponential_noise_batch draws rows of many keys (all the sampled rows of a step) in one call.
 #include <ATen/ATen.h>
 
 #include <cmath>
@@ -91,29 +92,53 @@ SE_CLONES void noise_row(uint64_t row, float* out, int64_t V) {
   }
 }
 
-}  // namespace
-
-at::Tensor exponential_noise(int64_t key, const at::Tensor& positions, int64_t vocab) {
-  TORCH_CHECK_VALUE(positions.dim() == 1 && positions.scalar_type() == at::kLong,
-                    "positions must be a 1-D int64 tensor, got ", positions.sizes(), " ",
-                    positions.scalar_type());
-  TORCH_CHECK_VALUE(vocab >= 1, "vocab must be >= 1, got ", vocab);
+// Rows r of [P, vocab] from (keys[r * key_step], positions[r]): key_step 0 shares one key.
+at::Tensor noise_matrix(const int64_t* keys, int64_t key_step, const at::Tensor& positions,
+                        int64_t vocab) {
   const auto pos = positions.contiguous();
   const int64_t P = pos.size(0);
   auto out = at::empty({P, vocab}, at::TensorOptions().dtype(at::kFloat));
   const int64_t* pp = pos.data_ptr<int64_t>();
   float* o = out.data_ptr<float>();
-  const uint64_t k = static_cast<uint64_t>(key);
   const int64_t chunk = 8192;  // tokens per task
   const int64_t per_row = (vocab + chunk - 1) / chunk;
   parallel_chunks(P * per_row, [&](int64_t c) {
     const int64_t r = c / per_row, i0 = (c % per_row) * chunk;
+    const uint64_t k = static_cast<uint64_t>(keys[r * key_step]);
     const uint64_t row = mix64(k + kRowMul * (static_cast<uint64_t>(pp[r]) + 1));
     // the row's stream is indexed from token 0: shift the counter by i0
     const int64_t n = std::min(chunk, vocab - i0);
     noise_row(row + kColMul * static_cast<uint64_t>(i0), o + r * vocab + i0, n);
   });
   return out;
+}
+
+void check_positions(const at::Tensor& positions, int64_t vocab) {
+  TORCH_CHECK_VALUE(positions.dim() == 1 && positions.scalar_type() == at::kLong,
+                    "positions must be a 1-D int64 tensor, got ", positions.sizes(), " ",
+                    positions.scalar_type());
+  TORCH_CHECK_VALUE(vocab >= 1, "vocab must be >= 1, got ", vocab);
+}
+
+}  // namespace
+
+at::Tensor exponential_noise(int64_t key, const at::Tensor& positions, int64_t vocab) {
+  check_positions(positions, vocab);
+  return noise_matrix(&key, 0, positions, vocab);
+}
+
+// Row r: the noise of (keys[r], positions[r]), bit for bit exponential_noise(keys[r],
+// [positions[r]], vocab): all the sampled rows of a step in one call.
+at::Tensor exponential_noise_batch(const at::Tensor& keys, const at::Tensor& positions,
+                                   int64_t vocab) {
+  check_positions(positions, vocab);
+  TORCH_CHECK_VALUE(keys.dim() == 1 && keys.scalar_type() == at::kLong,
+                    "keys must be a 1-D int64 tensor, got ", keys.sizes(), " ",
+                    keys.scalar_type());
+  TORCH_CHECK_VALUE(keys.size(0) == positions.size(0), "keys and positions must have the same "
+                    "length, got ", keys.size(0), " and ", positions.size(0));
+  const auto k = keys.contiguous();
+  return noise_matrix(k.data_ptr<int64_t>(), 1, positions, vocab);
 }
 
 }  // namespace specengine
