@@ -2,9 +2,11 @@
 plain rows and verified token trees alike.
 
 Every row goes through the same pieces: the ``min_tokens`` masking of stop ids
-(``mask_stop_ids``), then a draw (greedy argmax, or the exponential race with the sequence's
-noise: ``sampling.sample`` for plain rows, ``speculative.verify.verify`` along a token tree), then
-the logprob entries vLLM returns (``logprob_entries``).
+(``mask_stop_ids``), the processing (``process``: temperature, top-k, top-p, min-p), then a
+draw (greedy argmax, or the exponential race with the sequence's noise: ``batch_sampling.draw``
+for plain rows, ``speculative.verify.verify``'s walk along a token tree), then the logprob
+entries vLLM returns (``logprob_entries``). Every step is batched over the rows
+(``specengine.batch_sampling``), with the per-row definitions' results bit for bit.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from collections.abc import Callable
 
 import torch
 
-from specengine.sampling import SamplingParams, process_logits, sample
+from specengine.batch_sampling import draw, gather_noise, process_rows, store_noise
+from specengine.sampling import SamplingParams
 from specengine.sequence import Logprob, Sequence
 from specengine.speculative.tree import DraftTree
-from specengine.speculative.verify import committed_tokens, verify
+from specengine.speculative.verify import committed_tokens, verify_greedy
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
@@ -49,19 +52,22 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]
                ) -> tuple[list[int], list[LogprobEntry | None]]:
         """Next token of each sequence from its row of ``logits`` ``[B, V]`` float32 (row i is
-        ``seqs[i]``'s, at its next output position).
+        ``seqs[i]``'s, at its next output position): all rows processed together, the noise
+        of every sampled row in one extension call, one batched draw
+        (``specengine.batch_sampling``).
 
         Returns:
             ``(tokens, entries)``: one token id and one logprob entry (None when the sequence
             asks for no logprobs) per row.
         """
-        masked = self.mask_stop_ids(logits, seqs, [s.num_output_tokens for s in seqs])
+        positions = [s.num_output_tokens for s in seqs]
+        masked = self.mask_stop_ids(logits, seqs, positions)
         params = [s.params for s in seqs]
         processed = self.process(masked, params)
-        vocab = logits.shape[1]
-        noise = [None if p.greedy else s.noise(s.num_output_tokens, vocab)
-                 for s, p in zip(seqs, params)]
-        tokens = sample(processed, params, noise).tolist()
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        noise = gather_noise([seqs[i].noise for i in sampled], [positions[i] for i in sampled],
+                             logits.shape[1])[0] if sampled else None
+        tokens = draw(processed, params, noise).tolist()
         return tokens, self.logprob_entries(logits, masked, params, list(range(len(seqs))),
                                             tokens, processed)
 
@@ -70,23 +76,76 @@ class Sampler:
         """Verify ``tree`` (drafted after ``seq``'s last token) against the target's ``logits``
         ``[1 + m, V]`` float32 (row 0 follows the root, row ``1 + i`` follows node ``i``) with
         ``speculative.verify.verify``: the committed tokens are exactly what ``sample`` would
-        have drawn one position at a time.
+        have drawn one position at a time. One tree of ``verify_trees``.
 
         Returns:
             ``(accepted, tokens, entries)``: the accepted node indices (root excluded), the
             tokens to commit (accepted nodes' tokens, then the bonus token) and one logprob
             entry (or None) per token.
         """
-        p, n_out = seq.params, seq.num_output_tokens
-        depths = [0] + tree.depths
-        masked = self.mask_stop_ids(logits, [seq] * len(depths), [n_out + d for d in depths])
-        noise = None if p.greedy else torch.stack(
-            [seq.noise(n_out + d, logits.shape[1]) for d in range(tree.max_depth + 1)])
-        accepted, bonus = verify(tree, masked, p, noise)
-        tokens = committed_tokens(tree, accepted, bonus)
-        rows = [0] + [1 + a for a in accepted]
-        return accepted, tokens, self.logprob_entries(logits, masked, [p] * len(depths), rows,
-                                                      tokens)
+        return self.verify_trees([seq], [tree], [logits])[0]
+
+    def verify_trees(self, seqs: list[Sequence], trees: list[DraftTree],
+                     logits: list[torch.Tensor]
+                     ) -> list[tuple[list[int], list[int], list[LogprobEntry | None]]]:
+        """``verify`` of every tree of a step: the rows of all sampled trees processed and
+        raced against their noise together (``speculative.verify.verify``'s
+        ``softmax(process_logits(rows)) / E_depth``, batched), the noise of every depth of
+        every sampled tree in one extension call; then each tree's walk (``verify_greedy``).
+        Noise rows drawn here for positions after the committed tokens stay in the
+        sequences' ``SampleNoise`` caches (the next step drafts and verifies them).
+
+        Args:
+            seqs, trees: the sequence of each tree and the tree.
+            logits: per tree ``[1 + m, V]`` float32 target logits (as ``verify``).
+
+        Returns:
+            Per tree ``(accepted, tokens, entries)`` as ``verify``.
+
+        Raises:
+            ValueError: the three lists differ in length, or a tree's logits are not
+                ``[1 + m, V]``.
+        """
+        if not len(seqs) == len(trees) == len(logits):
+            raise ValueError(f"seqs, trees and logits must have one entry per tree, got "
+                             f"{len(seqs)}, {len(trees)} and {len(logits)}")
+        for t, (tree, lg) in enumerate(zip(trees, logits)):
+            if lg.dim() != 2 or lg.shape[0] != tree.num_nodes + 1:
+                raise ValueError(f"logits[{t}] must be [m + 1 = {tree.num_nodes + 1}, V] for "
+                                 f"its tree, got {tuple(lg.shape)}")
+        masked, depths = [], []
+        for seq, tree, lg in zip(seqs, trees, logits):
+            depths.append([0] + tree.depths)
+            n_out = seq.num_output_tokens
+            masked.append(self.mask_stop_ids(lg, [seq] * len(depths[-1]),
+                                             [n_out + d for d in depths[-1]]))
+        scores = list(masked)  # what each tree's walk takes the argmax of
+        sampled = [t for t, s in enumerate(seqs) if not s.params.greedy]
+        if sampled:
+            vocab = logits[sampled[0]].shape[1]
+            units = [(t, d) for t in sampled for d in range(trees[t].max_depth + 1)]
+            unit_of = {u: j for j, u in enumerate(units)}
+            noises = [seqs[t].noise for t, _ in units]
+            positions = [seqs[t].num_output_tokens + d for t, d in units]
+            noise, drawn = gather_noise(noises, positions, vocab)
+            rows = masked[sampled[0]] if len(sampled) == 1 else torch.cat(
+                [masked[t] for t in sampled])
+            params = [seqs[t].params for t in sampled for _ in depths[t]]
+            race = torch.softmax(self.process(rows, params), -1).div_(
+                noise[[unit_of[(t, d)] for t in sampled for d in depths[t]]])
+            for t, part in zip(sampled, race.split([len(depths[t]) for t in sampled])):
+                scores[t] = part
+        out = []
+        for t, (seq, tree) in enumerate(zip(seqs, trees)):
+            accepted, bonus = verify_greedy(tree, scores[t])
+            tokens = committed_tokens(tree, accepted, bonus)
+            rows = [0] + [1 + a for a in accepted]
+            out.append((accepted, tokens, self.logprob_entries(
+                logits[t], masked[t], [seq.params] * len(depths[t]), rows, tokens)))
+        if sampled:  # keep the noise of the positions after the committed tokens
+            keep = [j for j in drawn if units[j][1] >= len(out[units[j][0]][1])]
+            store_noise(noises, positions, vocab, noise, keep)
+        return out
 
     def mask_stop_ids(self, logits: torch.Tensor, seqs: list[Sequence],
                       positions: list[int]) -> torch.Tensor:
@@ -103,9 +162,9 @@ class Sampler:
     @staticmethod
     def process(masked: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """The logits sampled from: ``process_logits`` (temperature, top-k, top-p, min-p) of
-        ``masked`` ``[R, V]``, one SamplingParams per row; ``masked`` itself when every row is
-        greedy."""
-        return masked if all(p.greedy for p in params) else process_logits(masked, params)
+        ``masked`` ``[R, V]``, one SamplingParams per row, batched; ``masked`` itself when no
+        row changes (every row greedy, or at temperature 1 with no filter)."""
+        return process_rows(masked, params, copy=False)
 
     def logprob_entries(self, logits: torch.Tensor, masked: torch.Tensor,
                         params: list[SamplingParams], rows: list[int], tokens: list[int],
