@@ -12,6 +12,8 @@ namespace specengine {
 // csrc/noise.cpp (declared here to keep the change local to the two files).
 at::Tensor exponential_noise_batch(const at::Tensor& keys, const at::Tensor& positions,
                                    int64_t vocab);
+at::Tensor exponential_race(const at::Tensor& probs, const at::Tensor& keys,
+                            const at::Tensor& positions);
 }  // namespace specengine
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -74,6 +76,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exponential_noise_batch", &specengine::exponential_noise_batch, py::arg("keys"),
         py::arg("positions"), py::arg("vocab"),
         "exponential_noise of (keys[r], positions[r]) in row r: [P, vocab] float32, one call.");
+  m.def("exponential_race", &specengine::exponential_race, py::arg("probs"), py::arg("keys"),
+        py::arg("positions"),
+        "[S] int64: argmax(probs[r] / exponential_noise(keys[r], [positions[r]], V)[0]) per "
+        "row, the noise never stored.");
   m.def("set_pool_threads", &specengine::set_pool_threads, py::arg("n"),
         "Threads of the kernels' pool (0: follow torch.get_num_threads()).");
   m.def("pool_threads", &specengine::pool_threads, "Threads the kernels' pool uses now.");
