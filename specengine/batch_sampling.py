@@ -9,12 +9,16 @@ parameters enter as float32 columns, which is how torch applies a Python float t
 tensor. torch's CPU kernels for these operations compute each row of a matrix alone, with the
 code a single row gets (the tests check it on many seeds, ties included).
 
-The noise of all sampled rows comes from one extension call (``noise_batch``:
-``csrc/noise.cpp``'s ``exponential_noise_batch``), after the rows a ``SampleNoise`` still holds.
+The draw of all sampled rows is one extension call (``race``: ``csrc/noise.cpp``'s
+``exponential_race``, which computes each row's noise as it goes, skips the logarithm where a
+token provably cannot win, and never stores the noise); where the noise itself is needed (a
+drafter's perturbed scores), ``gather_noise`` draws all missing rows in one call
+(``exponential_noise_batch``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -135,39 +139,78 @@ def top_p_rows_(z: torch.Tensor, top_p: torch.Tensor) -> None:
     z.masked_fill_(~kept, float("-inf"))
 
 
+@dataclass(frozen=True)
+class NoiseStreams:
+    """Where the noise of S sampled rows comes from, without drawing it: row r's is
+    ``noise_rows(keys[r], [positions[r]], V)`` (``SampleNoise.key``, output position)."""
+
+    keys: list[int]
+    positions: list[int]
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor | NoiseStreams) -> torch.Tensor:
+    """The exponential race of every row: ``argmax(probs[r] / E_r)``.
+
+    Args:
+        probs: ``[S, V]`` float32 probabilities (softmax of processed logits); not modified.
+        noise: ``[S, V]`` float32 ``Exp(1)`` noise, or the ``NoiseStreams`` of the rows: then
+            one extension call (``exponential_race``) computes the noise as it goes and never
+            stores it, with the same quotients and argmax as dividing by ``noise_batch``'s rows
+            (without that call: ``noise_batch`` and a division).
+
+    Returns:
+        ``[S]`` int64 token ids.
+
+    Raises:
+        ValueError: ``noise`` does not have one row (or stream) per row of ``probs``.
+    """
+    S, V = probs.shape
+    if isinstance(noise, NoiseStreams):
+        if not len(noise.keys) == len(noise.positions) == S:
+            raise ValueError(f"noise streams must be {S} (one per row), got "
+                             f"{len(noise.keys)} keys and {len(noise.positions)} positions")
+        mod = ext()
+        if mod is not None and hasattr(mod, "exponential_race"):
+            return mod.exponential_race(probs, torch.tensor(noise.keys, dtype=torch.int64),
+                                        torch.tensor(noise.positions, dtype=torch.int64))
+        noise = noise_batch(noise.keys, noise.positions, V)
+    if tuple(noise.shape) != (S, V):
+        raise ValueError(f"noise must be [{S}, {V}] (one row per sampled row), got "
+                         f"{tuple(noise.shape)}")
+    return (probs / noise).argmax(-1)
+
+
 def draw(processed: torch.Tensor, params: list[SamplingParams],
-         noise: torch.Tensor | None) -> torch.Tensor:
+         noise: torch.Tensor | NoiseStreams | None) -> torch.Tensor:
     """One token per row: argmax for greedy rows, else ``argmax(softmax(row) / E)`` (the
-    exponential race), all sampled rows in one softmax, one division and one argmax.
+    exponential race), all sampled rows in one softmax and one ``race``.
 
     Args:
         processed: ``[B, V]`` float32 output of ``process_rows``.
         params: one per row.
-        noise: ``[S, V]`` float32 ``Exp(1)`` noise of the S sampled (non-greedy) rows, in row
-            order; None when every row is greedy.
+        noise: the noise of the S sampled (non-greedy) rows, in row order: ``[S, V]`` float32
+            ``Exp(1)`` rows or their ``NoiseStreams``; None when every row is greedy.
 
     Returns:
         ``[B]`` int64 token ids.
 
     Raises:
-        ValueError: ``noise`` does not have one row per sampled row.
+        ValueError: ``noise`` does not match the sampled rows.
     """
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled:
         return processed.argmax(-1)
-    if noise is None or tuple(noise.shape) != (len(sampled), processed.shape[1]):
-        got = None if noise is None else tuple(noise.shape)
-        raise ValueError(f"noise must be [{len(sampled)}, {processed.shape[1]}] (one row per "
-                         f"sampled row), got {got}")
+    if noise is None:
+        raise ValueError(f"noise is None but {len(sampled)} rows are sampled")
     every = len(sampled) == len(params)
-    race = torch.softmax(processed if every else processed[sampled], -1).div_(noise).argmax(-1)
+    tokens = race(torch.softmax(processed if every else processed[sampled], -1), noise)
     if every:
-        return race
-    tokens = torch.empty(len(params), dtype=torch.int64)
+        return tokens
+    out = torch.empty(len(params), dtype=torch.int64)
     greedy = [i for i, p in enumerate(params) if p.greedy]
-    tokens[greedy] = processed[greedy].argmax(-1)
-    tokens[sampled] = race
-    return tokens
+    out[greedy] = processed[greedy].argmax(-1)
+    out[sampled] = tokens
+    return out
 
 
 def noise_batch(keys: list[int], positions: list[int], vocab: int) -> torch.Tensor:

@@ -15,11 +15,11 @@ from collections.abc import Callable
 
 import torch
 
-from specengine.batch_sampling import draw, gather_noise, process_rows, store_noise
+from specengine.batch_sampling import NoiseStreams, draw, process_rows, race
 from specengine.sampling import SamplingParams
 from specengine.sequence import Logprob, Sequence
 from specengine.speculative.tree import DraftTree
-from specengine.speculative.verify import committed_tokens, verify_greedy
+from specengine.speculative.verify import committed_tokens, walk
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
@@ -53,8 +53,7 @@ class Sampler:
                ) -> tuple[list[int], list[LogprobEntry | None]]:
         """Next token of each sequence from its row of ``logits`` ``[B, V]`` float32 (row i is
         ``seqs[i]``'s, at its next output position): all rows processed together, the noise
-        of every sampled row in one extension call, one batched draw
-        (``specengine.batch_sampling``).
+        of every sampled row raced in one extension call (``specengine.batch_sampling``).
 
         Returns:
             ``(tokens, entries)``: one token id and one logprob entry (None when the sequence
@@ -65,8 +64,8 @@ class Sampler:
         params = [s.params for s in seqs]
         processed = self.process(masked, params)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
-        noise = gather_noise([seqs[i].noise for i in sampled], [positions[i] for i in sampled],
-                             logits.shape[1])[0] if sampled else None
+        noise = NoiseStreams([seqs[i].noise.key for i in sampled],
+                             [positions[i] for i in sampled]) if sampled else None
         tokens = draw(processed, params, noise).tolist()
         return tokens, self.logprob_entries(logits, masked, params, list(range(len(seqs))),
                                             tokens, processed)
@@ -88,12 +87,10 @@ class Sampler:
     def verify_trees(self, seqs: list[Sequence], trees: list[DraftTree],
                      logits: list[torch.Tensor]
                      ) -> list[tuple[list[int], list[int], list[LogprobEntry | None]]]:
-        """``verify`` of every tree of a step: the rows of all sampled trees processed and
-        raced against their noise together (``speculative.verify.verify``'s
-        ``softmax(process_logits(rows)) / E_depth``, batched), the noise of every depth of
-        every sampled tree in one extension call; then each tree's walk (``verify_greedy``).
-        Noise rows drawn here for positions after the committed tokens stay in the
-        sequences' ``SampleNoise`` caches (the next step drafts and verifies them).
+        """``verify`` of every tree of a step: the rows of all sampled trees processed
+        together, their softmax raced against each row's noise (its sequence's stream at the
+        row's depth) in one extension call (``speculative.verify.verify``'s
+        ``argmax(softmax(process_logits(rows)) / E_depth)``, batched); then each tree's walk.
 
         Args:
             seqs, trees: the sequence of each tree and the tree.
@@ -103,8 +100,8 @@ class Sampler:
             Per tree ``(accepted, tokens, entries)`` as ``verify``.
 
         Raises:
-            ValueError: the three lists differ in length, or a tree's logits are not
-                ``[1 + m, V]``.
+            ValueError: the three lists differ in length, a tree's logits are not
+                ``[1 + m, V]``, or a draft token is outside the vocabulary.
         """
         if not len(seqs) == len(trees) == len(logits):
             raise ValueError(f"seqs, trees and logits must have one entry per tree, got "
@@ -113,38 +110,37 @@ class Sampler:
             if lg.dim() != 2 or lg.shape[0] != tree.num_nodes + 1:
                 raise ValueError(f"logits[{t}] must be [m + 1 = {tree.num_nodes + 1}, V] for "
                                  f"its tree, got {tuple(lg.shape)}")
+            if tree.num_nodes and max(tree.tokens) >= lg.shape[1]:
+                raise ValueError(f"tree {t}: a draft token {max(tree.tokens)} is outside the "
+                                 f"vocabulary V={lg.shape[1]}")
         masked, depths = [], []
         for seq, tree, lg in zip(seqs, trees, logits):
             depths.append([0] + tree.depths)
             n_out = seq.num_output_tokens
             masked.append(self.mask_stop_ids(lg, [seq] * len(depths[-1]),
                                              [n_out + d for d in depths[-1]]))
-        scores = list(masked)  # what each tree's walk takes the argmax of
+        best: list[list[int] | None] = [None] * len(trees)  # the target's token of each row
         sampled = [t for t, s in enumerate(seqs) if not s.params.greedy]
         if sampled:
-            vocab = logits[sampled[0]].shape[1]
-            units = [(t, d) for t in sampled for d in range(trees[t].max_depth + 1)]
-            unit_of = {u: j for j, u in enumerate(units)}
-            noises = [seqs[t].noise for t, _ in units]
-            positions = [seqs[t].num_output_tokens + d for t, d in units]
-            noise, drawn = gather_noise(noises, positions, vocab)
             rows = masked[sampled[0]] if len(sampled) == 1 else torch.cat(
                 [masked[t] for t in sampled])
             params = [seqs[t].params for t in sampled for _ in depths[t]]
-            race = torch.softmax(self.process(rows, params), -1).div_(
-                noise[[unit_of[(t, d)] for t in sampled for d in depths[t]]])
-            for t, part in zip(sampled, race.split([len(depths[t]) for t in sampled])):
-                scores[t] = part
+            streams = NoiseStreams(
+                [seqs[t].noise.key for t in sampled for _ in depths[t]],
+                [seqs[t].num_output_tokens + d for t in sampled for d in depths[t]])
+            tokens = race(torch.softmax(self.process(rows, params), -1), streams).tolist()
+            at = 0
+            for t in sampled:
+                best[t], at = tokens[at:at + len(depths[t])], at + len(depths[t])
         out = []
         for t, (seq, tree) in enumerate(zip(seqs, trees)):
-            accepted, bonus = verify_greedy(tree, scores[t])
+            if best[t] is None:
+                best[t] = masked[t].argmax(-1).tolist()
+            accepted, bonus = walk(tree, best[t])
             tokens = committed_tokens(tree, accepted, bonus)
             rows = [0] + [1 + a for a in accepted]
             out.append((accepted, tokens, self.logprob_entries(
                 logits[t], masked[t], [seq.params] * len(depths[t]), rows, tokens)))
-        if sampled:  # keep the noise of the positions after the committed tokens
-            keep = [j for j in drawn if units[j][1] >= len(out[units[j][0]][1])]
-            store_noise(noises, positions, vocab, noise, keep)
         return out
 
     def mask_stop_ids(self, logits: torch.Tensor, seqs: list[Sequence],
