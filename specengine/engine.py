@@ -246,8 +246,10 @@ class Engine:
         plain = [(e, s, r) for e, r in layout.plain() for s in e.samplers]
         commits = []
         if plain:
-            tokens, lps = self.sampler.sample(logits[[r for _, _, r in plain]],
-                                              [s for _, s, _ in plain])
+            rows = [r for _, _, r in plain]  # all rows in order (plain decoding): no copy
+            tokens, lps = self.sampler.sample(
+                logits if rows == list(range(len(logits))) else logits[rows],
+                [s for _, s, _ in plain])
             commits += [Commit(e, s, [t], [lp]) for (e, s, _), t, lp in zip(plain, tokens, lps)]
         trees = layout.trees()
         verified = self.sampler.verify_trees(
