@@ -9,14 +9,16 @@ import reference_sampling as ref
 import torch
 from helpers import rand_prompts
 
-from specengine import LLM, SamplingParams
+from specengine import LLM, SamplingParams, batch_sampling
 from specengine._ext import ext
 from specengine.batch_sampling import (
     TOP_P_WINDOW,
+    NoiseStreams,
     draw,
     gather_noise,
     noise_batch,
     process_rows,
+    race,
     store_noise,
 )
 from specengine.models.loader import save_random_model
@@ -97,16 +99,80 @@ def test_draw_is_the_per_row_exponential_race():
     for _ in range(40):
         params = mixed_params(rng, 16)
         x = ref.process_logits(logits_rows(g, 16, 1000), params)
-        noise = [SampleNoise(rng.randrange(1 << 30), 0)(rng.randrange(100), 1000)
-                 for _ in params]
+        keys = [SampleNoise(rng.randrange(1 << 30), 0).key for _ in params]
+        positions = [rng.randrange(100) for _ in params]
+        noise = [noise_rows(k, [q], 1000)[0] for k, q in zip(keys, positions)]
         want = ref.sample(x, params, noise)
         sampled = torch.stack([e for e, p in zip(noise, params) if not p.greedy])
         assert torch.equal(draw(x, params, sampled), want)
         assert torch.equal(sample(x, params, noise), want)
+        streams = NoiseStreams([k for k, p in zip(keys, params) if not p.greedy],
+                               [q for q, p in zip(positions, params) if not p.greedy])
+        assert torch.equal(draw(x, params, streams), want)
     greedy = [SamplingParams(temperature=0)] * 2
     assert draw(x[:2], greedy, None).tolist() == x[:2].argmax(-1).tolist()
     with pytest.raises(ValueError, match=r"noise must be \[1, 1000\].*got \(2, 1000\)"):
         draw(x[:1], [SamplingParams()], sampled[:2])
+    with pytest.raises(ValueError, match="noise streams must be 1 .* 2 keys and 2 positions"):
+        draw(x[:1], [SamplingParams()], NoiseStreams([1, 2], [0, 0]))
+    with pytest.raises(ValueError, match="noise is None but 1 rows are sampled"):
+        draw(x[:1], [SamplingParams()], None)
+
+
+def race_cases(g: torch.Generator, rng: random.Random):
+    """Probability rows of every kind the race meets: dense, peaked, bf16-tied, mostly zero
+    (filtered), one-hot, all zero, tiny, NaN (softmax of an all -inf row), odd sizes."""
+    for trial in range(40):
+        S, V = rng.choice([1, 3, 17]), rng.choice([5, 8, 9, 1000, 8192, 8193, 49152])
+        x = torch.randn(S, V, generator=g) * rng.choice([0.3, 1, 3, 10, 100])
+        if trial % 3 == 0:
+            x = x.bfloat16().float()
+        x[torch.rand(S, V, generator=g) < rng.choice([0.0, 0.2, 0.99])] = float("-inf")
+        x[:, rng.randrange(V)] = 0.0
+        p = torch.softmax(x, -1)
+        if trial == 1:
+            p[0] = float("nan")
+        elif trial == 2:
+            p[0, 3:] = float("nan")
+        elif trial == 3:
+            p[:] = 0.0
+        elif trial == 4:
+            p[:] = 1e-40
+        elif trial == 5:
+            p[:] = 0.0
+            p[:, -1] = 1.0
+        yield p, NoiseStreams([rng.randrange(1 << 62) for _ in range(S)],
+                              [rng.randrange(10 ** 6) for _ in range(S)])
+
+
+def test_race_is_argmax_of_probs_over_the_noise_rows(monkeypatch):
+    """``race`` with streams (``exponential_race``: the noise never stored, most logarithms
+    skipped) gives ``argmax(p / E)`` of the materialized noise, NaN and ties as torch."""
+    rng, g = random.Random(5), torch.Generator().manual_seed(5)
+    cases = list(race_cases(g, rng))
+    for p, streams in cases:
+        want = (p / noise_batch(streams.keys, streams.positions, p.shape[1])).argmax(-1)
+        assert torch.equal(race(p, streams), want)
+        assert torch.equal(race(p, noise_batch(streams.keys, streams.positions, p.shape[1])),
+                           want)
+    nan_rows = [race(p, s)[0].item() for p, s in cases[1:3]]
+    assert nan_rows == [0, 3]  # the first NaN, as torch.argmax
+    mod = ext()
+    if mod is None:
+        return
+    # an extension without exponential_race (built before it): noise_batch and a division
+    old = type("OldExt", (), {"exponential_noise_batch": staticmethod(mod.exponential_noise_batch),
+                              "exponential_noise": staticmethod(mod.exponential_noise)})
+    p, streams = cases[10]
+    want = race(p, streams)
+    monkeypatch.setattr(batch_sampling, "ext", lambda: old)
+    assert torch.equal(race(p, streams), want)
+    with pytest.raises(ValueError, match=r"probs must be a \[S, V >= 1\] float32"):
+        mod.exponential_race(p.double(), torch.tensor(streams.keys),
+                             torch.tensor(streams.positions))
+    with pytest.raises(ValueError, match="probs must have one row per key"):
+        mod.exponential_race(p, torch.tensor(streams.keys + [1]),
+                             torch.tensor(streams.positions + [1]))
 
 
 @pytest.mark.skipif(ext() is None, reason="specengine._C is not built")
@@ -213,19 +279,17 @@ def test_verify_trees_matches_the_per_tree_verification(mode):
         got = sampler.verify_trees(seqs, trees, logits)
         assert got == want
         accepted += sum(len(a) for a, _, _ in got)
-        for s, t, (_, tokens, _) in zip(seqs, trees, got):
-            if s.params.greedy:
-                continue
-            n_out = s.num_output_tokens
-            for d in range(t.max_depth + 1):  # the positions after the committed ones stay
-                row = s.noise.cached(n_out + d, vocab)
-                assert (row is None) == (d < len(tokens))
-                if row is not None:
-                    assert torch.equal(row, ref.noise(s, n_out + d, vocab))
+        # the noise was raced, never stored: no SampleNoise cache holds a row
+        assert all(s.noise.cached(s.num_output_tokens + d, vocab) is None
+                   for s, t in zip(seqs, trees) for d in range(t.max_depth + 1))
         assert sampler.verify(seqs[0], trees[0], logits[0]) == want[0]
     assert accepted >= 20
     with pytest.raises(ValueError, match=r"logits\[0\] must be \[m \+ 1 = 2, V\]"):
         sampler.verify_trees(seqs[:1], [DraftTree([1], [-1])], [torch.zeros(3, vocab)])
+    with pytest.raises(ValueError, match="tree 0: a draft token 600 is outside the vocabulary"):
+        sampler.verify_trees(seqs[:1], [DraftTree([600], [-1])], [torch.zeros(2, vocab)])
+    with pytest.raises(ValueError, match="one entry per tree, got 2, 1 and 1"):
+        sampler.verify_trees(seqs[:2], trees[:1], logits[:1])
 
 
 @pytest.fixture(scope="module")
