@@ -113,12 +113,8 @@ class Sampler:
             if tree.num_nodes and max(tree.tokens) >= lg.shape[1]:
                 raise ValueError(f"tree {t}: a draft token {max(tree.tokens)} is outside the "
                                  f"vocabulary V={lg.shape[1]}")
-        masked, depths = [], []
-        for seq, tree, lg in zip(seqs, trees, logits):
-            depths.append([0] + tree.depths)
-            n_out = seq.num_output_tokens
-            masked.append(self.mask_stop_ids(lg, [seq] * len(depths[-1]),
-                                             [n_out + d for d in depths[-1]]))
+        masked = [self.mask_tree(s, t, lg) for s, t, lg in zip(seqs, trees, logits)]
+        depths = [[0] + t.depths for t in trees]
         best: list[list[int] | None] = [None] * len(trees)  # the target's token of each row
         sampled = [t for t, s in enumerate(seqs) if not s.params.greedy]
         if sampled:
@@ -142,6 +138,13 @@ class Sampler:
             out.append((accepted, tokens, self.logprob_entries(
                 logits[t], masked[t], [seq.params] * len(depths[t]), rows, tokens)))
         return out
+
+    def mask_tree(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> torch.Tensor:
+        """A tree's ``logits`` ``[1 + m, V]`` after ``mask_stop_ids``, row r at the output
+        position of its depth (a clone when masked, else ``logits`` itself)."""
+        n_out, depths = seq.num_output_tokens, [0] + tree.depths
+        masked = self.mask_stop_ids(logits, [seq] * len(depths), [n_out + d for d in depths])
+        return masked
 
     def mask_stop_ids(self, logits: torch.Tensor, seqs: list[Sequence],
                       positions: list[int]) -> torch.Tensor:
