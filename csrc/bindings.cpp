@@ -68,6 +68,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exponential_noise", &specengine::exponential_noise, py::arg("key"),
         py::arg("positions"), py::arg("vocab"),
         "Exp(1) sampling noise [P, vocab] float32 of (key, position) rows, counter-based.");
+  m.def("exponential_noise_batch", &specengine::exponential_noise_batch, py::arg("keys"),
+        py::arg("positions"), py::arg("vocab"),
+        "exponential_noise of (keys[r], positions[r]) in row r: [P, vocab] float32, one call.");
+  m.def("exponential_race", &specengine::exponential_race, py::arg("probs"), py::arg("keys"),
+        py::arg("positions"),
+        "[S] int64: argmax(probs[r] / exponential_noise(keys[r], [positions[r]], V)[0]) per "
+        "row, the noise never stored.");
   m.def("set_pool_threads", &specengine::set_pool_threads, py::arg("n"),
         "Threads of the kernels' pool (0: follow torch.get_num_threads()).");
   m.def("pool_threads", &specengine::pool_threads, "Threads the kernels' pool uses now.");

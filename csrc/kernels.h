@@ -96,5 +96,14 @@ void avx512_linear_kernel(const Avx512LinearArgs& a, int64_t G, int64_t element_
 // out [P, vocab] float32 = Exp(1) noise of stream `key` at output positions [P].
 void exponential_noise_kernel(int64_t key, const int64_t* positions, int64_t P, int64_t vocab,
                               float* out);
+// Row r of out [P, vocab]: the noise of stream keys[r * key_step] at positions[r] (key_step 0:
+// one key for all rows).
+void exponential_noise_rows_kernel(const int64_t* keys, int64_t key_step,
+                                   const int64_t* positions, int64_t P, int64_t vocab,
+                                   float* out);
+// out[r] = argmax(probs[r] / noise of (keys[r], positions[r])) over [V], torch.argmax's ties
+// and NaN rule, the noise never stored; probs [S, V] float32.
+void exponential_race_kernel(const float* probs, const int64_t* keys, const int64_t* positions,
+                             int64_t S, int64_t V, int64_t* out);
 
 }  // namespace specengine

@@ -388,15 +388,61 @@ at::Tensor avx512_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 }
 
 // ---- sampling noise -----------------------------------------------------------------------
-at::Tensor exponential_noise(int64_t key, const at::Tensor& positions, int64_t vocab) {
+namespace {
+void check_positions(const at::Tensor& positions, int64_t vocab) {
   TORCH_CHECK_VALUE(positions.dim() == 1 && positions.scalar_type() == at::kLong,
                     "positions must be a 1-D int64 tensor, got ", positions.sizes(), " ",
                     positions.scalar_type());
   TORCH_CHECK_VALUE(vocab >= 1, "vocab must be >= 1, got ", vocab);
+}
+
+void check_streams(const at::Tensor& keys, const at::Tensor& positions) {
+  TORCH_CHECK_VALUE(keys.dim() == 1 && keys.scalar_type() == at::kLong,
+                    "keys must be a 1-D int64 tensor, got ", keys.sizes(), " ",
+                    keys.scalar_type());
+  TORCH_CHECK_VALUE(keys.size(0) == positions.size(0), "keys and positions must have the same "
+                    "length, got ", keys.size(0), " and ", positions.size(0));
+}
+}  // namespace
+
+at::Tensor exponential_noise(int64_t key, const at::Tensor& positions, int64_t vocab) {
+  check_positions(positions, vocab);
   const auto pos = positions.contiguous();
   const int64_t P = pos.size(0);
   auto out = at::empty({P, vocab}, at::TensorOptions().dtype(at::kFloat));
   exponential_noise_kernel(key, pos.data_ptr<int64_t>(), P, vocab, out.data_ptr<float>());
+  return out;
+}
+
+at::Tensor exponential_noise_batch(const at::Tensor& keys, const at::Tensor& positions,
+                                   int64_t vocab) {
+  check_positions(positions, vocab);
+  check_streams(keys, positions);
+  const auto k = keys.contiguous();
+  const auto pos = positions.contiguous();
+  const int64_t P = pos.size(0);
+  auto out = at::empty({P, vocab}, at::TensorOptions().dtype(at::kFloat));
+  exponential_noise_rows_kernel(k.data_ptr<int64_t>(), 1, pos.data_ptr<int64_t>(), P, vocab,
+                                out.data_ptr<float>());
+  return out;
+}
+
+at::Tensor exponential_race(const at::Tensor& probs, const at::Tensor& keys,
+                            const at::Tensor& positions) {
+  TORCH_CHECK_VALUE(probs.dim() == 2 && probs.scalar_type() == at::kFloat && probs.size(1) >= 1,
+                    "probs must be a [S, V >= 1] float32 tensor, got ", probs.sizes(), " ",
+                    probs.scalar_type());
+  check_positions(positions, probs.size(1));
+  check_streams(keys, positions);
+  TORCH_CHECK_VALUE(keys.size(0) == probs.size(0), "probs must have one row per key, got ",
+                    probs.size(0), " rows and ", keys.size(0), " keys");
+  const auto pr = probs.contiguous();
+  const auto k = keys.contiguous();
+  const auto pos = positions.contiguous();
+  const int64_t S = pr.size(0), V = pr.size(1);
+  auto out = at::empty({S}, at::TensorOptions().dtype(at::kLong));
+  exponential_race_kernel(pr.data_ptr<float>(), k.data_ptr<int64_t>(), pos.data_ptr<int64_t>(),
+                          S, V, out.data_ptr<int64_t>());
   return out;
 }
 

@@ -57,6 +57,13 @@ at::Tensor silu_and_mul_cpu(const at::Tensor& x);
 // Sampling noise E ~ Exp(1) [P, vocab] float32 for output positions [P] (int64) of the stream
 // `key`: counter-based, every row the same whatever else is asked (csrc/noise.cpp).
 at::Tensor exponential_noise(int64_t key, const at::Tensor& positions, int64_t vocab);
+// Row r: exponential_noise(keys[r], [positions[r]], vocab)[0]: all sampled rows of a step.
+at::Tensor exponential_noise_batch(const at::Tensor& keys, const at::Tensor& positions,
+                                   int64_t vocab);
+// [S] int64: argmax(probs[r] / exponential_noise(keys[r], [positions[r]], V)[0]) per row, as
+// torch.argmax (first index of the largest, NaN largest), the noise never stored.
+at::Tensor exponential_race(const at::Tensor& probs, const at::Tensor& keys,
+                            const at::Tensor& positions);
 
 #ifdef SPECENGINE_WITH_CUDA
 at::Tensor paged_attention_cuda(const at::Tensor& query, const at::Tensor& k_cache,

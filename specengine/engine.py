@@ -245,7 +245,7 @@ class Engine:
 
     def _sample(self, layout: ForwardLayout, logits: torch.Tensor) -> list[Commit]:
         """Draw every plain row in one ``Sampler.sample`` (each of a prefill's samples from the
-        prompt's last row) and verify each token tree (``Sampler.verify``).
+        prompt's last row) and verify every token tree in one ``Sampler.verify_trees``.
 
         Returns:
             The commits: the plain rows' first, then the trees', in entry order.
@@ -253,12 +253,16 @@ class Engine:
         plain = [(e, s, r) for e, r in layout.plain() for s in e.samplers]
         commits = []
         if plain:
-            tokens, lps = self.sampler.sample(logits[[r for _, _, r in plain]],
-                                              [s for _, s, _ in plain])
+            rows = [r for _, _, r in plain]  # all rows in order (plain decoding): no copy
+            tokens, lps = self.sampler.sample(
+                logits if rows == list(range(len(logits))) else logits[rows],
+                [s for _, s, _ in plain])
             commits += [Commit(e, s, [t], [lp]) for (e, s, _), t, lp in zip(plain, tokens, lps)]
-        for e, r in layout.trees():
-            accepted, tokens, lps = self.sampler.verify(
-                e.seq, e.tree, logits[r:r + 1 + e.tree.num_nodes])
+        trees = layout.trees()
+        verified = self.sampler.verify_trees(
+            [e.seq for e, _ in trees], [e.tree for e, _ in trees],
+            [logits[r:r + 1 + e.tree.num_nodes] for e, r in trees])
+        for (e, _), (accepted, tokens, lps) in zip(trees, verified):
             commits.append(Commit(e, e.seq, tokens, lps, accepted))
         return commits
 

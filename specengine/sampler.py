@@ -2,9 +2,11 @@
 plain rows and verified token trees alike.
 
 Every row goes through the same pieces: the ``min_tokens`` masking of stop ids
-(``mask_stop_ids``), then a draw (greedy argmax, or the exponential race with the sequence's
-noise: ``sampling.sample`` for plain rows, ``speculative.verify.verify`` along a token tree), then
-the logprob entries vLLM returns (``logprob_entries``).
+(``mask_stop_ids``), the processing (``process``: temperature, top-k, top-p, min-p), then a
+draw (greedy argmax, or the exponential race with the sequence's noise: ``batch_sampling.draw``
+for plain rows, ``speculative.verify.verify``'s walk along a token tree), then the logprob
+entries vLLM returns (``logprob_entries``). Every step is batched over the rows
+(``specengine.batch_sampling``), with the per-row definitions' results bit for bit.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ from collections.abc import Callable
 
 import torch
 
+from specengine.batch_sampling import NoiseStreams, draw, process_rows, race
 from specengine.penalties import penalize, tree_paths
-from specengine.sampling import SamplingParams, process_logits, sample
+from specengine.sampling import SamplingParams
 from specengine.sequence import Logprob, Sequence
 from specengine.speculative.tree import DraftTree
-from specengine.speculative.verify import committed_tokens, verify
+from specengine.speculative.verify import committed_tokens, walk
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
@@ -56,20 +59,22 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]
                ) -> tuple[list[int], list[LogprobEntry | None]]:
         """Next token of each sequence from its row of ``logits`` ``[B, V]`` float32 (row i is
-        ``seqs[i]``'s, at its next output position).
+        ``seqs[i]``'s, at its next output position): all rows processed together, the noise
+        of every sampled row raced in one extension call (``specengine.batch_sampling``).
 
         Returns:
             ``(tokens, entries)``: one token id and one logprob entry (None when the sequence
             asks for no logprobs) per row.
         """
-        masked = self.mask_stop_ids(logits, seqs, [s.num_output_tokens for s in seqs])
+        positions = [s.num_output_tokens for s in seqs]
+        masked = self.mask_stop_ids(logits, seqs, positions)
         masked = penalize(masked, seqs)
         params = [s.params for s in seqs]
         processed = self.process(masked, params)
-        vocab = logits.shape[1]
-        noise = [None if p.greedy else s.noise(s.num_output_tokens, vocab)
-                 for s, p in zip(seqs, params)]
-        tokens = sample(processed, params, noise).tolist()
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        noise = NoiseStreams([seqs[i].noise.key for i in sampled],
+                             [positions[i] for i in sampled]) if sampled else None
+        tokens = draw(processed, params, noise).tolist()
         return tokens, self.logprob_entries(logits, masked, params, list(range(len(seqs))),
                                             tokens, processed)
 
@@ -78,24 +83,77 @@ class Sampler:
         """Verify ``tree`` (drafted after ``seq``'s last token) against the target's ``logits``
         ``[1 + m, V]`` float32 (row 0 follows the root, row ``1 + i`` follows node ``i``) with
         ``speculative.verify.verify``: the committed tokens are exactly what ``sample`` would
-        have drawn one position at a time.
+        have drawn one position at a time. One tree of ``verify_trees``.
 
         Returns:
             ``(accepted, tokens, entries)``: the accepted node indices (root excluded), the
             tokens to commit (accepted nodes' tokens, then the bonus token) and one logprob
             entry (or None) per token.
         """
-        p, n_out = seq.params, seq.num_output_tokens
-        depths = [0] + tree.depths
+        return self.verify_trees([seq], [tree], [logits])[0]
+
+    def verify_trees(self, seqs: list[Sequence], trees: list[DraftTree],
+                     logits: list[torch.Tensor]
+                     ) -> list[tuple[list[int], list[int], list[LogprobEntry | None]]]:
+        """``verify`` of every tree of a step: the rows of all sampled trees processed
+        together, their softmax raced against each row's noise (its sequence's stream at the
+        row's depth) in one extension call (``speculative.verify.verify``'s
+        ``argmax(softmax(process_logits(rows)) / E_depth)``, batched); then each tree's walk.
+
+        Args:
+            seqs, trees: the sequence of each tree and the tree.
+            logits: per tree ``[1 + m, V]`` float32 target logits (as ``verify``).
+
+        Returns:
+            Per tree ``(accepted, tokens, entries)`` as ``verify``.
+
+        Raises:
+            ValueError: the three lists differ in length, a tree's logits are not
+                ``[1 + m, V]``, or a draft token is outside the vocabulary.
+        """
+        if not len(seqs) == len(trees) == len(logits):
+            raise ValueError(f"seqs, trees and logits must have one entry per tree, got "
+                             f"{len(seqs)}, {len(trees)} and {len(logits)}")
+        for t, (tree, lg) in enumerate(zip(trees, logits)):
+            if lg.dim() != 2 or lg.shape[0] != tree.num_nodes + 1:
+                raise ValueError(f"logits[{t}] must be [m + 1 = {tree.num_nodes + 1}, V] for "
+                                 f"its tree, got {tuple(lg.shape)}")
+            if tree.num_nodes and max(tree.tokens) >= lg.shape[1]:
+                raise ValueError(f"tree {t}: a draft token {max(tree.tokens)} is outside the "
+                                 f"vocabulary V={lg.shape[1]}")
+        masked = [self.mask_tree(s, t, lg) for s, t, lg in zip(seqs, trees, logits)]
+        depths = [[0] + t.depths for t in trees]
+        best: list[list[int] | None] = [None] * len(trees)  # the target's token of each row
+        sampled = [t for t, s in enumerate(seqs) if not s.params.greedy]
+        if sampled:
+            rows = masked[sampled[0]] if len(sampled) == 1 else torch.cat(
+                [masked[t] for t in sampled])
+            params = [seqs[t].params for t in sampled for _ in depths[t]]
+            streams = NoiseStreams(
+                [seqs[t].noise.key for t in sampled for _ in depths[t]],
+                [seqs[t].num_output_tokens + d for t in sampled for d in depths[t]])
+            tokens = race(torch.softmax(self.process(rows, params), -1), streams).tolist()
+            at = 0
+            for t in sampled:
+                best[t], at = tokens[at:at + len(depths[t])], at + len(depths[t])
+        out = []
+        for t, (seq, tree) in enumerate(zip(seqs, trees)):
+            if best[t] is None:
+                best[t] = masked[t].argmax(-1).tolist()
+            accepted, bonus = walk(tree, best[t])
+            tokens = committed_tokens(tree, accepted, bonus)
+            rows = [0] + [1 + a for a in accepted]
+            out.append((accepted, tokens, self.logprob_entries(
+                logits[t], masked[t], [seq.params] * len(depths[t]), rows, tokens)))
+        return out
+
+    def mask_tree(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> torch.Tensor:
+        """A tree's ``logits`` ``[1 + m, V]`` after ``mask_stop_ids`` (row r at the output
+        position of its depth) and the request's penalties (row r's context: the committed
+        tokens plus the draft path to its node); a clone when changed, else ``logits``."""
+        n_out, depths = seq.num_output_tokens, [0] + tree.depths
         masked = self.mask_stop_ids(logits, [seq] * len(depths), [n_out + d for d in depths])
-        masked = penalize(masked, [seq] * len(depths), paths=tree_paths(tree))
-        noise = None if p.greedy else torch.stack(
-            [seq.noise(n_out + d, logits.shape[1]) for d in range(tree.max_depth + 1)])
-        accepted, bonus = verify(tree, masked, p, noise)
-        tokens = committed_tokens(tree, accepted, bonus)
-        rows = [0] + [1 + a for a in accepted]
-        return accepted, tokens, self.logprob_entries(logits, masked, [p] * len(depths), rows,
-                                                      tokens)
+        return penalize(masked, [seq] * len(depths), paths=tree_paths(tree))
 
     def mask_stop_ids(self, logits: torch.Tensor, seqs: list[Sequence],
                       positions: list[int]) -> torch.Tensor:
@@ -112,9 +170,9 @@ class Sampler:
     @staticmethod
     def process(masked: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """The logits sampled from: ``process_logits`` (temperature, top-k, top-p, min-p) of
-        ``masked`` ``[R, V]``, one SamplingParams per row; ``masked`` itself when every row is
-        greedy."""
-        return masked if all(p.greedy for p in params) else process_logits(masked, params)
+        ``masked`` ``[R, V]``, one SamplingParams per row, batched; ``masked`` itself when no
+        row changes (every row greedy, or at temperature 1 with no filter)."""
+        return process_rows(masked, params, copy=False)
 
     def logprob_entries(self, logits: torch.Tensor, masked: torch.Tensor,
                         params: list[SamplingParams], rows: list[int], tokens: list[int],

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specengine._ext import ext
+from specengine.batch_sampling import draw, process_rows, top_p_rows_
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (vLLM's convention)
 
@@ -186,48 +187,41 @@ class SampleNoise:
     def __call__(self, position: int, vocab: int) -> torch.Tensor:
         """``[vocab]`` float32 noise of output position ``position`` (0 = first output token);
         shared with the cache, so callers must not modify it."""
-        key = (position, vocab)
-        e = self._cache.get(key)
+        e = self.cached(position, vocab)
+        if e is None:
+            e = noise_rows(self.key, [position], vocab)[0]
+            self.store(position, vocab, e)
+        return e
+
+    def cached(self, position: int, vocab: int) -> torch.Tensor | None:
+        """The cached row of ``position`` (now the most recent), or None."""
+        e = self._cache.get((position, vocab))
         if e is not None:
-            self._cache.move_to_end(key)
-            return e
-        e = self._cache[key] = noise_rows(self.key, [position], vocab)[0]
+            self._cache.move_to_end((position, vocab))
+        return e
+
+    def store(self, position: int, vocab: int, row: torch.Tensor) -> None:
+        """Cache ``row`` ``[vocab]`` (this stream's noise at ``position``, e.g. drawn in a batch
+        by ``batch_sampling.gather_noise``), dropping the least recent beyond ``CACHE_SIZE``."""
+        self._cache[(position, vocab)] = row
+        self._cache.move_to_end((position, vocab))
         if len(self._cache) > self.CACHE_SIZE:
             self._cache.popitem(last=False)
-        return e
 
 
 def process_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Apply temperature, top-k, top-p and min-p per row.
+    """Apply temperature, top-k, top-p and min-p per row, all rows batched
+    (``batch_sampling.process_rows``).
 
     Args:
         logits: ``[B, V]`` float32 (already masked for ``min_tokens``); not modified.
         params: one SamplingParams per row.
 
     Returns:
-        ``[B, V]`` float32 logits where filtered tokens are ``-inf``. Greedy rows are returned
-        unchanged (temperature is not applied to them).
+        ``[B, V]`` float32 logits where filtered tokens are ``-inf`` (a new tensor). Greedy
+        rows are returned unchanged (temperature is not applied to them).
     """
-    out = logits.clone()
-    for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        row = out[i]
-        if p.temperature != 1.0:
-            row.div_(p.temperature)
-        top_k = p.top_k if p.top_k > 0 else 0
-        if top_k and top_k < row.numel():
-            kth = torch.topk(row, top_k).values[-1]
-            row.masked_fill_(row < kth, float("-inf"))
-        if p.top_p < 1.0:
-            top_p_(row, p.top_p)
-        if p.min_p > 0.0:
-            probs = torch.softmax(row, -1)
-            row.masked_fill_(probs < p.min_p * probs.max(), float("-inf"))
-    return out
-
-
-TOP_P_WINDOW = 256  # top_p_ looks for the cut among this many most likely tokens first
+    return process_rows(logits, params)
 
 
 def top_p_(row: torch.Tensor, top_p: float) -> None:
@@ -235,26 +229,15 @@ def top_p_(row: torch.Tensor, top_p: float) -> None:
     probability mass of the tokens before it (most likely first) already reaches ``top_p``; the
     most likely token always stays. The cut is looked for among the ``TOP_P_WINDOW`` most
     likely tokens (a top-k, ~0.1 ms) and only when the nucleus is wider by a full sort (~3 ms for
-    49k tokens): the result is the same either way."""
-    probs = torch.softmax(row, -1)
-    w = min(TOP_P_WINDOW, row.numel())
-    vals, idx = torch.topk(probs, w)
-    before = vals.cumsum(0) - vals
-    if w < row.numel() and before[-1] < top_p:  # the nucleus reaches past the window
-        vals, idx = torch.sort(probs, descending=True)
-        before = vals.cumsum(0) - vals
-    keep = before < top_p
-    keep[0] = True
-    kept = idx[keep]
-    saved = row[kept]
-    row.fill_(float("-inf"))
-    row[kept] = saved
+    49k tokens): the result is the same either way (``batch_sampling.top_p_rows_``)."""
+    top_p_rows_(row[None], torch.tensor([top_p], dtype=torch.float32))
 
 
 def sample(processed: torch.Tensor, params: list[SamplingParams],
            noise: list[torch.Tensor | None]) -> torch.Tensor:
     """Pick one token per row: argmax for greedy rows, else ``argmax(softmax(row) / E)``, an
-    exact draw from ``softmax(row)`` given exponential noise ``E`` (the exponential race).
+    exact draw from ``softmax(row)`` given exponential noise ``E`` (the exponential race); all
+    rows batched (``batch_sampling.draw``).
 
     Args:
         processed: ``[B, V]`` float32 output of ``process_logits``.
@@ -264,8 +247,5 @@ def sample(processed: torch.Tensor, params: list[SamplingParams],
     Returns:
         ``[B]`` int64 token ids.
     """
-    tokens = torch.argmax(processed, dim=-1)
-    for i, p in enumerate(params):
-        if not p.greedy:
-            tokens[i] = torch.argmax(torch.softmax(processed[i], -1) / noise[i])
-    return tokens
+    rows = [e for e, p in zip(noise, params) if not p.greedy]
+    return draw(processed, params, torch.stack(rows) if rows else None)

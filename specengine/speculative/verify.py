@@ -57,7 +57,20 @@ def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> tuple[list[in
         ValueError: wrong row count, or a draft token outside the vocabulary.
     """
     _check(tree, target_logits, "target_logits")
-    best = target_logits.argmax(dim=-1).tolist()
+    return walk(tree, target_logits.argmax(dim=-1).tolist())
+
+
+def walk(tree: DraftTree, best: list[int]) -> tuple[list[int], int]:
+    """``verify_greedy``'s walk over given tokens: from the root, move to the child whose token
+    is ``best[row]`` (row 0 = the root's, row ``1 + i`` = node i's) while there is one.
+
+    Args:
+        best: ``m + 1`` token ids, per row the target's token (the argmax, or for a sampled
+            request its exponential-race draw).
+
+    Returns:
+        ``(accepted, bonus)`` as ``verify_greedy``.
+    """
     accepted: list[int] = []
     node = -1
     while True:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from specengine.batch_sampling import gather_noise, store_noise
 from specengine.penalties import penalize
 from specengine.sampling import SamplingParams
 from specengine.sequence import Sequence
@@ -61,7 +62,9 @@ def coupled_logprobs(logits: torch.Tensor, seqs: list[Sequence], positions: list
         if key not in slot:
             slot[key] = len(first)
             first.append(r)
-    noise = torch.stack([seqs[r].noise(positions[r], vocab) for r in first])
+    noises, at = [seqs[r].noise for r in first], [positions[r] for r in first]
+    noise, drawn = gather_noise(noises, at, vocab)  # one extension call for the new rows
+    store_noise(noises, at, vocab, noise, drawn)  # verification reads them again
     log_e = (noise if vocab_map is None else noise[:, vocab_map]).log_()
     if len(first) < len(sampled):
         log_e = log_e[[slot[(seqs[r].seq_id, positions[r])] for r in sampled]]

@@ -1,0 +1,323 @@
+"""Batched sampling (``specengine.batch_sampling``) gives the per-row definitions' results bit for
+bit (``reference_sampling.py``): processed logits, drawn tokens, logprob entries, verified
+trees, noise rows; and seeded engine outputs are unchanged."""
+
+import random
+
+import pytest
+import reference_sampling as ref
+import torch
+from helpers import rand_prompts
+
+from specengine import LLM, SamplingParams, batch_sampling
+from specengine._ext import ext
+from specengine.batch_sampling import (
+    TOP_P_WINDOW,
+    NoiseStreams,
+    draw,
+    gather_noise,
+    noise_batch,
+    process_rows,
+    race,
+    store_noise,
+)
+from specengine.models.loader import save_random_model
+from specengine.sampler import Sampler
+from specengine.sampling import SampleNoise, noise_rows, process_logits, sample
+from specengine.sequence import Sequence
+from specengine.speculative.tree import DraftTree
+
+EOS = 3
+PARAMS = [  # greedy, temperatures, top-k, top-p (inside and past the window), min-p, mixes
+    dict(temperature=0), dict(temperature=1e-6), dict(), dict(temperature=0.7),
+    dict(temperature=1.3), dict(top_k=1), dict(top_k=5), dict(top_k=50, temperature=0.7),
+    dict(top_k=-1), dict(top_k=10 ** 6), dict(top_p=0.9), dict(top_p=0.5, temperature=0.7),
+    dict(top_p=0.95), dict(top_p=0.999, temperature=1.3), dict(top_p=0.3, top_k=40),
+    dict(min_p=0.05), dict(min_p=0.1, temperature=0.7), dict(min_p=0.3, top_p=0.9),
+    dict(temperature=0.8, top_k=20, top_p=0.95, min_p=0.02), dict(top_p=0.0999999)]
+
+
+def mixed_params(rng: random.Random, n: int, **kw) -> list[SamplingParams]:
+    return [SamplingParams(**rng.choice(PARAMS), **kw) for _ in range(n)]
+
+
+def logits_rows(g: torch.Generator, rows: int, vocab: int) -> torch.Tensor:
+    """Flat (wide nuclei), medium and peaked rows; half rounded to bfloat16 (many exact ties,
+    as a bf16 model's logits have), a few entries -inf (masked tokens)."""
+    scale = torch.tensor([0.3, 1.0, 3.0, 8.0])[torch.randint(0, 4, (rows, 1), generator=g)]
+    x = torch.randn(rows, vocab, generator=g) * scale
+    tied = torch.rand(rows, generator=g) < 0.5
+    x[tied] = x[tied].bfloat16().float()
+    x[torch.rand(rows, vocab, generator=g) < 0.01] = float("-inf")
+    return x
+
+
+def test_process_rows_is_the_per_row_definition_bit_for_bit():
+    rng, g = random.Random(0), torch.Generator().manual_seed(0)
+    wide = tied_cut = 0
+    for vocab in [2000] * 30 + [300] * 10 + [49152] * 2:
+        params = mixed_params(rng, 24)
+        x = logits_rows(g, 24, vocab)
+        want = ref.process_logits(x, params)
+        before = x.clone()
+        assert torch.equal(process_logits(x, params), want)
+        assert torch.equal(process_rows(x, params, copy=False), want)
+        assert torch.equal(x, before)  # not modified
+        for row, p in zip(x, params):  # how often the hard cases came up
+            if p.top_p < 1 and not p.greedy:
+                probs = torch.softmax(ref.process_logits(row[None], [SamplingParams(
+                    temperature=p.temperature, top_k=p.top_k)])[0], -1)
+                vals = torch.sort(probs, descending=True).values
+                before_mass = vals.cumsum(0) - vals
+                n = int((before_mass < p.top_p).sum().clamp(min=1))
+                wide += n > TOP_P_WINDOW
+                tied_cut += n < vocab and bool(vals[n - 1] == vals[n])
+    assert wide >= 20 and tied_cut >= 5  # the full sort and ties at the cut were exercised
+    # top-p exactly at a reachable mass: the token whose preceding mass equals it is dropped
+    for vocab, n in ((2000, 7), (2000, 400), (300, 120)):  # window, full sort, small vocab
+        x = torch.randn(1, vocab, generator=g) * 0.2
+        vals = torch.sort(torch.softmax(x[0], -1), descending=True).values
+        p = [SamplingParams(top_p=float((vals.cumsum(0) - vals)[n]))]
+        kept = torch.isfinite(process_rows(x, p)[0])
+        assert int(kept.sum()) == n and torch.equal(kept, torch.isfinite(
+            ref.process_logits(x, p)[0]))
+    # the comparison sees one-ulp differences: temperature as a product by 1/T is not the same
+    x = logits_rows(g, 4, 2000)
+    p = [SamplingParams(temperature=0.7)] * 4
+    assert not torch.equal(x * (1 / 0.7), ref.process_logits(x, p))
+    # rows at temperature 1 with no filter and greedy rows are left alone (no copy if asked)
+    plain = [SamplingParams(), SamplingParams(temperature=0)] * 2
+    assert process_rows(x, plain, copy=False) is x
+    out = process_rows(x, plain)
+    assert out is not x and torch.equal(out, x)
+    with pytest.raises(ValueError, match=r"one SamplingParams per row.*\(4, 2000\) and 3"):
+        process_rows(x, plain[:3])
+
+
+def test_draw_is_the_per_row_exponential_race():
+    rng, g = random.Random(1), torch.Generator().manual_seed(1)
+    for _ in range(40):
+        params = mixed_params(rng, 16)
+        x = ref.process_logits(logits_rows(g, 16, 1000), params)
+        keys = [SampleNoise(rng.randrange(1 << 30), 0).key for _ in params]
+        positions = [rng.randrange(100) for _ in params]
+        noise = [noise_rows(k, [q], 1000)[0] for k, q in zip(keys, positions)]
+        want = ref.sample(x, params, noise)
+        sampled = torch.stack([e for e, p in zip(noise, params) if not p.greedy])
+        assert torch.equal(draw(x, params, sampled), want)
+        assert torch.equal(sample(x, params, noise), want)
+        streams = NoiseStreams([k for k, p in zip(keys, params) if not p.greedy],
+                               [q for q, p in zip(positions, params) if not p.greedy])
+        assert torch.equal(draw(x, params, streams), want)
+    greedy = [SamplingParams(temperature=0)] * 2
+    assert draw(x[:2], greedy, None).tolist() == x[:2].argmax(-1).tolist()
+    with pytest.raises(ValueError, match=r"noise must be \[1, 1000\].*got \(2, 1000\)"):
+        draw(x[:1], [SamplingParams()], sampled[:2])
+    with pytest.raises(ValueError, match="noise streams must be 1 .* 2 keys and 2 positions"):
+        draw(x[:1], [SamplingParams()], NoiseStreams([1, 2], [0, 0]))
+    with pytest.raises(ValueError, match="noise is None but 1 rows are sampled"):
+        draw(x[:1], [SamplingParams()], None)
+
+
+def race_cases(g: torch.Generator, rng: random.Random):
+    """Probability rows of every kind the race meets: dense, peaked, bf16-tied, mostly zero
+    (filtered), one-hot, all zero, tiny, NaN (softmax of an all -inf row), odd sizes."""
+    for trial in range(40):
+        S, V = rng.choice([1, 3, 17]), rng.choice([5, 8, 9, 1000, 8192, 8193, 49152])
+        x = torch.randn(S, V, generator=g) * rng.choice([0.3, 1, 3, 10, 100])
+        if trial % 3 == 0:
+            x = x.bfloat16().float()
+        x[torch.rand(S, V, generator=g) < rng.choice([0.0, 0.2, 0.99])] = float("-inf")
+        x[:, rng.randrange(V)] = 0.0
+        p = torch.softmax(x, -1)
+        if trial == 1:
+            p[0] = float("nan")
+        elif trial == 2:
+            p[0, 3:] = float("nan")
+        elif trial == 3:
+            p[:] = 0.0
+        elif trial == 4:
+            p[:] = 1e-40
+        elif trial == 5:
+            p[:] = 0.0
+            p[:, -1] = 1.0
+        yield p, NoiseStreams([rng.randrange(1 << 62) for _ in range(S)],
+                              [rng.randrange(10 ** 6) for _ in range(S)])
+
+
+def test_race_is_argmax_of_probs_over_the_noise_rows(monkeypatch):
+    """``race`` with streams (``exponential_race``: the noise never stored, most logarithms
+    skipped) gives ``argmax(p / E)`` of the materialized noise, NaN and ties as torch."""
+    rng, g = random.Random(5), torch.Generator().manual_seed(5)
+    cases = list(race_cases(g, rng))
+    for p, streams in cases:
+        want = (p / noise_batch(streams.keys, streams.positions, p.shape[1])).argmax(-1)
+        assert torch.equal(race(p, streams), want)
+        assert torch.equal(race(p, noise_batch(streams.keys, streams.positions, p.shape[1])),
+                           want)
+    nan_rows = [race(p, s)[0].item() for p, s in cases[1:3]]
+    assert nan_rows == [0, 3]  # the first NaN, as torch.argmax
+    mod = ext()
+    if mod is None:
+        return
+    # an extension without exponential_race (built before it): noise_batch and a division
+    old = type("OldExt", (), {"exponential_noise_batch": staticmethod(mod.exponential_noise_batch),
+                              "exponential_noise": staticmethod(mod.exponential_noise)})
+    p, streams = cases[10]
+    want = race(p, streams)
+    monkeypatch.setattr(batch_sampling, "ext", lambda: old)
+    assert torch.equal(race(p, streams), want)
+    with pytest.raises(ValueError, match=r"probs must be a \[S, V >= 1\] float32"):
+        mod.exponential_race(p.double(), torch.tensor(streams.keys),
+                             torch.tensor(streams.positions))
+    with pytest.raises(ValueError, match="probs must have one row per key"):
+        mod.exponential_race(p, torch.tensor(streams.keys + [1]),
+                             torch.tensor(streams.positions + [1]))
+
+
+@pytest.mark.skipif(ext() is None, reason="specengine._C is not built")
+def test_noise_batch_is_the_per_row_call_bit_for_bit():
+    rng = random.Random(2)
+    keys = [rng.randrange(1 << 62) for _ in range(6)]
+    rows = [(rng.choice(keys), rng.randrange(10 ** 6)) for _ in range(20)]
+    rows += [rows[3], (keys[0], 0), (keys[0], 10 ** 12)]  # a repeated row, extreme positions
+    for vocab in (49152, 1003, 5):
+        got = noise_batch([k for k, _ in rows], [p for _, p in rows], vocab)
+        assert got.shape == (len(rows), vocab) and got.dtype == torch.float32
+        for r, (k, p) in enumerate(rows):
+            assert torch.equal(got[r], ext().exponential_noise(k, torch.tensor([p]), vocab)[0])
+        assert torch.equal(got[3], got[20])
+    mod = ext()
+    with pytest.raises(ValueError, match="keys and positions must have the same length"):
+        mod.exponential_noise_batch(torch.tensor([1, 2]), torch.tensor([1]), 10)
+    with pytest.raises(ValueError, match="keys must be a 1-D int64 tensor"):
+        mod.exponential_noise_batch(torch.tensor([1.0]), torch.tensor([1]), 10)
+    with pytest.raises(ValueError, match="vocab must be >= 1"):
+        mod.exponential_noise_batch(torch.tensor([1]), torch.tensor([1]), 0)
+
+
+def test_gather_noise_uses_the_cache_draws_the_rest_once_and_stores_copies():
+    a, b = SampleNoise(11, 0), SampleNoise(11, 1)
+    held = a(5, 300)
+    noises, positions = [a, b, a, b, a], [5, 5, 6, 5, 7]
+    got, drawn = gather_noise(noises, positions, 300)
+    assert drawn == [1, 2, 3, 4]
+    for r, (n, p) in enumerate(zip(noises, positions)):
+        assert torch.equal(got[r], noise_rows(n.key, [p], 300)[0])
+    got[0].zero_()  # a new tensor: the cached row is not touched
+    assert held.min() > 0 and a.cached(6, 300) is None  # gather_noise stores nothing
+    store_noise(noises, positions, 300, got, [2])
+    kept = a.cached(6, 300)
+    assert torch.equal(kept, got[2]) and kept.data_ptr() != got[2].data_ptr()
+    assert kept.untyped_storage().nbytes() == 300 * 4  # its own copy, not a view of the batch
+    alone, drawn = gather_noise([a], [6], 300)
+    assert drawn == [] and torch.equal(alone[0], kept)
+
+
+def make_seqs(rng: random.Random, n_requests: int, **kw) -> list[Sequence]:
+    """Requests with 1-3 samples each (sample i of a request: its own noise stream), mixed
+    parameters, some with min_tokens and logprobs, at various output positions."""
+    seqs = []
+    for r in range(n_requests):
+        params = SamplingParams(**rng.choice(PARAMS), seed=rng.randrange(1000),
+                                min_tokens=rng.choice([0, 0, 3]), max_tokens=50,
+                                logprobs=rng.choice([None, None, 0, 2]), **kw)
+        prompt = [1] * rng.randrange(1, 5)
+        for i in range(rng.choice([1, 1, 3])):
+            s = Sequence(f"r{r}", i, prompt, params, SampleNoise(params.seed, i))
+            s.token_ids += [7] * rng.randrange(5)
+            seqs.append(s)
+    return seqs
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_sampler_sample_matches_the_per_row_sampler(mode):
+    rng, g = random.Random(3), torch.Generator().manual_seed(3)
+    sampler = Sampler(None, mode, lambda s: [EOS])
+    for vocab, steps in ((800, 25), (49152, 2)):
+        seqs = make_seqs(rng, 12)
+        for step in range(steps):
+            x = logits_rows(g, len(seqs), vocab)
+            x[:, EOS] = x.max() + 1  # EOS would win wherever it is not masked
+            if step % 2:  # some rows' noise was drawn before (a drafter's), the rest is not
+                for s in seqs[::3]:
+                    s.noise(s.num_output_tokens, vocab)
+            want = ref.sampler_sample(sampler, x, seqs)
+            got = sampler.sample(x, seqs)
+            assert got == want
+            for s, t in zip(seqs, got[0]):
+                s.token_ids.append(t)
+    assert any(lp is not None for lp in got[1])
+
+
+def random_tree(rng: random.Random, root_row: torch.Tensor, vocab: int) -> DraftTree:
+    """Up to 8 nodes; children carry likely tokens of the root's row so that some are
+    accepted, siblings distinct."""
+    likely = torch.topk(root_row, 4).indices.tolist()
+    tokens, parents = [], []
+    for i in range(rng.randrange(0, 9)):
+        parent = rng.randrange(-1, i)
+        taken = {tokens[c] for c in range(i) if parents[c] == parent}
+        free = [t for t in likely + [rng.randrange(vocab)] if t not in taken]
+        tokens.append(rng.choice(free))
+        parents.append(parent)
+    return DraftTree(tokens, parents)
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_verify_trees_matches_the_per_tree_verification(mode):
+    rng, g = random.Random(4), torch.Generator().manual_seed(4)
+    sampler = Sampler(None, mode, lambda s: [EOS])
+    vocab, accepted = 600, 0
+    for _ in range(12):
+        seqs = make_seqs(rng, 8)
+        rows = torch.randn(len(seqs), vocab, generator=g) * 6  # peaked: drafts get accepted
+        trees = [random_tree(rng, rows[i], vocab) for i in range(len(seqs))]
+        logits = [rows[i:i + 1].repeat(t.num_nodes + 1, 1) for i, t in enumerate(trees)]
+        logits = [lg + torch.randn(lg.shape, generator=g) * 0.5 for lg in logits]
+        want = [ref.sampler_verify(sampler, s, t, lg) for s, t, lg in zip(seqs, trees, logits)]
+        got = sampler.verify_trees(seqs, trees, logits)
+        assert got == want
+        accepted += sum(len(a) for a, _, _ in got)
+        # the noise was raced, never stored: no SampleNoise cache holds a row
+        assert all(s.noise.cached(s.num_output_tokens + d, vocab) is None
+                   for s, t in zip(seqs, trees) for d in range(t.max_depth + 1))
+        assert sampler.verify(seqs[0], trees[0], logits[0]) == want[0]
+    assert accepted >= 20
+    with pytest.raises(ValueError, match=r"logits\[0\] must be \[m \+ 1 = 2, V\]"):
+        sampler.verify_trees(seqs[:1], [DraftTree([1], [-1])], [torch.zeros(3, vocab)])
+    with pytest.raises(ValueError, match="tree 0: a draft token 600 is outside the vocabulary"):
+        sampler.verify_trees(seqs[:1], [DraftTree([600], [-1])], [torch.zeros(2, vocab)])
+    with pytest.raises(ValueError, match="one entry per tree, got 2, 1 and 1"):
+        sampler.verify_trees(seqs[:2], trees[:1], logits[:1])
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_random_model(tmp_path_factory.mktemp("tiny"), {"num_hidden_layers": 2}, seed=1)
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3,
+                                         "topk": 2, "policy": "static"}])
+def test_seeded_outputs_are_those_of_the_per_row_sampler(tiny_dir, spec, monkeypatch):
+    """Whole generations (plain and speculative) with mixed parameters and n > 1: the same
+    tokens and logprobs as with the per-row ``Sampler.sample`` / ``Sampler.verify``."""
+    llm = LLM(str(tiny_dir), dtype="float32", block_size=8, speculative_config=spec)
+    rng = random.Random(5)
+    prompts = [p * 3 for p in rand_prompts(12, lo=3, hi=12, seed=6)]  # repeats: n-gram drafts
+    params = [SamplingParams(**rng.choice(PARAMS), seed=100 + i, n=rng.choice([1, 3]),
+                             max_tokens=24, ignore_eos=True, logprobs=rng.choice([None, 1]))
+              for i in range(len(prompts))]
+
+    def run():
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [[(o.token_ids, o.logprobs) for o in r.outputs] for r in outs]
+
+    got = run()
+    monkeypatch.setattr(Sampler, "sample", ref.sampler_sample)
+    monkeypatch.setattr(Sampler, "verify_trees", lambda self, seqs, trees, logits: [
+        ref.sampler_verify(self, s, t, lg) for s, t, lg in zip(seqs, trees, logits)])
+    assert run() == got
+    assert len({tuple(t) for r in got for t, _ in r}) > 10  # varied samples, not a constant
+    if spec is not None:
+        assert llm.get_metrics()["accepted_tokens"] > 0
