@@ -81,11 +81,17 @@ SE_AVX2_TARGET inline void epilogue(const Args& a, int64_t g, int64_t m0, int v0
   }
 }
 
+// The K loops are noinline with private accumulators copied out at the end: inlined next to
+// the epilogue (which indexes the array), GCC stored every accumulator on each k.
 template <int MB, int NV>
-SE_AVX2_TARGET void tile_bf16(const Args& a, int64_t g, int64_t m0, int v0) {
-  const int64_t kp_n = a.K / 2;
+SE_AVX2_TARGET __attribute__((noinline)) void accumulate_bf16(const Args& a, int64_t g,
+                                                              int64_t m0, int v0,
+                                                              __m256 (&out)[MB][NV]) {
+  // Locals, not a.*: the accumulators stay in registers only if no loop bound is read from
+  // memory the compiler thinks they might alias.
+  const int64_t kp_n = a.K / 2, xs = a.xs;
   const auto* w = static_cast<const uint16_t*>(a.w) + g * kp_n * 2 * kGroup;
-  const auto* x = static_cast<const uint16_t*>(a.x) + m0 * a.xs;
+  const auto* x = static_cast<const uint16_t*>(a.x) + m0 * xs;
   const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   __m256 acc[MB][NV];
   for (int i = 0; i < MB; ++i)
@@ -97,7 +103,7 @@ SE_AVX2_TARGET void tile_bf16(const Args& a, int64_t g, int64_t m0, int v0) {
     __m256 xe[MB], xo[MB];
     for (int i = 0; i < MB; ++i) {
       uint32_t pair;
-      std::memcpy(&pair, x + i * a.xs + 2 * kp, 4);
+      std::memcpy(&pair, x + i * xs + 2 * kp, 4);
       const uint32_t e = pair << 16, o = pair & 0xffff0000u;
       float fe, fo;
       std::memcpy(&fe, &e, 4);
@@ -116,27 +122,46 @@ SE_AVX2_TARGET void tile_bf16(const Args& a, int64_t g, int64_t m0, int v0) {
       }
     }
   }
-  epilogue<MB, NV>(a, g, m0, v0, acc);
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NV; ++j) out[i][j] = acc[i][j];
 }
 
 template <int MB, int NV>
-SE_AVX2_TARGET void tile_f32(const Args& a, int64_t g, int64_t m0, int v0) {
-  const auto* w = static_cast<const float*>(a.w) + g * a.K * kGroup;
-  const auto* x = static_cast<const float*>(a.x) + m0 * a.xs;
+SE_AVX2_TARGET __attribute__((noinline)) void accumulate_f32(const Args& a, int64_t g,
+                                                             int64_t m0, int v0,
+                                                             __m256 (&out)[MB][NV]) {
+  const int64_t K = a.K, xs = a.xs;  // locals: see tile_bf16
+  const auto* w = static_cast<const float*>(a.w) + g * K * kGroup;
+  const auto* x = static_cast<const float*>(a.x) + m0 * xs;
   __m256 acc[MB][NV];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < a.K; ++k) {
+  for (int64_t k = 0; k < K; ++k) {
     const float* wk = w + k * kGroup;
     _mm_prefetch(reinterpret_cast<const char*>(wk + 8 * kGroup), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(wk + 8 * kGroup + 32), _MM_HINT_T0);
     __m256 xb[MB];
-    for (int i = 0; i < MB; ++i) xb[i] = _mm256_broadcast_ss(x + i * a.xs + k);
+    for (int i = 0; i < MB; ++i) xb[i] = _mm256_broadcast_ss(x + i * xs + k);
     for (int j = 0; j < NV; ++j) {
       const __m256 wv = _mm256_loadu_ps(wk + 8 * vec_index<NV>(v0, j));
       for (int i = 0; i < MB; ++i) acc[i][j] = _mm256_fmadd_ps(xb[i], wv, acc[i][j]);
     }
   }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NV; ++j) out[i][j] = acc[i][j];
+}
+
+template <int MB, int NV>
+SE_AVX2_TARGET void tile_bf16(const Args& a, int64_t g, int64_t m0, int v0) {
+  __m256 acc[MB][NV];
+  accumulate_bf16<MB, NV>(a, g, m0, v0, acc);
+  epilogue<MB, NV>(a, g, m0, v0, acc);
+}
+
+template <int MB, int NV>
+SE_AVX2_TARGET void tile_f32(const Args& a, int64_t g, int64_t m0, int v0) {
+  __m256 acc[MB][NV];
+  accumulate_f32<MB, NV>(a, g, m0, v0, acc);
   epilogue<MB, NV>(a, g, m0, v0, acc);
 }
 
