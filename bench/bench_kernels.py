@@ -17,8 +17,13 @@ batch 1 after a 200-token context: T=1 is a decode step, T=9 a 1+8 token verify 
 ``MKL_ENABLE_INSTRUCTIONS``, set before torch is imported). The "ours" column then times the
 AVX2 kernel on every M (``kernels.AVX2_MAX_M`` is where the dispatch hands rows to torch).
 
-Measured (``--isa avx2 --ms 1,2,4,8,16``, 2 threads, AMD EPYC Zen 5, machine shared with other
-jobs, so +-20%): see the report of the commit that set ``AVX2_MAX_M``.
+Measured (``--isa avx2 --threads 1 --ms 1,2,4,8,16``, AMD EPYC Zen 5, machine shared with other
+jobs at load ~5 on 2 cores, so +-20%), us per call torch / ours:
+  float32  qkv 960x576: M=1 31/23, M=8 134/129, M=16 226/257; gate_up 3072x576: M=1 130/69,
+           M=16 854/849; lm_head: M=1 15459/7268. Step total M=1 22.3/11.4 ms, M=16 87.9/82.2.
+  bfloat16 qkv: M=1 50/14, M=16 804/186; gate_up: M=1 158/48, M=16 6813/629; lm_head M=1
+           6667/1792. Step total M=1 15.9/4.7 ms, M=16 345/53.
+Hence ``kernels.AVX2_MAX_M``: bfloat16 16, float32 8 (torch's MKL wins at 16 on small layers).
 """
 
 from __future__ import annotations
