@@ -23,7 +23,10 @@ jobs at load ~5 on 2 cores, so +-20%), us per call torch / ours:
            M=16 854/849; lm_head: M=1 15459/7268. Step total M=1 22.3/11.4 ms, M=16 87.9/82.2.
   bfloat16 qkv: M=1 50/14, M=16 804/186; gate_up: M=1 158/48, M=16 6813/629; lm_head M=1
            6667/1792. Step total M=1 15.9/4.7 ms, M=16 345/53.
-Hence ``kernels.AVX2_MAX_M``: bfloat16 16, float32 8 (torch's MKL wins at 16 on small layers).
+  bfloat16 (``--ms 32,64,200``): o 576x576 M=32 1060/298, M=200 7844/1892; gate_up M=64
+           23842/2772, M=200 62429/10439; down M=200 28316/5511.
+Hence ``kernels.AVX2_MAX_M``: bfloat16 4096 (as AVX-512), float32 8 (torch's MKL wins at 16 on
+the small layers).
 """
 
 from __future__ import annotations
