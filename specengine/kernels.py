@@ -51,6 +51,7 @@ AVX512_MAX_M = 4096
 AVX2_MAX_M = {torch.bfloat16: 4096, torch.float32: 8}
 
 ISAS = ("generic", "avx2", "avx512")  # instruction-set caps, lowest first
+_isa_epoch = 0  # bumped by set_isa: weights packed before are stale (PackedWeight.is_current)
 
 _FLOATS = (torch.float32, torch.bfloat16)
 
@@ -75,7 +76,9 @@ def set_isa(isa: str | None) -> str:
     """Cap the instruction set the extension's dispatch may use: ``"generic"`` (portable
     kernels only), ``"avx2"`` (AVX2 + FMA kernels, no AVX-512 / AMX) or ``"avx512"`` / ``None``
     (everything the CPU has, the default). Weights packed before keep their kernel; pack them
-    again (``prepack``) after changing the cap. Returns ``active_isa()``.
+    again (``prepack``) after changing the cap: until then they are not ``is_current`` and
+    ``linear`` gives their rows to torch (a model repacks them on its next forward). Returns
+    ``active_isa()``.
 
     Raises ValueError for any other name."""
     if isa is None:
@@ -83,9 +86,11 @@ def set_isa(isa: str | None) -> str:
     if isa not in ISAS:
         raise ValueError(f"SPECENGINE_ISA / set_isa: unknown instruction set {isa!r}; "
                          f"expected one of {', '.join(ISAS)}")
+    global _isa_epoch
     mod = ext()
-    if mod is not None:
+    if mod is not None and mod.isa_cap() != ISAS.index(isa):
         mod.set_isa_cap(ISAS.index(isa))
+        _isa_epoch += 1
     return active_isa()
 
 
@@ -146,6 +151,7 @@ class PackedWeight:
         glu: ``packed`` holds a fused gate_up weight ``[2I, K]`` laid out for ``linear_glu``
             (``linear`` then uses the torch path).
         version, data_ptr: ``weight._version`` and address at packing time (staleness check).
+        epoch: the ``set_isa`` epoch at packing time (a cap change makes the pack stale).
     """
 
     weight: torch.Tensor
@@ -154,16 +160,18 @@ class PackedWeight:
     version: int = -1
     data_ptr: int = 0
     kind: str | None = None
+    epoch: int = 0
 
     def is_current(self, weight: torch.Tensor) -> bool:
-        """True while ``weight`` is the packed tensor, unmodified since packing."""
+        """True while ``weight`` is the packed tensor, unmodified since packing, and the
+        instruction-set cap has not changed since."""
         return (weight is self.weight and weight.data_ptr() == self.data_ptr
-                and _version(weight) == self.version)
+                and _version(weight) == self.version and self.epoch == _isa_epoch)
 
     def rows_for(self, x: torch.Tensor) -> int:
         """Rows of ``x`` for the packed kernel, or 0 when it does not apply."""
         if (self.packed is None or x.dtype != self.weight.dtype or x.device.type != "cpu"
-                or not x.shape[-1]):
+                or not x.shape[-1] or self.epoch != _isa_epoch):
             return 0
         rows = x.numel() // x.shape[-1]
         limit = (AMX_MAX_M if self.kind == "amx" else AVX512_MAX_M if self.kind == "avx512"
@@ -227,7 +235,7 @@ def prepack(weight: torch.Tensor, glu: bool = False,
         with torch.no_grad():
             _repack_avx512_(reuse.packed, weight.detach(), glu)
         return PackedWeight(weight, reuse.packed, glu, _version(weight), weight.data_ptr(),
-                            want)
+                            want, _isa_epoch)
     if want is not None and weight.dim() == 2:
         w = weight.detach()
         if want == "amx":
@@ -235,7 +243,7 @@ def prepack(weight: torch.Tensor, glu: bool = False,
         else:  # avx512 and avx2 share the layout
             packed, kind = ext().pack_weight_avx512(w, glu), want
     return PackedWeight(weight, packed, glu and packed is not None, _version(weight),
-                        weight.data_ptr(), kind)
+                        weight.data_ptr(), kind, _isa_epoch)
 
 
 def _packed_linear(x: torch.Tensor, pw: PackedWeight, rows: int, bias, glu: bool = False,

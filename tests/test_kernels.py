@@ -445,6 +445,25 @@ def test_isa_cap_setter_and_environment():
     assert out.returncode != 0 and "unknown instruction set 'avx3'" in out.stderr
 
 
+@pytest.mark.skipif(len(ISAS) < 2, reason="needs AVX2")
+def test_weights_packed_before_a_cap_change_are_stale():
+    """A pack made under one cap is not used under another (its kernel may be disallowed):
+    ``linear`` gives its rows to torch and ``is_current`` is False, so a model repacks."""
+    prev = kernels.ISAS[ext().isa_cap()]
+    w, x = torch.randn(96, 40), torch.randn(3, 40)
+    try:
+        kernels.set_isa(ISAS[-1])
+        pw = kernels.prepack(w)
+        assert pw.packed is not None and pw.is_current(w) and pw.rows_for(x) == 3
+        kernels.set_isa(ISAS[-2])
+        assert not pw.is_current(w) and pw.rows_for(x) == 0
+        torch.testing.assert_close(kernels.linear(x, pw), F.linear(x, w), **TOL[torch.float32])
+        fresh = kernels.prepack(w, reuse=pw)
+        assert fresh.is_current(w) and (fresh.packed is None) == (ISAS[-2] == "generic")
+    finally:
+        kernels.set_isa(prev)
+
+
 @pytest.mark.skipif("avx2" not in ISAS or len(ISAS) < 3, reason="needs AVX2 and AVX-512")
 def test_engine_greedy_output_same_with_avx2_cap(tiny_llama_dir):
     """Greedy decoding of a tiny float32 model with the dispatch capped at AVX2 (set before
