@@ -391,7 +391,8 @@ needs_avx2_and_avx512 = pytest.mark.skipif(
 @needs_avx2_and_avx512
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("glu", [False, True])
-def test_avx2_kernel_equals_avx512_kernel_bit_for_bit(dtype, glu):
+@pytest.mark.parametrize("isa", ["avx512"], indirect=True)  # both kernels allowed
+def test_avx2_kernel_equals_avx512_kernel_bit_for_bit(isa, dtype, glu):
     """Same packed weights, same accumulation order (bf16: VDPBF16PS adds the odd then the even
     exact product; no denormals in this data): equal results, on every M of 1..16, so an engine
     capped at AVX2 decodes as the AVX-512 one does."""
