@@ -10,19 +10,47 @@ With ``--forward``: the whole model (SmolLM2-135M, real weights) per forward of 
 batch 1 after a 200-token context: T=1 is a decode step, T=9 a 1+8 token verify (ms, median).
 
     python bench/bench_kernels.py [--dtype bfloat16|float32] [--ms 1,4,8,16,32] [--threads N]
-                                  [--forward [--ts 1,9,17]]
+                                  [--isa generic|avx2|avx512] [--forward [--ts 1,9,17]]
+
+``--isa avx2`` caps both sides at AVX2 + FMA, as on a CPU without AVX-512: specengine's dispatch
+(``SPECENGINE_ISA``) and torch's (``ATEN_CPU_CAPABILITY``, oneDNN's ``ONEDNN_MAX_CPU_ISA``, MKL's
+``MKL_ENABLE_INSTRUCTIONS``, set before torch is imported). The "ours" column then times the
+AVX2 kernel on every M (``kernels.AVX2_MAX_M`` is where the dispatch hands rows to torch).
+
+Measured (``--isa avx2 --threads 1 --ms 1,2,4,8,16``, AMD EPYC Zen 5, machine shared with other
+jobs at load ~5 on 2 cores, so +-20%), us per call torch / ours:
+  float32  qkv 960x576: M=1 31/23, M=8 134/129, M=16 226/257; gate_up 3072x576: M=1 130/69,
+           M=16 854/849; lm_head: M=1 15459/7268. Step total M=1 22.3/11.4 ms, M=16 87.9/82.2.
+  bfloat16 qkv: M=1 50/14, M=16 804/186; gate_up: M=1 158/48, M=16 6813/629; lm_head M=1
+           6667/1792. Step total M=1 15.9/4.7 ms, M=16 345/53.
+  bfloat16 (``--ms 32,64,200``): o 576x576 M=32 1060/298, M=200 7844/1892; gate_up M=64
+           23842/2772, M=200 62429/10439; down M=200 28316/5511.
+Hence ``kernels.AVX2_MAX_M``: bfloat16 4096 (as AVX-512), float32 8 (torch's MKL wins at 16 on
+the small layers).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
-import torch
-import torch.nn.functional as F
+if "--isa" in sys.argv[:-1]:  # before torch loads: its kernels pick their ISA at import
+    _isa = sys.argv[sys.argv.index("--isa") + 1]
+    os.environ["SPECENGINE_ISA"] = _isa
+    if _isa != "avx512":
+        _torch_isa = {"avx2": ("avx2", "AVX2", "AVX2"), "generic": ("default", "SSE41", "SSE4_2")}
+        cap, onednn, mkl = _torch_isa.get(_isa, ("default", "SSE41", "SSE4_2"))
+        os.environ.setdefault("ATEN_CPU_CAPABILITY", cap)
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", onednn)
+        os.environ.setdefault("MKL_ENABLE_INSTRUCTIONS", mkl)
 
-from specengine import kernels
-from specengine._ext import ext
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from specengine import kernels  # noqa: E402
+from specengine._ext import ext  # noqa: E402
 
 # (name, out_features, in_features, count per decode step) for SmolLM2-135M.
 SHAPES = [("qkv", 960, 576, 30), ("o", 576, 576, 30), ("gate_up", 3072, 576, 30),
@@ -49,6 +77,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--ms", default="1,4,8,16,32", help="token counts, comma-separated")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--isa", default=None, choices=list(kernels.ISAS),
+                    help="cap specengine's and torch's instruction set (see the docstring)")
     ap.add_argument("--forward", action="store_true", help="time whole-model forwards")
     ap.add_argument("--ts", default="1,9,17", help="tokens per forward for --forward")
     args = ap.parse_args()
@@ -59,8 +89,9 @@ def main() -> None:
         raise SystemExit("specengine._C is not built: pip install --no-build-isolation -e .")
     dtype = getattr(torch, args.dtype)
     ms = [int(m) for m in args.ms.split(",")]
-    print(f"dtype={args.dtype} threads={torch.get_num_threads()} isa={mod.cpu_isa()} "
-          f"amx={kernels.amx_available()}")
+    print(f"dtype={args.dtype} threads={torch.get_num_threads()} cpu={mod.cpu_isa()} "
+          f"active_isa={kernels.active_isa()} amx={kernels.amx_available()} "
+          f"torch_capability={torch.backends.cpu.get_cpu_capability()}")
     if args.forward:
         return bench_forward(dtype, [int(t) for t in args.ts.split(",")])
     print(f"{'shape':>8} {'N x K':>12} {'M':>3} {'torch us':>9} {'ours us':>9} {'plain us':>9} "
@@ -73,17 +104,18 @@ def main() -> None:
         for m in ms:
             x = torch.randn(m, k).to(dtype)
             t_torch = time_call(lambda x=x, w=w: F.linear(x, w))
-            amx = pw.packed is not None and m <= kernels.AMX_MAX_M
-            if amx or m <= kernels.LINEAR_MAX_M[dtype]:
-                t_ours = time_call(lambda x=x, pw=pw: kernels.linear(x, pw))
+            if pw.kind == "avx2":  # the AVX2 kernel on every M, whatever AVX2_MAX_M says
+                runs = True
+                t_ours = time_call(lambda x=x, pw=pw, n=n: mod.linear_avx2(x, pw.packed, n))
             else:
-                t_ours = t_torch  # kernels.linear hands these rows to torch
+                runs = pw.rows_for(x) > 0 or m <= kernels.LINEAR_MAX_M[dtype]
+                t_ours = (time_call(lambda x=x, pw=pw: kernels.linear(x, pw)) if runs
+                          else t_torch)  # kernels.linear hands these rows to torch
             t_plain = (time_call(lambda x=x, w=w: mod.linear(x, w, None)) if m <= 8
                        else float("nan"))
             step[m][0] += count * t_torch
             step[m][1] += count * t_ours
-            ours = f"{t_ours * 1e6:>9.1f}" if (amx or m <= kernels.LINEAR_MAX_M[dtype]) else \
-                f"{'-':>9}"
+            ours = f"{t_ours * 1e6:>9.1f}" if runs else f"{'-':>9}"
             print(f"{name:>8} {n:>5} x {k:<5} {m:>3} {t_torch * 1e6:>9.1f} {ours} "
                   f"{t_plain * 1e6:>9.1f} {nbytes / t_torch / 1e9:>10.1f} "
                   f"{nbytes / t_ours / 1e9:>10.1f} {t_torch / t_ours:>6.2f}x")

@@ -404,7 +404,7 @@ SE_ATTN_TARGET void attend_fast(const FastArgs& f, int64_t item, float* scratch)
 
 bool paged_attention_fast_available(int64_t D) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  return D % 32 == 0 && D <= kMaxD && has_avx512_bf16_attn();
+  return D % 32 == 0 && D <= kMaxD && has_avx512_bf16_attn() && isa_cap() >= kIsaAvx512;
 #else
   (void)D;
   return false;

@@ -58,6 +58,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out_f32") = false,
         "x [M, K] @ packed weight -> [M, N] (glu: silu(gate) * up, [M, N/2]) in x's dtype or "
         "float32; rows are batch-invariant.");
+  m.def("avx2_linear_available", &specengine::avx2_linear_available,
+        "True when the CPU has AVX2 + FMA and the ISA cap allows it.");
+  m.def("linear_avx2", &specengine::avx2_linear, py::arg("x"), py::arg("packed"),
+        py::arg("n"), py::arg("bias") = py::none(), py::arg("glu") = false,
+        py::arg("out_f32") = false,
+        "linear_avx512 on AVX2 + FMA CPUs, over the same packed weights.");
+  m.def("set_isa_cap", &specengine::set_isa_cap, py::arg("level"),
+        "Cap the run-time dispatch at 0 generic, 1 AVX2, 2 AVX-512 (all, the default).");
+  m.def("isa_cap", &specengine::isa_cap);
   m.def("rope_", &specengine::rope_inplace_cpu, py::arg("x"), py::arg("cos"), py::arg("sin"),
         "In-place rotate-half RoPE of x [T, H, D] with float32 cos/sin [T, D] (sin signed).");
   m.def("rms_norm", &specengine::rms_norm_cpu, py::arg("x"), py::arg("weight"), py::arg("eps"));

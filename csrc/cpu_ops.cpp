@@ -252,7 +252,7 @@ const char* cpu_isa() {
 
 void linear_kernel(const LinearArgs& a, bool is_bf16) {
   const int64_t N = a.N, K = a.K;
-  [[maybe_unused]] const bool fast_bf16 = is_bf16 && has_avx512_bf16();  // x86-64 only
+  [[maybe_unused]] const bool fast_bf16 = is_bf16 && has_avx512_bf16() && isa_cap() >= kIsaAvx512;  // x86-64
   // Ranges of whole 4-feature tiles per thread; ~64 KiB of weights per task at least.
   const int64_t tiles = (N + kTileN - 1) / kTileN;
   const int64_t element_size = is_bf16 ? 2 : 4;

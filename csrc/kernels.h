@@ -92,6 +92,23 @@ void avx512_pack_f32(const float* src, float* dst, int64_t N, int64_t K, bool gl
 // avx512_linear_available(a.bf16).
 void avx512_linear_kernel(const Avx512LinearArgs& a, int64_t G, int64_t element_size);
 
+// ---- instruction-set cap (isa.cpp) --------------------------------------------------------
+// The highest instruction set the run-time dispatch may pick: generic < avx2 < avx512 (AVX-512,
+// AVX-512 BF16 and AMX). Default kIsaAvx512 (whatever the CPU has); lowered to test and
+// benchmark the AVX2 or portable paths on a bigger CPU. The target_clones of vec.h (resolved at
+// load time) are not affected.
+constexpr int kIsaGeneric = 0, kIsaAvx2 = 1, kIsaAvx512 = 2;
+void set_isa_cap(int level);  // clamped to [kIsaGeneric, kIsaAvx512]
+int isa_cap();
+
+// ---- AVX2 + FMA linear (linear_avx2.cpp) ----------------------------------------------------
+// Over the same packed weights as the AVX-512 kernel (avx512_pack_*): 8-wide FMA, bf16 widened
+// to float32 by shifting. float32 results equal the AVX-512 kernel's bit for bit; bf16 ones too
+// (VDPBF16PS adds the odd then the even exact product, as this kernel's two FMAs do) except
+// for denormals, which VDPBF16PS flushes.
+bool avx2_linear_available();
+void avx2_linear_kernel(const Avx512LinearArgs& a, int64_t G, int64_t element_size);
+
 // ---- sampling noise (noise.cpp) -------------------------------------------------------------
 // out [P, vocab] float32 = Exp(1) noise of stream `key` at output positions [P].
 void exponential_noise_kernel(int64_t key, const int64_t* positions, int64_t P, int64_t vocab,

@@ -179,7 +179,7 @@ bool detect_amx() {
 
 bool amx_available() {
   static const bool ok = detect_amx();
-  return ok;
+  return ok && isa_cap() >= kIsaAvx512;
 }
 
 void amx_pack(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, bool glu) {

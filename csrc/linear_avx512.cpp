@@ -196,7 +196,7 @@ int64_t packed_row(int64_t N, bool glu, int64_t g, int64_t s) {
 
 }  // namespace
 
-bool avx512_linear_available(bool bf16) { return has_avx512(bf16); }
+bool avx512_linear_available(bool bf16) { return has_avx512(bf16) && isa_cap() >= kIsaAvx512; }
 
 void avx512_pack_bf16(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, bool glu) {
   const int64_t G = glu ? N / 64 : (N + kGroup - 1) / kGroup;

@@ -327,8 +327,9 @@ at::Tensor avx512_pack_weight(const at::Tensor& w, bool glu) {
   const bool bf16 = w.scalar_type() == at::kBFloat16;
   TORCH_CHECK_TYPE(bf16 || w.scalar_type() == at::kFloat,
                    "weight must be bfloat16 or float32, got ", w.scalar_type());
-  TORCH_CHECK_VALUE(avx512_linear_available(bf16), "this CPU lacks AVX-512",
-                    bf16 ? " BF16" : "");
+  TORCH_CHECK_VALUE(avx512_linear_available(bf16) || avx2_linear_available(),
+                    "this CPU (or the SPECENGINE_ISA cap) has neither AVX-512",
+                    bf16 ? " BF16" : "", " nor AVX2 + FMA");
   const int64_t N = w.size(0), K = w.size(1);
   TORCH_CHECK_VALUE(!glu || N % 64 == 0, "glu packing needs 2*I rows with I % 32 == 0, got ", N);
   const int64_t G = glu ? N / 64 : (N + kAvx512Group - 1) / kAvx512Group;
@@ -344,13 +345,20 @@ at::Tensor avx512_pack_weight(const at::Tensor& w, bool glu) {
   return packed;
 }
 
-at::Tensor avx512_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                         const std::optional<at::Tensor>& bias, bool glu, bool out_f32) {
+namespace {
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                         const std::optional<at::Tensor>& bias, bool glu, bool out_f32,
+                         bool avx2) {
   const bool bf16 = packed.scalar_type() == at::kBFloat16;
   TORCH_CHECK_TYPE(x.scalar_type() == packed.scalar_type(), "x dtype ", x.scalar_type(),
                    " differs from the packed weight's ", packed.scalar_type());
-  TORCH_CHECK_VALUE(avx512_linear_available(bf16), "this CPU lacks AVX-512",
-                    bf16 ? " BF16" : "");
+  if (avx2) {
+    TORCH_CHECK_VALUE(avx2_linear_available(),
+                      "this CPU (or the SPECENGINE_ISA cap) lacks AVX2 + FMA");
+  } else {
+    TORCH_CHECK_VALUE(avx512_linear_available(bf16),
+                      "this CPU (or the SPECENGINE_ISA cap) lacks AVX-512", bf16 ? " BF16" : "");
+  }
   TORCH_CHECK_VALUE(x.dim() == 2 && x.device().is_cpu(), "x must be [M, K] on the CPU, got ",
                     x.sizes());
   TORCH_CHECK_VALUE(packed.is_contiguous() && packed.size(-1) == (bf16 ? 2 : kAvx512Group) &&
@@ -383,8 +391,20 @@ at::Tensor avx512_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   Avx512LinearArgs a{xc.data_ptr(), xc.stride(0), packed.data_ptr(),
                      b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr(), out_n, M, out_n,
                      Kpad, glu, out_f32 || !bf16, bf16};
-  avx512_linear_kernel(a, G, packed.element_size());
+  if (avx2) avx2_linear_kernel(a, G, packed.element_size());
+  else avx512_linear_kernel(a, G, packed.element_size());
   return y;
+}
+}  // namespace
+
+at::Tensor avx512_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                         const std::optional<at::Tensor>& bias, bool glu, bool out_f32) {
+  return packed_linear(x, packed, N, bias, glu, out_f32, false);
+}
+
+at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                       const std::optional<at::Tensor>& bias, bool glu, bool out_f32) {
+  return packed_linear(x, packed, N, bias, glu, out_f32, true);
 }
 
 // ---- sampling noise -----------------------------------------------------------------------

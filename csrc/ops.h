@@ -44,6 +44,9 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
 at::Tensor avx512_pack_weight(const at::Tensor& w, bool glu);
 at::Tensor avx512_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                          const std::optional<at::Tensor>& bias, bool glu, bool out_f32);
+// The same on AVX2 + FMA CPUs, over the same packed weights (linear_avx2.cpp).
+at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                       const std::optional<at::Tensor>& bias, bool glu, bool out_f32);
 
 // In-place rotate-half RoPE of x [T, H, D] (any T/H strides) with float32 cos/sin [T, D].
 void rope_inplace_cpu(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);

@@ -12,7 +12,14 @@ while torch runs on one thread, so torch's spinning OpenMP workers do not compet
 
 Weights can be prepared once with ``prepack`` (the tile layout of ``csrc/linear_amx.cpp`` for
 bfloat16 on CPUs with AMX, else the 64-feature groups of ``csrc/linear_avx512.cpp`` on AVX-512
-CPUs); ``linear`` and ``linear_glu`` accept the result in place of a weight.
+CPUs, the same groups for ``csrc/linear_avx2.cpp`` on AVX2 + FMA CPUs); ``linear`` and
+``linear_glu`` accept the result in place of a weight.
+
+Instruction set: the extension picks its kernels at run time from what the CPU has, capped by
+the environment variable ``SPECENGINE_ISA`` (``generic``, ``avx2`` or ``avx512``; read once at
+import) or ``set_isa`` (e.g. to test the AVX2 path on an AVX-512 machine); ``active_isa`` says
+which applies. The cap covers the packed linear, AMX, the AVX-512 BF16 plain linear and the
+paged attention's fast path; the auto-vectorised norms / RoPE / SiLU clones are chosen at load.
 """
 
 from __future__ import annotations
@@ -35,6 +42,16 @@ LINEAR_MAX_M = {torch.bfloat16: 4, torch.float32: 8}
 # so decode, verify and prefill all take it and every row is batch-invariant.
 AMX_MAX_M = 32
 AVX512_MAX_M = 4096
+# The AVX2 kernel (same packed weights) up to this many rows per dtype; more go to torch.
+# Measured with ``bench/bench_kernels.py --isa avx2 --threads 1`` (torch capped to AVX2 too) on
+# an AMD EPYC (Zen 5) shared with other jobs (load ~5 on 2 cores, so +-20%): bfloat16 3-4x
+# faster than torch at every M in 1..16 and 3.5-8.6x at 32, 64 and 200 (torch has no AVX2 bf16
+# GEMM), so as many rows as the AVX-512 kernel; float32 1.4x at M=1, 1.0-1.2x at M=8,
+# 0.86-0.88x at M=16 on the 576-wide layers (MKL wins), so float32 stops at 8.
+AVX2_MAX_M = {torch.bfloat16: 4096, torch.float32: 8}
+
+ISAS = ("generic", "avx2", "avx512")  # instruction-set caps, lowest first
+_isa_epoch = 0  # bumped by set_isa: weights packed before are stale (PackedWeight.is_current)
 
 _FLOATS = (torch.float32, torch.bfloat16)
 
@@ -48,6 +65,44 @@ def _cpp(*tensors: torch.Tensor):
         if t is not None and (t.device.type != "cpu" or t.dtype not in _FLOATS):
             return None
     return mod
+
+
+def _hardware_isa(mod) -> str:
+    isa = mod.cpu_isa()
+    return "avx512" if isa.startswith("avx512") else isa
+
+
+def set_isa(isa: str | None) -> str:
+    """Cap the instruction set the extension's dispatch may use: ``"generic"`` (portable
+    kernels only), ``"avx2"`` (AVX2 + FMA kernels, no AVX-512 / AMX) or ``"avx512"`` / ``None``
+    (everything the CPU has, the default). Weights packed before keep their kernel; pack them
+    again (``prepack``) after changing the cap: until then they are not ``is_current`` and
+    ``linear`` gives their rows to torch (a model repacks them on its next forward). Returns
+    ``active_isa()``.
+
+    Raises ValueError for any other name."""
+    if isa is None:
+        isa = "avx512"
+    if isa not in ISAS:
+        raise ValueError(f"SPECENGINE_ISA / set_isa: unknown instruction set {isa!r}; "
+                         f"expected one of {', '.join(ISAS)}")
+    global _isa_epoch
+    mod = ext()
+    if mod is not None and mod.isa_cap() != ISAS.index(isa):
+        mod.set_isa_cap(ISAS.index(isa))
+        _isa_epoch += 1
+    return active_isa()
+
+
+def active_isa() -> str:
+    """The instruction set the dispatch uses now: the lower of the CPU's (``"avx512"``,
+    ``"avx2"`` or ``"generic"``) and the cap; ``"generic"`` without the extension."""
+    mod = ext()
+    if mod is None:
+        return "generic"
+    hw = _hardware_isa(mod)
+    hw_level = ISAS.index(hw) if hw in ISAS else 0
+    return ISAS[min(hw_level, mod.isa_cap())]
 
 
 def amx_available() -> bool:
@@ -64,6 +119,26 @@ def avx512_available(dtype: torch.dtype) -> bool:
             and mod.avx512_linear_available(dtype == torch.bfloat16))
 
 
+def avx2_available() -> bool:
+    """True when the extension's AVX2 + FMA packed linear runs (CPU support, and the cap is
+    ``avx2`` or the CPU lacks what the AVX-512 kernel needs)."""
+    mod = ext()
+    return mod is not None and mod.avx2_linear_available()
+
+
+def _packed_kind(dtype: torch.dtype) -> str | None:
+    """The packed kernel ``prepack`` picks for a CPU weight of ``dtype`` now."""
+    if dtype not in _FLOATS or ext() is None:
+        return None
+    if dtype == torch.bfloat16 and amx_available():
+        return "amx"
+    if avx512_available(dtype):
+        return "avx512"
+    if avx2_available():
+        return "avx2"
+    return None
+
+
 @dataclass(eq=False)
 class PackedWeight:
     """A linear weight ``[N, K]`` plus its copy in a kernel's layout.
@@ -71,11 +146,12 @@ class PackedWeight:
     Attributes:
         weight: the original (the torch path uses it).
         packed: the copy, or None when no packed kernel applies.
-        kind: ``"amx"`` (AMX tiles, bfloat16), ``"avx512"`` (64-feature groups, bfloat16 or
-            float32) or ``None``.
+        kind: ``"amx"`` (AMX tiles, bfloat16), ``"avx512"`` or ``"avx2"`` (64-feature groups,
+            bfloat16 or float32) or ``None``.
         glu: ``packed`` holds a fused gate_up weight ``[2I, K]`` laid out for ``linear_glu``
             (``linear`` then uses the torch path).
         version, data_ptr: ``weight._version`` and address at packing time (staleness check).
+        epoch: the ``set_isa`` epoch at packing time (a cap change makes the pack stale).
     """
 
     weight: torch.Tensor
@@ -84,19 +160,22 @@ class PackedWeight:
     version: int = -1
     data_ptr: int = 0
     kind: str | None = None
+    epoch: int = 0
 
     def is_current(self, weight: torch.Tensor) -> bool:
-        """True while ``weight`` is the packed tensor, unmodified since packing."""
+        """True while ``weight`` is the packed tensor, unmodified since packing, and the
+        instruction-set cap has not changed since."""
         return (weight is self.weight and weight.data_ptr() == self.data_ptr
-                and _version(weight) == self.version)
+                and _version(weight) == self.version and self.epoch == _isa_epoch)
 
     def rows_for(self, x: torch.Tensor) -> int:
         """Rows of ``x`` for the packed kernel, or 0 when it does not apply."""
         if (self.packed is None or x.dtype != self.weight.dtype or x.device.type != "cpu"
-                or not x.shape[-1]):
+                or not x.shape[-1] or self.epoch != _isa_epoch):
             return 0
         rows = x.numel() // x.shape[-1]
-        limit = AMX_MAX_M if self.kind == "amx" else AVX512_MAX_M
+        limit = (AMX_MAX_M if self.kind == "amx" else AVX512_MAX_M if self.kind == "avx512"
+                 else AVX2_MAX_M[x.dtype])
         return rows if 0 < rows <= limit else 0
 
 
@@ -134,9 +213,11 @@ def prepack(weight: torch.Tensor, glu: bool = False,
 
     CPU weights are repacked, one copy kept next to the original (which the torch path still
     uses): bfloat16 into AMX tiles when the CPU has AMX, else (bfloat16 or float32) into the
-    AVX-512 kernel's 64-feature groups when the CPU has AVX-512 (BF16 for bfloat16); anything
-    else is kept as is. ``glu`` lays a fused gate_up weight out for the fused SwiGLU epilogue
-    when ``N // 2`` is a multiple of 32 (``PackedWeight.glu``); otherwise the plain layout.
+    AVX-512 kernel's 64-feature groups when the CPU has AVX-512 (BF16 for bfloat16) or AVX2 +
+    FMA (the AVX2 kernel reads the same layout); anything else is kept as is. The instruction
+    set cap (``set_isa``) in force now decides. ``glu`` lays a fused gate_up weight out for
+    the fused SwiGLU epilogue when ``N // 2`` is a multiple of 32 (``PackedWeight.glu``);
+    otherwise the plain layout.
 
     ``reuse``: a stale ``PackedWeight`` of a weight with this shape and dtype (e.g. this one
     before an in-place weight update); its AVX-512 buffer is rewritten in place instead of
@@ -145,22 +226,24 @@ def prepack(weight: torch.Tensor, glu: bool = False,
     """
     packed, kind = None, None
     glu = glu and weight.dim() == 2 and weight.shape[0] % 64 == 0  # else: plain layout
-    if (reuse is not None and reuse.kind == "avx512" and reuse.packed is not None
+    want = _packed_kind(weight.dtype) if weight.device.type == "cpu" else None
+    if (reuse is not None and reuse.kind in ("avx512", "avx2") and reuse.kind == want
+            and reuse.packed is not None
             and reuse.glu == glu and weight.device.type == "cpu"
             and reuse.weight.shape == weight.shape and reuse.weight.dtype == weight.dtype
             and (weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0)):
         with torch.no_grad():
             _repack_avx512_(reuse.packed, weight.detach(), glu)
         return PackedWeight(weight, reuse.packed, glu, _version(weight), weight.data_ptr(),
-                            "avx512")
-    if weight.device.type == "cpu" and weight.dim() == 2 and ext() is not None:
+                            want, _isa_epoch)
+    if want is not None and weight.dim() == 2:
         w = weight.detach()
-        if weight.dtype == torch.bfloat16 and amx_available():
+        if want == "amx":
             packed, kind = ext().pack_weight_amx(w, glu), "amx"
-        elif avx512_available(weight.dtype):
-            packed, kind = ext().pack_weight_avx512(w, glu), "avx512"
+        else:  # avx512 and avx2 share the layout
+            packed, kind = ext().pack_weight_avx512(w, glu), want
     return PackedWeight(weight, packed, glu and packed is not None, _version(weight),
-                        weight.data_ptr(), kind)
+                        weight.data_ptr(), kind, _isa_epoch)
 
 
 def _packed_linear(x: torch.Tensor, pw: PackedWeight, rows: int, bias, glu: bool = False,
@@ -170,6 +253,8 @@ def _packed_linear(x: torch.Tensor, pw: PackedWeight, rows: int, bias, glu: bool
     if pw.kind == "amx":
         y = ext().linear_amx(x2, pw.packed, n, bias, glu)
         y = y.float() if out_f32 else y
+    elif pw.kind == "avx2":
+        y = ext().linear_avx2(x2, pw.packed, n, bias, glu, out_f32)
     else:
         y = ext().linear_avx512(x2, pw.packed, n, bias, glu, out_f32)
     return y.view(*x.shape[:-1], n // 2 if glu else n)
@@ -181,10 +266,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight,
     in x's dtype (``out_f32``: float32, rounded once from the float32 accumulator when a packed
     kernel runs; used for logits).
 
-    With a ``PackedWeight`` (``prepack``) and at most ``AMX_MAX_M`` (AMX) or ``AVX512_MAX_M``
-    (AVX-512) rows, the packed kernel runs: float32 accumulation in a fixed order, one rounding,
-    so row ``i`` equals ``linear(x[i:i+1])`` bit for bit. Otherwise, on CPU with at most
-    ``LINEAR_MAX_M[dtype]`` rows the plain C++ kernel (same guarantee); else torch.
+    With a ``PackedWeight`` (``prepack``) and at most ``AMX_MAX_M`` (AMX), ``AVX512_MAX_M``
+    (AVX-512) or ``AVX2_MAX_M[dtype]`` (AVX2) rows, the packed kernel runs: float32
+    accumulation in a fixed order, one rounding, so row ``i`` equals ``linear(x[i:i+1])`` bit
+    for bit. Otherwise, on CPU with at most ``LINEAR_MAX_M[dtype]`` rows the plain C++ kernel
+    (same guarantee); else torch.
     """
     if isinstance(weight, PackedWeight):
         rows = weight.rows_for(x)
@@ -223,7 +309,9 @@ def packed_covers(rows: int) -> bool:
     packed kernels on this CPU (so torch's own threads are not needed for it)."""
     if amx_available():
         return rows <= AMX_MAX_M
-    return avx512_available(torch.bfloat16) and rows <= AVX512_MAX_M
+    if avx512_available(torch.bfloat16):
+        return rows <= AVX512_MAX_M
+    return avx2_available() and rows <= min(AVX2_MAX_M.values())
 
 
 @contextlib.contextmanager
@@ -316,3 +404,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if mod is None:
         return silu_and_mul_torch(x)
     return mod.silu_and_mul(x)
+
+
+def _isa_from_env() -> None:
+    import os
+    isa = os.environ.get("SPECENGINE_ISA", "").strip().lower()
+    if isa:
+        set_isa(isa)
+
+
+_isa_from_env()

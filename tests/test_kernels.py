@@ -1,5 +1,12 @@
 """C++ CPU kernels against their torch references: paged attention (prefill, decode, tree
-masks), write_kv, linear (accuracy and batch invariance), rms_norm, add_rms_norm, silu_and_mul."""
+masks), write_kv, linear (accuracy and batch invariance), rms_norm, add_rms_norm, silu_and_mul.
+
+The linear tests run once per instruction set this CPU supports (``kernels.set_isa``: generic,
+avx2, avx512), so the AVX2 kernels are tested on an AVX-512 machine too."""
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,6 +21,30 @@ from specengine.attention.torch_ref import paged_attention_ref
 needs_ext = pytest.mark.skipif(ext() is None, reason="specengine._C is not built "
                                "(pip install --no-build-isolation -e .)")
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=1e-2)}
+
+
+def _supported_isas() -> list[str]:
+    """The instruction sets the dispatch can be capped at on this CPU, lowest first."""
+    if ext() is None:
+        return ["generic"]
+    prev = kernels.ISAS[ext().isa_cap()]
+    try:
+        top = kernels.set_isa(None)
+    finally:
+        kernels.set_isa(prev)
+    return list(kernels.ISAS[:kernels.ISAS.index(top) + 1])
+
+
+ISAS = _supported_isas()
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Caps the dispatch at one supported instruction set for the test, then restores it."""
+    prev = kernels.ISAS[ext().isa_cap()] if ext() is not None else None
+    assert kernels.set_isa(request.param) == request.param
+    yield request.param
+    kernels.set_isa(prev)
 
 
 def paged_batch(seqs, block_size, kv_heads, group, head_dim, dtype, seed=0):
@@ -156,7 +187,7 @@ def test_write_kv_matches_torch(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("M,N,K", [(1, 960, 576), (5, 13, 40), (16, 576, 1536), (7, 9, 33)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_matches_fp32_math(dtype, M, N, K, bias):
+def test_linear_matches_fp32_math(isa, dtype, M, N, K, bias):
     g = torch.Generator().manual_seed(M * N + K)
     x = torch.randn(M, K, generator=g).to(dtype)
     w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype)
@@ -214,7 +245,7 @@ def test_norms_and_activation(dtype):
 
 # ---- packed linear (AMX tiles or AVX-512 groups), RoPE, thread pool -----------------------
 def packed_dtypes():
-    """Dtypes for which ``kernels.prepack`` produces a packed kernel on this CPU."""
+    """Dtypes for which ``kernels.prepack`` produces a packed kernel on this CPU (no cap)."""
     out = []
     if kernels.amx_available() or kernels.avx512_available(torch.bfloat16):
         out.append(torch.bfloat16)
@@ -223,28 +254,47 @@ def packed_dtypes():
     return out
 
 
+def packed_cases() -> list[tuple[str, torch.dtype]]:
+    """(isa, dtype) pairs for which ``prepack`` produces a packed kernel under that cap."""
+    if ext() is None:
+        return []
+    prev, out = kernels.ISAS[ext().isa_cap()], []
+    try:
+        for isa in ISAS:
+            kernels.set_isa(isa)
+            out += [(isa, dt) for dt in (torch.float32, torch.bfloat16)
+                    if kernels.prepack(torch.zeros(64, 8, dtype=dt)).packed is not None]
+    finally:
+        kernels.set_isa(prev)
+    return out
+
+
 PACKED = packed_dtypes()
-needs_packed = pytest.mark.skipif(not PACKED, reason="no AMX or AVX-512 on this CPU")
-packed_dtype = pytest.mark.parametrize("dtype", PACKED or [torch.bfloat16])
+PACKED_CASES = packed_cases()
+needs_packed = pytest.mark.skipif(not PACKED_CASES, reason="no AVX2, AVX-512 or AMX on this CPU")
+packed_dtype = pytest.mark.parametrize(
+    "isa,dtype", PACKED_CASES or [("avx512", torch.bfloat16)],
+    ids=[f"{i}-{str(d)[6:]}" for i, d in PACKED_CASES] or ["none"], indirect=["isa"])
 
 
-def max_rows(pw) -> int:
-    return kernels.AMX_MAX_M if pw.kind == "amx" else kernels.AVX512_MAX_M
+def max_rows(pw, dtype) -> int:
+    return {"amx": kernels.AMX_MAX_M, "avx512": kernels.AVX512_MAX_M,
+            "avx2": kernels.AVX2_MAX_M[dtype]}[pw.kind]
 
 
 @needs_packed
 @packed_dtype
 @pytest.mark.parametrize("N,K", [(960, 576), (576, 1536), (13, 40), (45, 33), (200, 64)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_fp64_math(dtype, N, K, bias):
+def test_packed_linear_matches_fp64_math(isa, dtype, N, K, bias):
     g = torch.Generator().manual_seed(N + K)
     x = torch.randn(70, K, generator=g).to(dtype)
     w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype)
     b = torch.randn(N, generator=g).to(dtype) if bias else None
     pw = kernels.prepack(w)
-    assert pw.packed is not None
-    for M in (1, 3, 6, 7, 16, 17, 32, 70):
-        if M > max_rows(pw):
+    assert pw.packed is not None and pw.kind in (("amx", "avx512") if isa == "avx512" else (isa,))
+    for M in (1, 2, 3, 5, 6, 7, 8, 9, 15, 16, 17, 32, 70):
+        if M > max_rows(pw, dtype):
             continue
         y = kernels.linear(x[:M], pw, b)
         ref = F.linear(x[:M].double(), w.double(), None if b is None else b.double())
@@ -261,19 +311,22 @@ def test_packed_linear_matches_fp64_math(dtype, N, K, bias):
 @needs_packed
 @packed_dtype
 @pytest.mark.parametrize("N,K", [(200, 576), (45, 33)])
-def test_packed_linear_is_batch_invariant(dtype, N, K):
+def test_packed_linear_is_batch_invariant(isa, dtype, N, K):
     g = torch.Generator().manual_seed(5)
     x = torch.randn(40, K, generator=g).to(dtype)
     pw = kernels.prepack(torch.randn(N, K, generator=g).to(dtype))
     b = torch.randn(N, generator=g).to(dtype)
     rows = [kernels.linear(x[i:i + 1], pw, b) for i in range(40)]
-    for M in range(1, min(max_rows(pw), 40) + 1):
+    for M in range(1, min(max_rows(pw, dtype), 40) + 1):
         for start in (0, 40 - M):  # also rows at other offsets within the batch
             y = kernels.linear(x[start:start + M], pw, b)
             for i in range(M):
                 assert torch.equal(y[i:i + 1], rows[start + i]), (M, start, i)
     if pw.kind == "amx":  # the C++ kernel itself beyond 32 rows (two row passes) too
         y = ext().linear_amx(x, pw.packed, N, b)
+        assert all(torch.equal(y[i:i + 1], rows[i]) for i in range(40))
+    if pw.kind == "avx2":  # the C++ kernel itself beyond AVX2_MAX_M rows too
+        y = ext().linear_avx2(x, pw.packed, N, b)
         assert all(torch.equal(y[i:i + 1], rows[i]) for i in range(40))
 
 
@@ -294,14 +347,14 @@ def test_packed_linear_thread_count_does_not_change_results():
 
 @needs_packed
 @packed_dtype
-def test_linear_glu_equals_unfused(dtype):
+def test_linear_glu_equals_unfused(isa, dtype):
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(11, 576, generator=g).to(dtype)
+    x = torch.randn(7, 576, generator=g).to(dtype)
     w = (torch.randn(2 * 1536, 576, generator=g) / 24).to(dtype)
     pw = kernels.prepack(w, glu=True)
     assert pw.glu
     fused = kernels.linear_glu(x, pw)
-    assert fused.shape == (11, 1536)
+    assert fused.shape == (7, 1536)
     unfused = kernels.silu_and_mul(kernels.linear(x, kernels.prepack(w)))
     if dtype == torch.bfloat16:  # same roundings as the unfused ops
         assert torch.equal(fused, unfused)
@@ -329,6 +382,114 @@ def test_prepack_follows_weight_changes():
     assert second is not first
     torch.testing.assert_close(kernels.linear(x, second), F.linear(x, layer.o_proj),
                                **TOL[torch.bfloat16])
+
+
+needs_avx2_and_avx512 = pytest.mark.skipif(
+    not {"avx2", "avx512"} <= {i for i, _ in PACKED_CASES}, reason="needs AVX2 and AVX-512")
+
+
+@needs_avx2_and_avx512
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("glu", [False, True])
+@pytest.mark.parametrize("isa", ["avx512"], indirect=True)  # both kernels allowed
+def test_avx2_kernel_equals_avx512_kernel_bit_for_bit(isa, dtype, glu):
+    """Same packed weights, same accumulation order (bf16: VDPBF16PS adds the odd then the even
+    exact product; no denormals in this data): equal results, on every M of 1..16, so an engine
+    capped at AVX2 decodes as the AVX-512 one does."""
+    if not kernels.avx512_available(dtype):
+        pytest.skip(f"no AVX-512 kernel for {dtype}")
+    g = torch.Generator().manual_seed(11)
+    N, K = (256, 130) if glu else (200, 77 + (dtype == torch.bfloat16))
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype)
+    b = None if glu else torch.randn(N, generator=g)
+    packed = ext().pack_weight_avx512(w, glu)
+    for M in range(1, 17):
+        x = torch.randn(M, K, generator=g).to(dtype)
+        for out_f32 in (False, True):
+            a2 = ext().linear_avx2(x, packed, N, b, glu, out_f32)
+            a5 = ext().linear_avx512(x, packed, N, b, glu, out_f32)
+            assert torch.equal(a2, a5), (M, out_f32)
+    assert a2.shape == (16, N // 2 if glu else N)
+
+
+def test_isa_cap_setter_and_environment():
+    if ext() is None:
+        assert kernels.active_isa() == "generic"
+        return
+    prev = kernels.ISAS[ext().isa_cap()]
+    try:
+        assert kernels.set_isa("generic") == "generic"
+        assert kernels.prepack(torch.randn(64, 32)).packed is None
+        assert not kernels.amx_available() and not kernels.avx512_available(torch.float32)
+        assert not kernels.avx2_available()
+        if "avx2" in ISAS:
+            assert kernels.set_isa("avx2") == "avx2" and kernels.avx2_available()
+            assert not kernels.avx512_available(torch.float32) and not kernels.amx_available()
+            assert kernels.prepack(torch.randn(64, 32)).kind == "avx2"
+            with pytest.raises(ValueError, match="lacks AVX-512"):  # the kernel checks the cap
+                ext().linear_avx512(torch.randn(1, 32), ext().pack_weight_avx512(
+                    torch.randn(64, 32), False), 64)
+        assert kernels.set_isa(None) == ISAS[-1]
+        with pytest.raises(ValueError, match="unknown instruction set 'sse4'"):
+            kernels.set_isa("sse4")
+    finally:
+        kernels.set_isa(prev)
+    env = dict(os.environ, SPECENGINE_ISA="generic")
+    code = "from specengine import kernels; print(kernels.active_isa())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["generic"]
+    env["SPECENGINE_ISA"] = "avx3"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode != 0 and "unknown instruction set 'avx3'" in out.stderr
+
+
+@pytest.mark.skipif(len(ISAS) < 2, reason="needs AVX2")
+def test_weights_packed_before_a_cap_change_are_stale():
+    """A pack made under one cap is not used under another (its kernel may be disallowed):
+    ``linear`` gives its rows to torch and ``is_current`` is False, so a model repacks."""
+    prev = kernels.ISAS[ext().isa_cap()]
+    w, x = torch.randn(96, 40), torch.randn(3, 40)
+    try:
+        kernels.set_isa(ISAS[-1])
+        pw = kernels.prepack(w)
+        assert pw.packed is not None and pw.is_current(w) and pw.rows_for(x) == 3
+        kernels.set_isa(ISAS[-2])
+        assert not pw.is_current(w) and pw.rows_for(x) == 0
+        torch.testing.assert_close(kernels.linear(x, pw), F.linear(x, w), **TOL[torch.float32])
+        fresh = kernels.prepack(w, reuse=pw)
+        assert fresh.is_current(w) and (fresh.packed is None) == (ISAS[-2] == "generic")
+    finally:
+        kernels.set_isa(prev)
+
+
+@pytest.mark.skipif("avx2" not in ISAS or len(ISAS) < 3, reason="needs AVX2 and AVX-512")
+def test_engine_greedy_output_same_with_avx2_cap(tiny_llama_dir):
+    """Greedy decoding of a tiny float32 model with the dispatch capped at AVX2 (set before
+    the model packs its weights) gives the default (AVX-512) path's tokens."""
+    from specengine import LLM, SamplingParams
+
+    def run(isa):
+        prev = kernels.ISAS[ext().isa_cap()]
+        kernels.set_isa(isa)
+        try:
+            llm = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory_bytes=8 << 20,
+                      block_size=8)
+            params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+            outs = llm.generate([[1, 2, 3, 4], [9, 8, 7, 6, 5, 4, 3]], params, use_tqdm=False)
+            kinds = {pw.kind for layer in llm.engine.runner.model.layers
+                     for pw in layer._packed.values()}
+            return [o.outputs[0].token_ids for o in outs], kinds
+        finally:
+            kernels.set_isa(prev)
+
+    avx2_tokens, avx2_kinds = run("avx2")
+    default_tokens, default_kinds = run(None)
+    assert avx2_kinds == {"avx2"} and default_kinds == {"avx512"}
+    assert all(len(t) == 16 for t in avx2_tokens)
+    assert avx2_tokens == default_tokens
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -361,9 +522,13 @@ def test_rope_matches_reference(dtype, D):
     torch.testing.assert_close(qkv[:, :nq + nkv].double(), ref, **tol)
 
 
-@pytest.mark.skipif(torch.bfloat16 not in PACKED, reason="no packed bf16 kernel on this CPU")
-def test_bf16_model_rows_are_batch_invariant(tiny_llama_dir):
-    """With prepacked weights (AMX or AVX-512 BF16) a bf16 model's logits for a token do not
+BF16_ISAS = [i for i, d in PACKED_CASES if d == torch.bfloat16]
+
+
+@pytest.mark.skipif(not BF16_ISAS, reason="no packed bf16 kernel on this CPU")
+@pytest.mark.parametrize("isa", BF16_ISAS or ["avx512"], indirect=True)
+def test_bf16_model_rows_are_batch_invariant(isa, tiny_llama_dir):
+    """With prepacked weights (AMX, AVX-512 BF16 or AVX2) a bf16 model's logits for a token do not
     depend on how many other tokens share the forward (decode of 1 vs verify of 1 + 8), bit for
     bit."""
     from specengine.attention.cpu import CpuAttention

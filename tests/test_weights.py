@@ -286,13 +286,15 @@ def test_not_a_chunk_is_a_clear_error(dirs):
         llm.load_weights([("model.norm.weight", torch.ones(64))])
 
 
-@pytest.mark.skipif(not kernels.avx512_available(torch.float32), reason="needs AVX-512")
+@pytest.mark.skipif(not (kernels.avx512_available(torch.float32) or kernels.avx2_available()),
+                    reason="needs AVX-512 or AVX2")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, k, glu", [(192, 64, False), (100, 64, False), (70, 10, False),
                                        (256, 96, True), (128, 33, False)])
 def test_repack_in_place_equals_a_fresh_pack(dtype, n, k, glu):
-    if dtype == torch.bfloat16 and not kernels.avx512_available(dtype):
-        pytest.skip("needs AVX-512 BF16")
+    if dtype == torch.bfloat16 and not (kernels.avx512_available(dtype)
+                                        or kernels.avx2_available()):
+        pytest.skip("needs AVX-512 BF16 or AVX2")
     old, new = torch.randn(n, k).to(dtype), torch.randn(n, k).to(dtype)
     pw = kernels.prepack(old, glu)
     fresh = kernels.prepack(new, glu)

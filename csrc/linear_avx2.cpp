@@ -1,0 +1,211 @@
+// Linear layers on x86-64 CPUs with AVX2 + FMA but no AVX-512, over the AVX-512 kernel's packed
+// weights (linear_avx512.cpp: groups of 64 output features; bf16 [G, ceil(K/2), 64, 2], f32
+// [G, K, 64]), so one pack serves both and the dispatch can change at run time.
+//
+// A 64-feature group is 8 ymm vectors. A tile is 1 row x the 8 vectors (8 accumulators) or 2
+// rows x 4 of them (vectors {v0, v0+1, v0+4, v0+5}, v0 in {0, 2}: in glu mode a gate vector and
+// its up vector are always in the same tile). bf16 weights are widened by shifting: in each
+// 32-bit lane (a pair of K) the even k is the low half (<< 16), the odd k the high half (mask).
+//
+// Every output element is accumulated in k order with one FMA per product (bf16: odd k of a
+// pair, then even, as VDPBF16PS), whatever the tile or thread: rows are batch-invariant, and
+// the results equal the AVX-512 kernel's (bf16: up to its flushing of denormals).
+#include <algorithm>
+#include <cstring>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
+#include "kernels.h"
+#include "pool.h"
+#include "vec.h"
+
+namespace specengine {
+namespace {
+
+constexpr int64_t kGroup = kAvx512Group;
+using Args = Avx512LinearArgs;
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define SE_AVX2_TARGET __attribute__((target("avx2,fma")))
+
+// Vector j of a tile of NV vectors starting at v0: the gate half, then the matching up half.
+template <int NV>
+constexpr int vec_index(int v0, int j) {
+  return j < NV / 2 ? v0 + j : 4 + v0 + (j - NV / 2);
+}
+
+inline float round_bf16(float v) { return static_cast<float>(c10::BFloat16(v)); }
+
+SE_AVX2_TARGET inline void store8(const Args& a, int64_t row, int64_t col, const float* v) {
+  const int64_t n = std::min<int64_t>(8, a.N - col);
+  if (n <= 0) return;
+  if (a.out_f32) {
+    std::memcpy(static_cast<float*>(a.y) + row * a.ldy + col, v, n * sizeof(float));
+  } else {
+    auto* y = static_cast<c10::BFloat16*>(a.y) + row * a.ldy + col;
+    for (int64_t l = 0; l < n; ++l) y[l] = c10::BFloat16(v[l]);
+  }
+}
+
+template <int MB, int NV>
+SE_AVX2_TARGET inline void epilogue(const Args& a, int64_t g, int64_t m0, int v0,
+                                    __m256 (&acc)[MB][NV]) {
+  alignas(32) float t[16];
+  if (a.glu) {  // features 32g + 8 * vec of the [M, I] output: silu(gate) * up
+    for (int j = 0; j < NV / 2; ++j) {
+      const int64_t col = g * 32 + 8 * (v0 + j);
+      for (int i = 0; i < MB; ++i) {
+        _mm256_store_ps(t, acc[i][j]);
+        _mm256_store_ps(t + 8, acc[i][j + NV / 2]);
+        f32x16 gate{};
+        for (int l = 0; l < 8; ++l) gate[l] = a.bf16 ? round_bf16(t[l]) : t[l];
+        const f32x16 act = vsilu(gate);
+        for (int l = 0; l < 8; ++l)
+          t[l] = a.bf16 ? round_bf16(act[l]) * round_bf16(t[8 + l]) : act[l] * t[8 + l];
+        store8(a, m0 + i, col, t);
+      }
+    }
+    return;
+  }
+  for (int j = 0; j < NV; ++j) {
+    const int64_t col = g * kGroup + 8 * vec_index<NV>(v0, j);
+    if (col >= a.N) continue;
+    for (int i = 0; i < MB; ++i) {
+      _mm256_store_ps(t, acc[i][j]);
+      if (a.bias)
+        for (int l = 0; l < 8 && col + l < a.N; ++l) t[l] += a.bias[col + l];
+      store8(a, m0 + i, col, t);
+    }
+  }
+}
+
+// The K loops are noinline with private accumulators copied out at the end: inlined next to
+// the epilogue (which indexes the array), GCC stored every accumulator on each k.
+template <int MB, int NV>
+SE_AVX2_TARGET __attribute__((noinline)) void accumulate_bf16(const Args& a, int64_t g,
+                                                              int64_t m0, int v0,
+                                                              __m256 (&out)[MB][NV]) {
+  // Locals, not a.*: the accumulators stay in registers only if no loop bound is read from
+  // memory the compiler thinks they might alias.
+  const int64_t kp_n = a.K / 2, xs = a.xs;
+  const auto* w = static_cast<const uint16_t*>(a.w) + g * kp_n * 2 * kGroup;
+  const auto* x = static_cast<const uint16_t*>(a.x) + m0 * xs;
+  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  __m256 acc[MB][NV];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t kp = 0; kp < kp_n; ++kp) {
+    const uint16_t* wk = w + kp * 2 * kGroup;
+    _mm_prefetch(reinterpret_cast<const char*>(wk + 8 * 2 * kGroup), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wk + 8 * 2 * kGroup + 64), _MM_HINT_T0);
+    __m256 xe[MB], xo[MB];
+    for (int i = 0; i < MB; ++i) {
+      uint32_t pair;
+      std::memcpy(&pair, x + i * xs + 2 * kp, 4);
+      const uint32_t e = pair << 16, o = pair & 0xffff0000u;
+      float fe, fo;
+      std::memcpy(&fe, &e, 4);
+      std::memcpy(&fo, &o, 4);
+      xe[i] = _mm256_set1_ps(fe);
+      xo[i] = _mm256_set1_ps(fo);
+    }
+    for (int j = 0; j < NV; ++j) {
+      const __m256i wv = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(wk + 16 * vec_index<NV>(v0, j)));
+      const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16));
+      const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(wv, hi_mask));
+      for (int i = 0; i < MB; ++i) {
+        acc[i][j] = _mm256_fmadd_ps(xo[i], wo, acc[i][j]);
+        acc[i][j] = _mm256_fmadd_ps(xe[i], we, acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NV; ++j) out[i][j] = acc[i][j];
+}
+
+template <int MB, int NV>
+SE_AVX2_TARGET __attribute__((noinline)) void accumulate_f32(const Args& a, int64_t g,
+                                                             int64_t m0, int v0,
+                                                             __m256 (&out)[MB][NV]) {
+  const int64_t K = a.K, xs = a.xs;  // locals: see tile_bf16
+  const auto* w = static_cast<const float*>(a.w) + g * K * kGroup;
+  const auto* x = static_cast<const float*>(a.x) + m0 * xs;
+  __m256 acc[MB][NV];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* wk = w + k * kGroup;
+    _mm_prefetch(reinterpret_cast<const char*>(wk + 8 * kGroup), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wk + 8 * kGroup + 32), _MM_HINT_T0);
+    __m256 xb[MB];
+    for (int i = 0; i < MB; ++i) xb[i] = _mm256_broadcast_ss(x + i * xs + k);
+    for (int j = 0; j < NV; ++j) {
+      const __m256 wv = _mm256_loadu_ps(wk + 8 * vec_index<NV>(v0, j));
+      for (int i = 0; i < MB; ++i) acc[i][j] = _mm256_fmadd_ps(xb[i], wv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NV; ++j) out[i][j] = acc[i][j];
+}
+
+template <int MB, int NV>
+SE_AVX2_TARGET void tile_bf16(const Args& a, int64_t g, int64_t m0, int v0) {
+  __m256 acc[MB][NV];
+  accumulate_bf16<MB, NV>(a, g, m0, v0, acc);
+  epilogue<MB, NV>(a, g, m0, v0, acc);
+}
+
+template <int MB, int NV>
+SE_AVX2_TARGET void tile_f32(const Args& a, int64_t g, int64_t m0, int v0) {
+  __m256 acc[MB][NV];
+  accumulate_f32<MB, NV>(a, g, m0, v0, acc);
+  epilogue<MB, NV>(a, g, m0, v0, acc);
+}
+
+template <bool BF16>
+void run_groups(const Args& a, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    int64_t m = 0;
+    for (; m + 2 <= a.M; m += 2)
+      for (int v0 = 0; v0 < 4; v0 += 2) {
+        if (BF16) tile_bf16<2, 4>(a, g, m, v0);
+        else tile_f32<2, 4>(a, g, m, v0);
+      }
+    if (m < a.M) {
+      if (BF16) tile_bf16<1, 8>(a, g, m, 0);
+      else tile_f32<1, 8>(a, g, m, 0);
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+bool avx2_linear_available() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool hw = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return hw && isa_cap() >= kIsaAvx2;
+#else
+  return false;
+#endif
+}
+
+void avx2_linear_kernel(const Avx512LinearArgs& a, int64_t G, int64_t element_size) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  const int64_t group_bytes = a.K * kGroup * element_size;
+  const int64_t grain = std::max<int64_t>(1, (32 << 10) / group_bytes);
+  parallel_ranges(G, grain, 4, [&](int64_t g0, int64_t g1) {
+    if (a.bf16) run_groups<true>(a, g0, g1);
+    else run_groups<false>(a, g0, g1);
+  });
+#else
+  (void)a;
+  (void)G;
+  (void)element_size;
+#endif
+}
+
+}  // namespace specengine
