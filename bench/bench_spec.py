@@ -144,10 +144,10 @@ def shared_loader():
     original = loader.load_model
     cache = {}
 
-    def load_model(name_or_path, dtype=torch.bfloat16, device="cpu"):
-        key = (str(name_or_path), str(dtype), str(device))
+    def load_model(name_or_path, dtype=torch.bfloat16, device="cpu", **kw):
+        key = (str(name_or_path), str(dtype), str(device), tuple(sorted(kw.items())))
         if key not in cache:
-            cache[key] = original(name_or_path, dtype=dtype, device=device)
+            cache[key] = original(name_or_path, dtype=dtype, device=device, **kw)
         return cache[key]
 
     loader.load_model = load_model
