@@ -142,9 +142,9 @@ def generate(args: argparse.Namespace) -> int:
         print(f"error: --input {args.input!r} {why}", file=sys.stderr)
         return 2
     try:
-        spec = json.loads(args.speculative_config) if args.speculative_config else None
-    except json.JSONDecodeError as e:
-        print(f"error: --speculative-config is not valid JSON ({e})", file=sys.stderr)
+        spec = speculative_config_arg(args.speculative_config)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     records = read_records(args.input)
     try:
@@ -207,6 +207,20 @@ def generate(args: argparse.Namespace) -> int:
     for err in (errors[no] for no in sorted(errors)):
         print(f"  failed {err}")
     return 0
+
+
+def speculative_config_arg(text: str | None) -> dict | None:
+    """The ``--speculative-config`` JSON text as a dict (None when not given).
+
+    Raises:
+        ValueError: not valid JSON, naming the flag.
+    """
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config is not valid JSON ({e})") from None
 
 
 def main(argv: list[str] | None = None) -> int:

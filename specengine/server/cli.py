@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 
@@ -44,14 +43,15 @@ def serve_main(args: argparse.Namespace) -> int:
               f"(pip install 'specengine[serve]'): {e}", file=sys.stderr)
         return 2
     from specengine.api import LLM
+    from specengine.cli import speculative_config_arg
 
     if not 0 <= args.port <= 65535:
         print(f"error: --port {args.port} must be in [0, 65535]", file=sys.stderr)
         return 2
     try:
-        spec = json.loads(args.speculative_config) if args.speculative_config else None
-    except json.JSONDecodeError as e:
-        print(f"error: --speculative-config is not valid JSON ({e})", file=sys.stderr)
+        spec = speculative_config_arg(args.speculative_config)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     try:
         llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,

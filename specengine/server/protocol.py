@@ -139,42 +139,36 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict | None = None
 
 
-class TRLGenerateRequest(Strict):
+class TRLSampling(Strict):
+    """The sampling fields TRL's ``vllm-serve`` requests share (their defaults as TRL's)."""
+
+    n: int = 1
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_tokens: int = 16
+    logprobs: int | None = 0
+    truncate_prompt_tokens: int | None = None
+    structured_outputs_regex: str | None = None
+    generation_kwargs: dict = Field(default_factory=dict)
+
+
+class TRLGenerateRequest(TRLSampling):
     """``POST /generate/`` of TRL's ``vllm-serve`` (its ``GenerateRequest``; ``images``,
     ``truncate_prompt_tokens``, ``structured_outputs_regex`` and ``guided_decoding_regex`` are
     fields some TRL versions send)."""
 
     prompts: list[str] | list[list[int]]
     images: list | None = None
-    n: int = 1
-    repetition_penalty: float = 1.0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    max_tokens: int = 16
-    logprobs: int | None = 0
-    truncate_prompt_tokens: int | None = None
-    structured_outputs_regex: str | None = None
     guided_decoding_regex: str | None = None
-    generation_kwargs: dict = Field(default_factory=dict)
 
 
-class TRLChatRequest(Strict):
+class TRLChatRequest(TRLSampling):
     """``POST /chat/`` of TRL's ``vllm-serve`` (its ``ChatRequest``)."""
 
     messages: list[list[dict]]
-    n: int = 1
-    repetition_penalty: float = 1.0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    max_tokens: int = 16
-    logprobs: int | None = 0
-    truncate_prompt_tokens: int | None = None
-    structured_outputs_regex: str | None = None
-    generation_kwargs: dict = Field(default_factory=dict)
     chat_template_kwargs: dict = Field(default_factory=dict)
     tools: list | None = None
 
