@@ -5,22 +5,28 @@ from __future__ import annotations
 import argparse
 import sys
 
+from specengine.models.registry import DEFAULT_MODEL
+
 
 def add_serve_cli(sub) -> None:
     """Add the ``serve`` subparser to ``specengine``'s subcommands (imports nothing heavy)."""
     s = sub.add_parser("serve", help="serve a model over HTTP (OpenAI- and TRL-compatible)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        description="Serve a model over HTTP: OpenAI /v1/completions and "
                        "/v1/chat/completions (streaming too), TRL vllm-serve routes, /health, "
                        "/metrics. Concurrent requests are batched together.")
-    s.add_argument("--model", default="smollm2-135m-instruct",
+    s.add_argument("--model", default=DEFAULT_MODEL,
                    help="known alias, Hugging Face directory or .gguf file")
     s.add_argument("--served-model-name", default=None,
-                   help="the 'model' name clients send (default: --model)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    s.add_argument("--max-model-len", type=int, default=None)
-    s.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+                   help="the 'model' name clients send (None: the --model value)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8000, help="TCP port")
+    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="the target's dtype")
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (None: the model's)")
+    s.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="bytes for the paged KV cache (None: 1 GiB)")
     s.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     s.add_argument("--seed", type=int, default=0,
