@@ -7,8 +7,9 @@ attention (Ainslie et al., arXiv 2305.13245) and a SwiGLU MLP (Shazeer, arXiv 20
 Tokens of all sequences in a step are packed flat into ``T`` rows (no batch dim, no padding);
 the attention backend finds each token's sequence and context through ``AttentionMetadata``.
 q/k/v and gate/up projections are fused into one matrix each (fewer GEMM calls); ``load_weights``
-(all weights) and ``update_weights`` (a subset, in place) map Hugging Face parameter names onto
-the fused layout (``hf_parameters``) and then prepack the linear weights (``kernels.prepack``: AMX
+(all weights) maps Hugging Face parameter names onto the fused layout (``hf_parameters``; a
+running engine's updates go through ``specengine.weights``, which writes the same views) and
+then prepacks the linear weights (``kernels.prepack``: AMX
 tiles for bfloat16 on CPUs that have them). Packed copies are checked against the parameters'
 version counters on use and rebuilt if a weight was modified.
 
@@ -204,10 +205,10 @@ class LlamaForCausalLM(nn.Module):
         return kernels.linear(hidden, pw, out_f32=True)
 
     def prepack(self) -> None:
-        """Pack the linear weights for the fast kernels (``kernels.prepack``); ``load_weights`` and
-        ``update_weights`` call it. Packed copies are rebuilt on use if a weight changes
-        afterwards (each is checked against its parameter's version counter); this rebuilds
-        the stale ones now."""
+        """Pack the linear weights for the fast kernels (``kernels.prepack``); ``load_weights``
+        and weight updates (``specengine.weights``) call it. Packed copies are rebuilt on use
+        if a weight changes afterwards (each is checked against its parameter's version
+        counter); this rebuilds the stale ones now."""
         for layer in self.layers:
             layer.prepack()
         pw = self._lm_head_packed
@@ -294,25 +295,3 @@ class LlamaForCausalLM(nn.Module):
         if missing := dests.keys() - seen:
             raise ValueError(f"{len(missing)} weights missing, e.g. {sorted(missing)[:3]}")
         self.prepack()
-
-    @torch.no_grad()
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-        """Copy some Hugging Face-named tensors (any subset, names as ``load_weights``) into
-        the parameters in place, casting to the model dtype and device. All entries are
-        checked before any is copied, so a bad one changes nothing. The in-place copies bump
-        the parameters' version counters: packed kernel copies are rebuilt (now, by
-        ``prepack``) and anything sharing these tensors (an EAGLE drafter's embedding, final
-        norm and LM head) sees the new values.
-
-        Returns:
-            the names copied, in input order (skipped names, as in ``load_weights``, left out).
-
-        Raises:
-            ValueError: a name is unknown or a shape differs (the message names it).
-            TypeError: an entry is not a tensor.
-        """
-        checked = list(self._checked(weights, self.hf_parameters()))
-        for _, dest, tensor in checked:
-            dest.copy_(tensor)
-        self.prepack()
-        return [name for name, _, _ in checked]
