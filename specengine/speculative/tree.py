@@ -26,6 +26,9 @@ class DraftTree:
             (0.0 for deterministic drafters such as n-gram lookup; for a sampled sequence the
             model drafters give those of q perturbed by the sampling noise,
             ``specengine.speculative.drafters.coupling``). Default: zeros.
+        sources: ``m`` drafter names, the source that proposed each node (``"eagle"``,
+            ``"ngram"``, ``"suffix"``, ...), for per-source calibration and metrics; None
+            when the tree has one unnamed source.
         depths: ``m`` ints, computed; a child of the root has depth 1.
 
     Raises:
@@ -36,6 +39,7 @@ class DraftTree:
     tokens: list[int]
     parents: list[int]
     draft_logprobs: list[float] | None = None
+    sources: list[str] | None = None
     depths: list[int] = field(init=False)
     _children: list[list[int]] = field(init=False, repr=False)
     # Siblings must differ; a test-side subclass whose children are i.i.d. draws from the draft
@@ -51,6 +55,8 @@ class DraftTree:
         if len(self.draft_logprobs) != m:
             raise ValueError(f"DraftTree.draft_logprobs has {len(self.draft_logprobs)} entries, "
                              f"tokens {m}")
+        if self.sources is not None and len(self.sources) != m:
+            raise ValueError(f"DraftTree.sources has {len(self.sources)} entries, tokens {m}")
         self.depths = []
         self._children = [[] for _ in range(m + 1)]  # slot 0 = root, slot 1 + i = node i
         for i, (tok, par) in enumerate(zip(self.tokens, self.parents)):
@@ -100,7 +106,8 @@ class DraftTree:
         new = {old: j for j, old in enumerate(keep)}
         return DraftTree(
             [self.tokens[i] for i in keep], [new.get(self.parents[i], -1) for i in keep],
-            [self.draft_logprobs[i] for i in keep])
+            [self.draft_logprobs[i] for i in keep],
+            None if self.sources is None else [self.sources[i] for i in keep])
 
     @property
     def num_nodes(self) -> int:
