@@ -326,10 +326,12 @@ class Engine:
         return num_appended, finished
 
     def _release(self, seq: Sequence) -> None:
-        """Finish ``seq``: its KV blocks go back to the pool, its drafter state is dropped."""
+        """Finish ``seq``: its KV blocks go back to the pool, its drafter state is dropped, the
+        policy is told (``Policy.finished``: output lengths per prompt group)."""
         self.scheduler.finish(seq)
         if self.drafter is not None:
             self.drafter.release(seq)
+        self.policy.finished(seq)
 
     def _account(self, layout: ForwardLayout, commits: list[Commit], strategy: Strategy | None,
                  times: StepTimes, num_proposed: int | None, num_appended: int) -> None:

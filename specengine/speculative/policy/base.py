@@ -4,8 +4,9 @@ A policy decides, step by step, what the engine speculates. The engine calls, pe
 ``choose(num_running)`` for the step's ``Strategy`` (or None: no speculation), then, when it
 speculates, ``select(seqs, strategy)`` for which sequences draft and ``refine(seqs, trees,
 base_tokens)`` for the nodes of the drafted trees worth verifying, and after the step
-``record(StepRecord)`` with what the step did and cost. ``warm_start(engine)`` runs once after the
-engine is built; ``stats()`` gives the metrics.
+``record(StepRecord)`` with what the step did and cost; ``finished(seq)`` whenever a sequence
+leaves the engine. ``warm_start(engine)`` runs once after the engine is built; ``stats()`` gives
+the metrics.
 
 Here: ``StepRecord``, the ``Policy`` base (which tallies steps per strategy for ``stats``),
 ``StaticPolicy`` (always one strategy), ``BucketPolicy`` (a fixed strategy per batch-size bucket;
@@ -126,6 +127,10 @@ class Policy:
     def warm_start(self, engine) -> None:
         """Called once after the engine is built, before serving (e.g. to profile it); the
         base does nothing."""
+
+    def finished(self, seq) -> None:
+        """``seq`` (a ``Sequence``) left the engine: finished (``finish_reason`` set) or
+        aborted; ``AutoPolicy`` learns output lengths from it. The base does nothing."""
 
     def _tally(self, rec: StepRecord, label: str | None = None) -> None:
         """Count the step under ``label`` (default: its strategy's name)."""
