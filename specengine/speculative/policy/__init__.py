@@ -14,6 +14,10 @@ What lives where:
 - ``latency.py``, ``acceptance.py``, ``calibration.py``: its online models of step time,
   accepted tokens and per-node acceptance probability; ``profiling.py``: the start-up profile
   that warm-starts the latency model;
+- ``remaining.py``: expected remaining output per running sequence from its prompt group's
+  finished lengths (``RemainingLength``) and the weights it gives (``length_weights``);
+  ``budget.py``: the step's draft nodes spread over sequences by weighted value
+  (``allocate``) and the tally of that spread (``BudgetSpread``);
 - ``bandit.py``: ``BanditPolicy``, TLT's BEG-MAB (arXiv 2511.16665), the baseline to beat.
 """
 

@@ -5,7 +5,8 @@ per second for the whole batch, from an online latency model (``latency.py``, wa
 The criterion, the per-sequence choice (``select``) and the bar a draft node must clear to be
 verified (``refine``) are here; the mechanisms around them are the parts in ``parts.py``: the
 probe schedule, the re-scoring budget, the observed/modelled correction table and the tree
-cutter.
+cutter; the expected remaining output per sequence and the weights it gives are in
+``remaining.py``, the weighted spread of the step's node budget in ``budget.py``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 
 from specengine.speculative.policy.acceptance import AcceptanceModel
 from specengine.speculative.policy.base import Policy, StepRecord, strategy_name
+from specengine.speculative.policy.budget import BudgetSpread, allocate
 from specengine.speculative.policy.latency import LatencyModel
 from specengine.speculative.policy.parts import (
     CorrectionTable,
@@ -25,6 +27,7 @@ from specengine.speculative.policy.parts import (
     TreeCutter,
 )
 from specengine.speculative.policy.profiling import profile_forward
+from specengine.speculative.policy.remaining import RemainingLength, length_weights
 from specengine.speculative.strategy import Strategy
 
 
@@ -56,7 +59,12 @@ class AutoPolicy(Policy):
       learning, stays ~1-2% of a step even on a CPU;
     - ``correction`` (``CorrectionTable``): what the two models miss, per batch bucket;
     - ``cutter`` (``TreeCutter``): after drafting, ``refine`` cuts each scored tree to the
-      nodes whose calibrated acceptance probability pays for the verify time they add.
+      nodes whose calibrated acceptance probability pays for the verify time they add;
+    - ``remaining`` (``RemainingLength``): expected remaining output per sequence from its
+      prompt group's finished lengths (``finished``), across ``generate`` calls; it weights
+      each sequence's draft nodes (``remaining.length_weights``) in ``select`` and ``refine``,
+      so the step's node budget goes first to the sequences the rollout's finish waits on
+      (``budget.allocate``); ``budget`` (``BudgetSpread``) tallies how it was spread.
 
     Args:
         candidates: strategies to choose from; ``None`` (no speculation) is always added.
@@ -65,6 +73,9 @@ class AutoPolicy(Policy):
         probe_seqs: sequences drafted for in a probe step.
         latency, acceptance: the models to start from (default: new ones).
         per_sequence: let ``select`` skip sequences whose own acceptance does not pay.
+        length_weight: exponent ``alpha`` of the remaining-length weights (0: every sequence
+            weighs 1, the unweighted cut).
+        remaining: the remaining-length estimator to use (default: a new one).
         clock: seconds; times the policy's own work (``decision_time``, the re-scoring cost
             ``rescore`` spaces out) and the start-up profile. Tests pass a fake one.
     """
@@ -81,7 +92,8 @@ class AutoPolicy(Policy):
                  probe_every: int = 50, probe_seqs: int = 4,
                  latency: LatencyModel | None = None,
                  acceptance: AcceptanceModel | None = None, per_sequence: bool = True,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, length_weight: float = 1.0,
+                 remaining: RemainingLength | None = None):
         super().__init__()
         self.candidates = (None, *(s for s in dict.fromkeys(candidates) if s is not None))
         max_depth = max((s.depth for s in self.candidates if s is not None), default=1)
@@ -95,6 +107,11 @@ class AutoPolicy(Policy):
         self.rescore = RescoreBudget()
         self.correction = CorrectionTable(len(self.candidates))
         self.cutter = TreeCutter()
+        self.remaining = remaining or RemainingLength()
+        self.length_weight = length_weight
+        self.budget = BudgetSpread()
+        # this step's decoding sequences (``select``): id -> (expected remaining, weight)
+        self._step_weights: dict[int, tuple[float | None, float]] = {}
         self.current: Strategy | None = None
         self.context_per_seq = 0.0  # context tokens per decode sequence, last step
         self.last_scores: dict[Strategy | None, float] = {}
@@ -158,15 +175,34 @@ class AutoPolicy(Policy):
         self.decision_time += self.clock() - t0
         return choice
 
+    def weights(self, seqs: list) -> list[float]:
+        """This step's weight per decoding sequence of ``seqs``: ``length_weights`` of their
+        expected remaining output (``remaining``), relative to the batch; 1 for all before any
+        sequence finished or with ``length_weight`` 0. Kept for ``refine`` and ``record``."""
+        est, n = self.remaining, len(seqs)
+        rem = None
+        if self.length_weight and n and est.observed:
+            rem = [est.expected(s) for s in seqs]
+        w = length_weights(rem, self.length_weight) if rem else [1.0] * n
+        self._step_weights = {id(s): (None if rem is None else r, x)
+                              for s, r, x in zip(seqs, rem or [None] * n, w)}
+        return w
+
+    def finished(self, seq) -> None:
+        """A sequence left the engine: its output length feeds ``remaining``."""
+        self.remaining.finished(seq)
+
     def select(self, seqs: list, strategy: Strategy) -> list[bool]:
         """Per-sequence choice (the engine drafts only for sequences marked True): a sequence
-        is drafted for when its expected accepted tokens pay for its draft nodes at the
-        step's predicted rate, i.e. ``E[accepted_i] >= rate * dT/d(its nodes)``.
+        is drafted for when its weighted expected accepted tokens pay for its draft nodes at
+        the step's predicted rate, i.e. ``w_i * E[accepted_i] >= rate * dT/d(its nodes)``.
         ``E[accepted_i]`` is the batch estimate scaled by the request's own accepted-per-drafted
-        ratio against the global one (``prior_steps`` pseudo-steps of the global ratio). A
-        probe drafts for the few sequences ``probes.drafted`` names."""
+        ratio against the global one (``prior_steps`` pseudo-steps of the global ratio);
+        ``w_i`` is its remaining-length weight (``weights``; 1 when all are equal, the
+        unweighted choice). A probe drafts for the few sequences ``probes.drafted`` names."""
         t0 = self.clock()
         keep = [True] * len(seqs)
+        weight = self.weights(seqs)
         rate = self._predicted
         if self.probes.active:  # a probe drafts for a few sequences, a different few each time
             keep = self.probes.drafted(len(seqs))
@@ -187,7 +223,8 @@ class AutoPolicy(Policy):
                 for i, s in enumerate(seqs):
                     own = (s.num_accepted + c * r) / (s.num_drafted + c)
                     # a skipped sequence is still drafted for one step in 16, to notice change
-                    keep[i] = e_acc * own / r >= need or (self._select_calls + i) % 16 == 0
+                    keep[i] = e_acc * own / r * weight[i] >= need or \
+                        (self._select_calls + i) % 16 == 0
         self._offered = sum(keep)
         self.decision_time += self.clock() - t0
         return keep
@@ -198,7 +235,13 @@ class AutoPolicy(Policy):
         per second and ``dT/dn`` the latency model's marginal seconds per forward token at this
         step's size (``base_tokens``: the forward's tokens besides draft nodes). Memory-bound,
         the bar is near 0 and trees stay whole; compute-bound, only confident nodes stay. The
-        cut itself, and the tree in ``verify_whole_every`` left whole, are ``cutter``'s."""
+        cut itself, and the tree in ``verify_whole_every`` left whole, are ``cutter``'s.
+
+        With remaining-length weights that differ (``weights``), the nodes that pay form the
+        step's budget and ``budget.allocate`` hands it out by ``p * w`` in one greedy pass over
+        all trees: the sequences with longer expected remaining output keep nodes below the
+        bar, the ones about to finish lose theirs first (possibly all). Equal weights: the
+        unweighted cut above, unchanged."""
         rate = self._predicted
         scored = self.cutter.scored(trees)
         if not scored or not rate:
@@ -210,7 +253,22 @@ class AutoPolicy(Policy):
         lat = self.latency
         bar = rate * max(lat.forward_time(tokens + 1, ctx, n) - lat.forward_time(tokens, ctx, n),
                          0.0)
-        out = self.cutter.cut(seqs, trees, scored, bar)
+        known = self._step_weights
+        if not all(id(s) in known for s in seqs):
+            self.weights(seqs)  # refine without select (this step): weights of these alone
+            known = self._step_weights
+        weight = [known[id(s)][1] for s in seqs]
+        if len({weight[i] for i in scored}) <= 1:
+            out = self.cutter.cut(seqs, trees, scored, bar)
+        else:
+            rates = self.calibrator.rate_per_bin().tolist()
+            bars, _ = allocate([self.cutter.probabilities(seqs[i], trees[i], rates)
+                                for i in scored], [trees[i].parents for i in scored],
+                               [weight[i] for i in scored], bar)
+            per_tree = [bar] * len(trees)
+            for i, b in zip(scored, bars):
+                per_tree[i] = b
+            out = self.cutter.cut(seqs, trees, scored, per_tree)
         self.decision_time += self.clock() - t0
         return out
 
@@ -232,11 +290,27 @@ class AutoPolicy(Policy):
             self.context_per_seq = rec.context_tokens / rec.num_decode
         self._pending.append((rec, probing, self._offered, self._raw.get(rec.strategy)))
         self._offered = None
+        if rec.strategy is not None and rec.num_decode:
+            self._tally_budget(rec)
+        self._step_weights = {}
         if rec.is_decode_only:  # the steps the re-scoring is spread over
             self.rescore.observe_step(rec.step_time)
         if len(self._pending) >= self.rescore.every:
             self.flush()
         self.decision_time += self.clock() - t0
+
+    def _tally_budget(self, rec: StepRecord) -> None:
+        """Count how the step's nodes were spread over its decoding sequences (``budget``)."""
+        given = {id(seq): tree.num_nodes for seq, tree, _ in rec.verified}
+        step = self._step_weights
+        if len(step) == rec.num_decode:
+            nodes = [given.get(k, 0) for k in step]
+            rem = [r for r, _ in step.values()]
+            self.budget.observe(nodes, None if None in rem else rem,
+                                len({w for _, w in step.values()}) > 1)
+        else:  # no select this step: the sequences without a tree drafted nothing
+            nodes = list(given.values())
+            self.budget.observe(nodes + [0] * max(rec.num_decode - len(nodes), 0))
 
     def flush(self) -> None:
         """Learn from the recorded steps not learnt from yet (``record`` defers it)."""
@@ -281,7 +355,10 @@ class AutoPolicy(Policy):
     def stats(self) -> dict:
         """``Policy.stats`` plus ``policy_latency_knee_tokens``, ``policy_nodes_cut_frac``
         (share of scored trees' nodes ``refine`` cut), ``policy_calibration`` (acceptance
-        probability per confidence bin) and ``policy_expected_committed`` per candidate."""
+        probability per confidence bin), ``policy_expected_committed`` per candidate,
+        ``policy_budget`` (how the draft nodes were spread over sequences,
+        ``BudgetSpread.stats``) and ``policy_remaining`` (the remaining-length memory,
+        ``RemainingLength.stats``)."""
         self.flush()
         d = super().stats()
         d["policy_latency_knee_tokens"] = self.latency.knee
@@ -290,4 +367,6 @@ class AutoPolicy(Policy):
         d["policy_expected_committed"] = {
             strategy_name(s): round(self.acceptance.expected_committed(s), 3)
             for s in self.candidates}
+        d["policy_budget"] = self.budget.stats()
+        d["policy_remaining"] = self.remaining.stats()
         return d

@@ -187,22 +187,32 @@ class TreeCutter:
         n-gram trees carry no scores and are never cut."""
         return [i for i, t in enumerate(trees) if t is not None and is_scored(t)]
 
-    def cut(self, seqs: list, trees: list, scored: list[int], bar: float) -> list:
+    def probabilities(self, seq, tree, rates: list[float] | None = None) -> list[float]:
+        """Calibrated acceptance probability of each node of the scored ``tree`` drafted for
+        ``seq`` (the map ``rates``, default ``calibrator.rate_per_bin()``, times the request's
+        factor, capped at 1): what ``cut`` compares with its bar."""
+        cal = self.calibrator
+        rates = cal.rate_per_bin().tolist() if rates is None else rates
+        factor = cal.request_factor(seq)
+        return [min(rates[bin_of(c)] * factor, 1.0) for c in confidence_list(tree)]
+
+    def cut(self, seqs: list, trees: list, scored: list[int], bar: float | list[float]) -> list:
         """``trees`` (one ``DraftTree | None`` per sequence of ``seqs``) with each tree of
-        ``scored`` (``scored(trees)``) cut to the nodes whose ``p >= bar``, except the one in
-        ``verify_whole_every`` left whole; a tree cut to nothing is None."""
+        ``scored`` (``scored(trees)``) cut to the nodes whose ``p >= bar`` (one bar for all, or
+        one per tree of ``trees``), except the one in ``verify_whole_every`` left whole; a tree
+        cut to nothing is None."""
         self.calls += 1
         if every := self.verify_whole_every:
             whole = [i for i in scored if (self.calls + i) % every == 0]
             self.nodes_seen += sum(trees[i].num_nodes for i in whole)
             scored = [i for i in scored if (self.calls + i) % every]
-        cal = self.calibrator
-        rates = cal.rate_per_bin().tolist()
+        rates = self.calibrator.rate_per_bin().tolist()
+        bars = bar if isinstance(bar, list) else None
         out = list(trees)
         for i in scored:
-            tree, factor = trees[i], cal.request_factor(seqs[i])
-            p = [min(rates[bin_of(c)] * factor, 1.0) for c in confidence_list(tree)]
-            out[i] = tree.subset(keep_worth(tree, p, bar))
+            tree = trees[i]
+            p = self.probabilities(seqs[i], tree, rates)
+            out[i] = tree.subset(keep_worth(tree, p, bar if bars is None else bars[i]))
             self.nodes_seen += tree.num_nodes
             self.nodes_cut += tree.num_nodes - (out[i].num_nodes if out[i] else 0)
         return out
