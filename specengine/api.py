@@ -157,7 +157,9 @@ class LLM:
         """Engine counters since start: requests, prompt/generated tokens, steps, prefill and
         decode time (seconds), preemptions, KV blocks (total and free), wall time in
         ``generate`` (seconds); with speculation, the policy's ``stats()`` (strategies run,
-        steps, predicted and observed tokens/s, decision time) and ``tau_per_weight_version``
+        steps, predicted and observed tokens/s, decision time; with ``auto`` also
+        ``policy_budget``, how draft nodes were spread over sequences, and
+        ``policy_remaining``, the remembered output lengths) and ``tau_per_weight_version``
         (target weight version -> tokens committed per verify step while it served: drift
         after a weight update shows here); with an EAGLE drafter (also inside a
         ``Harvester``), ``drafter_version`` and ``tau_per_version`` (drafter version -> tokens

@@ -284,28 +284,34 @@ def make(target_dir, spec=None):
                kv_cache_memory_bytes=8 << 20)
 
 
-def rollout(llm, prompts):
+def rollout(llm, prompts, temperature=0.0):
     """Two generate calls over the same prompts: short then long outputs for prompt 0 and
-    long for the others; greedy. Returns the second call's token ids."""
-    first = [SamplingParams(n=2, temperature=0, max_tokens=3 if i == 0 else 30,
+    long for the others (seeded when sampled). Returns the second call's token ids."""
+    first = [SamplingParams(n=2, temperature=temperature, seed=i, max_tokens=3 if i == 0 else 30,
                             ignore_eos=True) for i in range(len(prompts))]
     llm.generate(prompts, first, use_tqdm=False)
-    sp = SamplingParams(n=2, temperature=0, max_tokens=30, ignore_eos=True)
+    sp = [SamplingParams(n=2, temperature=temperature, seed=10 + i, max_tokens=30,
+                         ignore_eos=True) for i in range(len(prompts))]
     return [tuple(o.token_ids) for r in llm.generate(prompts, sp, use_tqdm=False)
             for o in r.outputs]
 
 
-def test_allocation_leaves_greedy_outputs_unchanged_and_learns_lengths(target_dir):
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_allocation_leaves_outputs_unchanged_and_learns_lengths(target_dir, temperature):
+    """Greedy, and seeded T = 1: the same tokens as plain decoding with the allocation on and
+    off; the finished lengths of both calls are remembered per prompt group."""
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 512, int(rng.integers(4, 20))).tolist() for _ in range(3)]
-    want = rollout(make(target_dir), prompts)
+    want = rollout(make(target_dir), prompts, temperature)
+    if temperature:
+        assert len(set(want)) == len(want)  # really sampled
     spec = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 3,
             "policy": "static"}
     for alpha in (1.0, 0.0):
         llm = make(target_dir, spec)
         pol = llm.engine.policy = ForcedAuto(Strategy(3, 2, 6), rate=150.0,
                                              length_weight=alpha)
-        assert rollout(llm, prompts) == want
+        assert rollout(llm, prompts, temperature) == want
         m = llm.get_metrics()
         assert m["kv_blocks_free"] == m["kv_blocks_total"] and m["spec_steps"] > 0
         # every finished sample was remembered, per prompt group, across the two calls
