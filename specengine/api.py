@@ -15,6 +15,7 @@ from specengine.engine import Engine
 from specengine.kv import kv_bytes_per_block
 from specengine.llm_args import parse_engine_args
 from specengine.memory import MemoryManager
+from specengine.migration import KVChunk, MigratedSequence, Migrator, SequenceInfo
 from specengine.models.registry import DEFAULT_MODEL
 from specengine.outputs import RequestOutput
 from specengine.sampling import SamplingParams
@@ -148,6 +149,7 @@ class LLM:
         self.memory = MemoryManager(self.engine, args.offload_dir)
         self.engine.ready_check = self.memory.check_ready
         self.weights = WeightUpdater(self.engine, self.memory)
+        self.migration = Migrator(self.engine)
 
     def get_tokenizer(self):
         """The transformers tokenizer of the model (None for a model without one)."""
@@ -168,7 +170,11 @@ class LLM:
         applying updates) and ``sleep_level`` (0 awake, else the deepest level slept); prefix
         caching: ``prefix_cache_hit_rate`` (hit / queried prompt tokens),
         ``prefix_cache_hit_tokens``, ``prefix_cache_queried_tokens``, ``prefix_cache_blocks``
-        (cached now; those nobody uses count in ``kv_blocks_free``, evicted on demand)."""
+        (cached now; those nobody uses count in ``kv_blocks_free``, evicted on demand);
+        migration (``specengine.migration.Migrator``): ``migration_stage1_seconds`` /
+        ``_bytes``, ``migration_stage2_seconds`` / ``_bytes``, ``migration_import_seconds`` /
+        ``_bytes``, ``migrated_out`` / ``migrated_in`` (with K/V), ``reprefilled_out`` /
+        ``reprefilled_in`` (as tokens)."""
         d = self.engine.metrics.as_dict()
         d.update(kv_blocks_total=self.engine.blocks.num_blocks,
                  kv_blocks_free=self.engine.blocks.num_free, generate_time=self._wall_time,
@@ -406,15 +412,85 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         self.memory.check_ready()
-        cap = self.engine_args.max_logprobs
         for i, p in enumerate(params):
-            if cap >= 0 and p.logprobs is not None and p.logprobs > cap:
-                raise ValueError(f"prompt {i}: logprobs={p.logprobs} is above max_logprobs="
-                                 f"{cap} (raise it with LLM(max_logprobs=...))")
+            self._check_logprobs(p, f"prompt {i}")
         tokenized = [self._to_token_ids(p, i) for i, p in enumerate(prompts)]
         for i, (_, ids) in enumerate(tokenized):
             self.engine.validate_prompt(ids, f"prompt {i}")
         return self._iter(tokenized, params, use_tqdm)
+
+    def _check_logprobs(self, p: SamplingParams, what: str) -> None:
+        cap = self.engine_args.max_logprobs
+        if cap >= 0 and p.logprobs is not None and p.logprobs > cap:
+            raise ValueError(f"{what}: logprobs={p.logprobs} is above max_logprobs="
+                             f"{cap} (raise it with LLM(max_logprobs=...))")
+
+    # ---- step by step, and samples moving between engines (specengine.migration) -----------
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue one prompt (any form ``generate`` takes) without running it; ``step``
+        advances it. Returns its request id (``request_id``, or a fresh one).
+
+        Raises:
+            ValueError: a bad prompt or params (as ``generate``), a ``request_id`` in use.
+            RuntimeError: the engine is asleep.
+        """
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        self.memory.check_ready()
+        self._check_logprobs(params, "prompt")
+        text, ids = self._to_token_ids(prompt, 0)
+        return self.engine.add_request(ids, params, prompt=text, request_id=request_id)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step (nothing when no request is unfinished); returns the requests that
+        finished. A request split across engines by migration comes back in parts, one per
+        engine, each with the samples that finished there (``migration.merge_outputs``)."""
+        if not self.engine.has_unfinished():
+            return []
+        t0 = time.perf_counter()
+        outs = self.engine.step()
+        self._wall_time += time.perf_counter() - t0
+        self.migration.observe(outs)
+        return outs
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether ``step`` has work (or finished requests to return)."""
+        return self.engine.has_unfinished()
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop an unfinished request (its KV blocks go back); False if unknown."""
+        return self.engine.abort_request(request_id)
+
+    def running_sequences(self) -> list[SequenceInfo]:
+        """Every unfinished sample with its predicted remaining work
+        (``Migrator.running_sequences``)."""
+        return self.migration.running_sequences()
+
+    def export_prefix(self, request_id: str, index: int) -> KVChunk:
+        """Migration stage one: a copy of sample ``index`` of ``request_id``'s full KV blocks;
+        it keeps decoding here (``Migrator.export_prefix``). Raises ValueError: no such
+        running sample."""
+        return self.migration.export_prefix(request_id, index)
+
+    def export_sequence(self, request_id: str, index: int, with_kv: bool = True
+                        ) -> MigratedSequence:
+        """Migration stage two: the sample leaves this engine with its state and the K/V
+        written since stage one (``with_kv=False``: tokens only, re-prefilled at the
+        destination); its blocks are released (``Migrator.export_sequence``). Raises
+        ValueError: no such unfinished sample."""
+        return self.migration.export_sequence(request_id, index, with_kv)
+
+    def import_sequence(self, state: MigratedSequence, prefix: KVChunk | None = None) -> str:
+        """Continue an exported sample here; ``"kv"`` or ``"reprefill"`` says how
+        (``Migrator.import_sequence``). Raises ValueError (incompatible payload) or
+        RuntimeError (no room)."""
+        self.memory.check_ready()
+        return self.migration.import_sequence(state, prefix)
+
+    def prefill_seconds(self, num_tokens: int) -> float:
+        """Predicted seconds of a prefill of ``num_tokens`` tokens on this engine (for
+        ``MigrationCost.choose``)."""
+        return self.migration.prefill_seconds(num_tokens)
 
     def _iter(self, tokenized, params: list[SamplingParams], use_tqdm: bool):
         t0 = time.perf_counter()

@@ -32,7 +32,7 @@ from specengine.outputs import RequestOutput, request_output
 from specengine.sampler import Sampler
 from specengine.sampling import SampleNoise, SamplingParams
 from specengine.scheduler import Scheduler
-from specengine.sequence import Request, Sequence
+from specengine.sequence import Request, Sequence, SequenceStatus
 from specengine.speculative.drafters.base import Drafter, prune_tree
 from specengine.speculative.policy import StaticPolicy
 from specengine.speculative.strategy import Strategy
@@ -82,6 +82,9 @@ class Engine:
         self._next_id = 0
         self.weight_version = 0  # stamped on outputs; weights.WeightUpdater advances it
         self.ready_check = None  # callable raising when requests cannot run (memory.py)
+        # finished requests not returned by a step yet: the last unfinished sample of a request
+        # left the engine (``detach``), the others had finished; the next ``step`` returns them
+        self.outputs_ready: list[RequestOutput] = []
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -90,14 +93,19 @@ class Engine:
 
         Raises:
             ValueError: empty prompt, prompt not shorter than ``max_model_len``, a token id
-                outside the vocabulary, or a stop string without a tokenizer.
+                outside the vocabulary, a stop string without a tokenizer, or a
+                ``request_id`` that an unfinished request already has.
             RuntimeError: from ``ready_check`` (the engine is asleep, see ``memory.py``).
         """
         if self.ready_check is not None:
             self.ready_check()
         if request_id is None:
+            while str(self._next_id) in self.requests:  # an id taken by a migrated request
+                self._next_id += 1
             request_id = str(self._next_id)
             self._next_id += 1
+        elif request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids, f"request {request_id}")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError(f"request {request_id}: stop strings need a tokenizer")
@@ -152,7 +160,60 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        """Whether a sample is waiting or running, or a finished request was not returned by
+        ``step`` yet (``outputs_ready``)."""
+        return self.scheduler.has_work() or bool(self.outputs_ready)
+
+    # ---- samples moving between engines (specengine.migration) ----------------------------
+    def detach(self, seq: Sequence) -> None:
+        """Take the unfinished sample ``seq`` out of this engine (it continues on another):
+        it leaves the running set or the waiting queue, its KV blocks go back to the pool (full
+        blocks stay in the prefix cache), its drafter state is dropped and it leaves its
+        request. A request left without samples is forgotten; one whose other samples have all
+        finished is queued in ``outputs_ready`` (the next ``step`` returns it).
+
+        Raises:
+            ValueError: ``seq`` is finished or not one of this engine's samples.
+        """
+        req = self.requests.get(seq.request_id)
+        if req is None or not any(s is seq for s in req.seqs) or seq.is_finished:
+            raise ValueError(f"sample {seq.request_id}#{seq.index} is not an unfinished "
+                             "sample of this engine")
+        waiting = self.scheduler.waiting
+        kept = [[s for s in g if s is not seq] for g in waiting]
+        waiting.clear()
+        waiting.extend(g for g in kept if g)
+        self._release(seq)
+        req.seqs = [s for s in req.seqs if s is not seq]
+        if not req.seqs:
+            del self.requests[req.request_id]
+        elif all(s.is_finished for s in req.seqs):
+            self.outputs_ready.append(self._request_output(req, now=time.perf_counter()))
+
+    def attach(self, seq: Sequence, req: Request) -> None:
+        """Add the sample ``seq`` that arrived from another engine to request ``req`` (this
+        engine's request of that id, or a new ``Request`` holding only arriving samples, made
+        known here). A ``seq`` with ``num_cached`` > 0 holds its KV blocks already (written by
+        the caller) and joins the running set: the next step decodes it; else it is queued
+        for a prefill of all its tokens (as a preempted sample is).
+
+        Raises:
+            ValueError: ``req`` already has a sample of ``seq.index``, or another request of
+                this engine has ``req``'s id.
+        """
+        known = self.requests.get(req.request_id)
+        if known is not None and known is not req:
+            raise ValueError(f"request_id {req.request_id!r} is in use by another request")
+        if any(s.index == seq.index for s in req.seqs):
+            raise ValueError(f"request {req.request_id!r} already has sample {seq.index}")
+        self.requests[req.request_id] = req
+        req.seqs = sorted([*req.seqs, seq], key=lambda s: s.index)
+        if seq.num_cached > 0:
+            seq.status = SequenceStatus.RUNNING
+            self.scheduler.running.append(seq)
+        else:
+            seq.status = SequenceStatus.WAITING
+            self.scheduler.add([seq])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached KV block (vLLM's ``reset_prefix_cache``). Returns False, and
@@ -168,8 +229,12 @@ class Engine:
 
         schedule -> draft -> one target forward -> sample / verify -> commit (KV commit, the
         drafter observes the committed positions, then the tokens are appended one at a time
-        with the stop rules) -> account (counters, the policy's StepRecord).
+        with the stop rules) -> account (counters, the policy's StepRecord). Requests in
+        ``outputs_ready`` come first; with nothing waiting or running, only they come back.
         """
+        ready, self.outputs_ready = self.outputs_ready, []
+        if not self.scheduler.has_work():
+            return ready
         strategy, entries = self._schedule()
         rows = self._max_forward_tokens(entries, strategy)
         with kernels.kernel_threads(kernels.packed_covers(rows)):
@@ -185,7 +250,7 @@ class Engine:
             times.mark("sampled")
             num_appended, finished = self._append(layout, commits, now=times.sampled)
             self._account(layout, commits, strategy, times, num_proposed, num_appended)
-            return [self._request_output(req, now=times.sampled) for req in finished]
+            return ready + [self._request_output(req, now=times.sampled) for req in finished]
 
     def _schedule(self) -> tuple[Strategy | None, list[BatchEntry]]:
         """The policy's strategy for this step (None without a drafter, or to decode plainly)

@@ -37,6 +37,28 @@ class ModelRunner:
         """Copy block ``src``'s K/V into block ``dst`` in every layer (copy-on-write)."""
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
+    def read_kv(self, slots: list[int]) -> torch.Tensor:
+        """K/V at flat cache ``slots`` (``block * block_size + offset``) in every layer, as a
+        CPU copy ``[layers, 2, len(slots), kv_heads, head_dim]`` in the cache's dtype."""
+        flat = self.kv_cache.view(self.kv_cache.shape[0], 2, -1, *self.kv_cache.shape[4:])
+        idx = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        return flat[:, :, idx].cpu()
+
+    def write_kv(self, slots: list[int], kv: torch.Tensor) -> None:
+        """Store ``kv`` ``[layers, 2, len(slots), kv_heads, head_dim]`` (``read_kv``'s layout,
+        any device) at flat cache ``slots``.
+
+        Raises:
+            ValueError: ``kv``'s shape or dtype differs from the cache's.
+        """
+        c = self.kv_cache
+        want = (c.shape[0], 2, len(slots), *c.shape[4:])
+        if tuple(kv.shape) != want or kv.dtype != c.dtype:
+            raise ValueError(f"KV of shape {tuple(kv.shape)} {kv.dtype} does not fit this "
+                             f"cache: expected {want} {c.dtype}")
+        flat = c.view(c.shape[0], 2, -1, *c.shape[4:])
+        flat[:, :, torch.tensor(slots, dtype=torch.int64, device=self.device)] = kv.to(self.device)
+
     def prepare(self, entries: list[BatchEntry], blocks: BlockManager):
         """Flat inputs for ``entries``.
 

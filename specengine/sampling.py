@@ -184,6 +184,21 @@ class SampleNoise:
         self.key = hash((seed, sample_index)) & ((1 << 62) - 1)
         self._cache: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
 
+    @classmethod
+    def from_key(cls, key: int) -> SampleNoise:
+        """The stream of ``key`` (another stream's ``key``: a sample moved to another engine
+        draws the same noise at every position).
+
+        Raises:
+            ValueError: ``key`` not an int in ``[0, 2**62)``.
+        """
+        if not isinstance(key, int) or isinstance(key, bool) or not 0 <= key < 1 << 62:
+            raise ValueError(f"SampleNoise key={key!r}: must be an int in [0, 2**62)")
+        noise = cls.__new__(cls)
+        noise.key = key
+        noise._cache = OrderedDict()
+        return noise
+
     def __call__(self, position: int, vocab: int) -> torch.Tensor:
         """``[vocab]`` float32 noise of output position ``position`` (0 = first output token);
         shared with the cache, so callers must not modify it."""

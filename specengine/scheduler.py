@@ -103,6 +103,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft([seq])
         self.num_preemptions += 1
+        seq.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished sequence and free its blocks."""

@@ -52,6 +52,7 @@ class Sequence:
         self.num_cached = 0
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0
+        self.num_preemptions = 0  # times the scheduler freed its KV for recomputation
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.text = ""

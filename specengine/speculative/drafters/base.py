@@ -37,6 +37,13 @@ class Drafter:
     def release(self, seq: Sequence) -> None:
         """``seq`` finished: drop any state kept for it."""
 
+    def features(self, seq: Sequence) -> torch.Tensor | None:
+        """The target features this drafter has observed for ``seq``, ``[n, hidden_size]``
+        for positions ``0 .. n-1`` (a view; EAGLE keeps them), or None if it keeps none. A
+        sample moved to another engine takes them along (``specengine.migration``); that
+        engine's drafter gets them through ``observe(seq, 0, features)``."""
+        return None
+
 
 def prune_tree(tree: DraftTree | None, max_depth: int, max_nodes: int) -> DraftTree | None:
     """``tree`` without nodes deeper than ``max_depth`` and with at most ``max_nodes`` nodes

@@ -102,6 +102,15 @@ class Harvester(Drafter):
         if self.inner is not None and self.inner.wants_hidden:
             self.inner.observe(seq, start, hidden)
 
+    def features(self, seq: Sequence) -> torch.Tensor | None:
+        inner = self.inner.features(seq) if self.inner is not None else None
+        if inner is not None:
+            return inner
+        parts = self.feats.get(seq.seq_id)
+        if not parts or parts[0][0] != 0:
+            return None
+        return torch.cat([h for _, h in parts])
+
     def release(self, seq: Sequence) -> None:
         parts = self.feats.pop(seq.seq_id, None)
         if parts:

@@ -116,6 +116,10 @@ class EagleDrafter(Drafter):
                 "tau_per_version": {v: round(c[1] / c[0], 3)
                                     for v, c in self.per_version.items() if c[0]}}
 
+    def features(self, seq: Sequence) -> torch.Tensor | None:
+        st = self.states.get(seq.seq_id)
+        return st.feats[:st.num_feats] if st is not None else None
+
     def release(self, seq: Sequence) -> None:
         st = self.states.pop(seq.seq_id, None)
         self._drafted.pop(seq.seq_id, None)
