@@ -429,7 +429,9 @@ class LLM:
     def add_request(self, prompt, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue one prompt (any form ``generate`` takes) without running it; ``step``
-        advances it. Returns its request id (``request_id``, or a fresh one).
+        advances it. Returns its request id (``request_id``, or a fresh one). Step such
+        requests to their end before calling ``generate``, which steps (and at its end aborts)
+        every unfinished request of the engine.
 
         Raises:
             ValueError: a bad prompt or params (as ``generate``), a ``request_id`` in use.

@@ -183,7 +183,9 @@ class Engine:
         kept = [[s for s in g if s is not seq] for g in waiting]
         waiting.clear()
         waiting.extend(g for g in kept if g)
-        self._release(seq)
+        self.scheduler.finish(seq)
+        if self.drafter is not None:
+            self.drafter.discard(seq)
         req.seqs = [s for s in req.seqs if s is not seq]
         if not req.seqs:
             del self.requests[req.request_id]

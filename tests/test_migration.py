@@ -330,3 +330,109 @@ def test_kv_chunk_shape_must_fit(target_dir, tmp_path):
     assert wide.engine.blocks.num_free == wide.engine.blocks.num_blocks
     assert torch.equal(state.tail.kv, state.tail.kv)  # a plain CPU tensor
     assert state.tail.kv.device.type == "cpu"
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_eagle_features_move_with_the_kv(target_dir, plain, caching):
+    """The target features the EAGLE drafter read arrive at the destination's drafter (and its
+    per-block features, with prefix caching), from the block features or the drafter's own."""
+    prompts, params = workload()
+    want = expected(plain, prompts, params)
+    src = make(target_dir, "eagle", enable_prefix_caching=caching)
+    dst = make(target_dir, "eagle", enable_prefix_caching=caching)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        src.add_request(p, sp, request_id=f"r{i}")
+    for _ in range(3):
+        src.step()
+    seq = src.engine.requests["r3"].seqs[1]
+    feats = src.engine.drafter.features(seq).clone()
+    assert feats.shape[0] == seq.num_cached
+    prefix = roundtrip(src.export_prefix("r3", 1))
+    src.step()
+    feats = torch.cat([feats, src.engine.drafter.features(seq)[feats.shape[0]:]])
+    state = roundtrip(src.export_sequence("r3", 1))
+    assert state.tail.features is not None and prefix.features is not None
+    assert dst.import_sequence(state, prefix) == "kv"
+    moved = dst.engine.requests["r3"].seqs[0]
+    assert torch.equal(dst.engine.drafter.features(moved), feats)
+    bf = dst.engine.blocks.features
+    assert (bf is not None) == caching
+    if caching:
+        assert torch.equal(bf.read(dst.engine.blocks.slots(moved, 0, moved.num_cached)), feats)
+    got = {}
+    while src.has_unfinished_requests() or dst.has_unfinished_requests():
+        for out in src.step() + dst.step():
+            got.update({(out.request_id, o.index): o for o in out.outputs})
+    same(got, want)
+    assert dst.get_metrics()["spec_steps"] > 0
+    at_baseline(src, dst)
+
+
+def test_drafter_without_features_gets_a_reprefill(target_dir, plain):
+    """A sample sent with K/V but no target features (the source kept none) cannot be drafted
+    for by an EAGLE destination: it is re-prefilled there instead, output unchanged."""
+    prompts, params = workload()
+    want = expected(plain, prompts, params)
+    src, dst = make(target_dir, enable_prefix_caching=False), make(target_dir, "eagle")
+    got, moved = drive(src, dst, prompts, params, lambda i: i.num_output_tokens >= 3)
+    same(got, want)
+    assert set(moved.values()) == {"reprefill"} and len(moved) == 6
+    assert dst.get_metrics()["reprefilled_in"] == 6
+    at_baseline(src, dst)
+
+
+def test_prefill_seconds_use_the_policys_latency_model(target_dir):
+    class Latency:
+        num_forward = 3
+
+        def forward_time(self, tokens, context, num_seqs):
+            return 0.5 + 0.01 * tokens + context + num_seqs
+
+    llm = make(target_dir)
+    llm.engine.policy.latency = Latency()
+    assert llm.prefill_seconds(100) == pytest.approx(2.5)
+
+
+def test_text_and_stop_strings_move(tiny_llama_tok_dir):
+    """Detokenized text and the stop-string check continue on the destination: the moved
+    sample stops at the same string with the same text."""
+    def mk():
+        return LLM(str(tiny_llama_tok_dir), dtype="float32", block_size=8,
+                   kv_cache_memory_bytes=16 << 20)
+
+    plain, src, dst = mk(), mk(), mk()
+    free = plain.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=24,
+                                                          ignore_eos=True), use_tqdm=False)
+    tok = plain.get_tokenizer()
+    stop = tok.decode(free[0].outputs[0].token_ids[10:12]).strip() or "e"
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
+    want = {("r0", 0): plain.generate(["Hello there"], sp, use_tqdm=False)[0].outputs[0]}
+    assert want[("r0", 0)].finish_reason == "stop" and want[("r0", 0)].stop_reason == stop
+    got, moved = drive(src, dst, ["Hello there"], [sp], lambda i: i.num_output_tokens >= 2,
+                       lead=1)
+    assert moved == {("r0", 0): "kv"}
+    same(got, want)
+    assert got[("r0", 0)].stop_reason == stop
+    at_baseline(src, dst)
+
+
+def test_harvested_features_follow_the_sample(target_dir):
+    """A ``Harvester`` on the destination gets the moved sample's whole feature history: its
+    rollout equals the one harvested from an unmoved run."""
+    from specengine.speculative.training.harvest import HiddenBuffer, harvest
+
+    prompt, sp = list(range(3, 30)), SamplingParams(temperature=0, max_tokens=12,
+                                                    ignore_eos=True)
+    ref = make(target_dir)
+    harvest(ref, want := HiddenBuffer())
+    ref.generate([prompt], sp, use_tqdm=False)
+    src, dst = make(target_dir), make(target_dir)
+    harvest(src, left := HiddenBuffer())
+    harvest(dst, got := HiddenBuffer())
+    _, moved = drive(src, dst, [prompt], [sp], lambda i: i.num_output_tokens >= 4, lead=1)
+    assert moved == {("r0", 0): "kv"}
+    assert len(left) == 0  # the source harvests no truncated rollout of it
+    (r,), (w,) = got.snapshot(), want.snapshot()
+    assert r.token_ids == w.token_ids
+    assert r.hidden.shape == w.hidden.shape and torch.allclose(r.hidden, w.hidden, atol=1e-5)
+    at_baseline(src, dst)

@@ -37,6 +37,11 @@ class Drafter:
     def release(self, seq: Sequence) -> None:
         """``seq`` finished: drop any state kept for it."""
 
+    def discard(self, seq: Sequence) -> None:
+        """``seq`` left this engine unfinished (it continues on another): drop its state
+        without treating it as finished (default: ``release``)."""
+        self.release(seq)
+
     def features(self, seq: Sequence) -> torch.Tensor | None:
         """The target features this drafter has observed for ``seq``, ``[n, hidden_size]``
         for positions ``0 .. n-1`` (a view; EAGLE keeps them), or None if it keeps none. A

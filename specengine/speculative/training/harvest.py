@@ -111,6 +111,12 @@ class Harvester(Drafter):
             return None
         return torch.cat([h for _, h in parts])
 
+    def discard(self, seq: Sequence) -> None:
+        """``seq`` moved to another engine: its features go with it, not into the buffer."""
+        self.feats.pop(seq.seq_id, None)
+        if self.inner is not None:
+            self.inner.discard(seq)
+
     def release(self, seq: Sequence) -> None:
         parts = self.feats.pop(seq.seq_id, None)
         if parts:
