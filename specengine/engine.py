@@ -168,8 +168,9 @@ class Engine:
     def detach(self, seq: Sequence) -> None:
         """Take the unfinished sample ``seq`` out of this engine (it continues on another):
         it leaves the running set or the waiting queue, its KV blocks go back to the pool (full
-        blocks stay in the prefix cache), its drafter state is dropped and it leaves its
-        request. A request left without samples is forgotten; one whose other samples have all
+        blocks stay in the prefix cache), its drafter state is dropped (``Drafter.discard``),
+        the policy is told (``Policy.finished``; ``finish_reason`` stays None) and it leaves
+        its request. A request left without samples is forgotten; one whose other samples have all
         finished is queued in ``outputs_ready`` (the next ``step`` returns it).
 
         Raises:
@@ -186,6 +187,7 @@ class Engine:
         self.scheduler.finish(seq)
         if self.drafter is not None:
             self.drafter.discard(seq)
+        self.policy.finished(seq)  # no finish_reason: no output length is learnt from it
         req.seqs = [s for s in req.seqs if s is not seq]
         if not req.seqs:
             del self.requests[req.request_id]

@@ -39,7 +39,6 @@ A source whose remaining samples had all finished returns its part at its next `
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +47,7 @@ from specengine.kv.block_manager import cdiv
 from specengine.outputs import RequestOutput
 from specengine.sampling import SampleNoise, SamplingParams
 from specengine.sequence import Request, Sequence, SequenceStatus
+from specengine.speculative.policy.remaining import FINISHED, RemainingLength
 
 STATS = ("num_forwards", "num_spec_steps", "num_drafted", "num_accepted", "accepted_per_depth",
          "calib_accepted", "calib_predicted")  # per-sample statistics that move along
@@ -116,7 +116,8 @@ class SequenceInfo:
         num_prompt_tokens, num_output_tokens, max_tokens: tokens.
         num_cached: positions whose K/V a KV transfer moves.
         kv_bytes: bytes a KV transfer moves (both stages, features included).
-        predicted_remaining_tokens: ``predict_remaining``.
+        predicted_remaining_tokens: expected output tokens still to come
+            (``Migrator.predict_remaining``).
         acceptance_length: tokens committed per step so far (tau; 1.0 without speculation),
             so remaining steps ~ ``predicted_remaining_tokens / acceptance_length``.
     """
@@ -169,18 +170,6 @@ class MigrationCost:
         return "kv" if self.transfer_seconds(kv_bytes) <= prefill_seconds else "reprefill"
 
 
-def predict_remaining(seq: Sequence, finished_lengths: list[int], cap: int) -> float:
-    """Expected tokens ``seq`` still generates: the mean of ``finished_lengths`` (output
-    lengths of its finished siblings, else of recent finished samples) that exceed its output
-    so far, minus that output; ``cap`` (at most what it may still generate) when none does,
-    i.e. it is in the long tail."""
-    n = seq.num_output_tokens
-    longer = [x for x in finished_lengths if x > n]
-    if not longer:
-        return float(cap)
-    return float(min(cap, sum(longer) / len(longer) - n))
-
-
 def merge_outputs(parts: list[RequestOutput]) -> RequestOutput:
     """One ``RequestOutput`` from the parts of a request split across engines: outputs in
     sample index order; metrics: token and step counters summed, ``arrival_time`` /
@@ -220,7 +209,8 @@ class Migrator:
     Args:
         engine: the engine.
         clock: seconds (``time.perf_counter``); the migration metrics' time source.
-        history: finished output lengths kept for ``predict_remaining``.
+        remaining: output lengths learnt from finished requests (``observe``), for
+            ``predict_remaining`` when the engine's policy keeps none (default: a new one).
 
     Metrics (in ``engine.metrics.extra``, so in ``LLM.get_metrics()``):
     ``migration_stage1_seconds`` / ``_bytes`` (exports of stage one), ``migration_stage2_
@@ -229,10 +219,11 @@ class Migrator:
     / ``reprefilled_in`` (samples moved as tokens).
     """
 
-    def __init__(self, engine, clock=time.perf_counter, history: int = 256):
+    def __init__(self, engine, clock=time.perf_counter,
+                 remaining: RemainingLength | None = None):
         self.engine = engine
         self.clock = clock
-        self.finished_lengths: deque[int] = deque(maxlen=history)
+        self.remaining = remaining or RemainingLength()
         self._staged: dict[tuple[str, int], tuple[int, int, int]] = {}
         for key in ("migration_stage1_seconds", "migration_stage1_bytes",
                     "migration_stage2_seconds", "migration_stage2_bytes",
@@ -247,9 +238,31 @@ class Migrator:
 
     # ---- what is running -------------------------------------------------------------------
     def observe(self, outputs: list[RequestOutput]) -> None:
-        """Remember the output lengths of finished requests (``predict_remaining``'s history)."""
+        """Learn the output lengths of finished requests (``predict_remaining``), per prompt
+        group; aborted samples do not count."""
         for out in outputs:
-            self.finished_lengths.extend(len(o.token_ids) for o in out.outputs)
+            key = RemainingLength.group_key(out.prompt_token_ids)
+            for o in out.outputs:
+                if o.finish_reason in FINISHED:
+                    self.remaining.add(key, len(o.token_ids))
+
+    def predict_remaining(self, seq: Sequence) -> float:
+        """Expected output tokens ``seq`` still generates: ``E[L - c | L > c]`` over its
+        prompt group's finished lengths with the lengths of all groups as prior
+        (``RemainingLength``: Seer arXiv 2511.14617 predicts from finished siblings), from the
+        engine policy's record when it keeps one (``AutoPolicy``, which sees every finished
+        sample), else from ``observe``'s; with nothing learnt yet, all it may still generate
+        (long-tail pessimism). At most its room (``max_tokens``, ``max_model_len``)."""
+        c = seq.num_output_tokens
+        room = max(1, min(seq.params.max_tokens - c,
+                          self.engine.config.max_model_len - len(seq)))
+        policy = getattr(self.engine.policy, "remaining", None)
+        if isinstance(policy, RemainingLength) and policy.prior.recent:
+            e = policy.expected(seq)
+        else:
+            e = self.remaining.estimate(RemainingLength.group_key(seq.prompt_token_ids), c,
+                                        room)
+        return float(room) if e is None else min(float(room), e)
 
     def kv_bytes(self, num_tokens: int) -> int:
         """Bytes a KV transfer moves for ``num_tokens`` positions (K/V of every layer, plus the
@@ -267,10 +280,6 @@ class Migrator:
         seqs = list(eng.scheduler.running) + [s for g in eng.scheduler.waiting for s in g]
         out = []
         for s in seqs:
-            req = eng.requests.get(s.request_id)
-            sib = [x.num_output_tokens for x in req.seqs if x.is_finished] if req else []
-            cap = min(s.params.max_tokens - s.num_output_tokens,
-                      eng.config.max_model_len - len(s))
             steps = s.num_spec_steps
             tau = (s.num_accepted + steps) / steps if steps else 1.0
             running = s.status == SequenceStatus.RUNNING
@@ -278,7 +287,7 @@ class Migrator:
                 s.request_id, s.index, running, s.num_prompt_tokens, s.num_output_tokens,
                 s.params.max_tokens, s.num_cached if running else 0,
                 self.kv_bytes(s.num_cached) if running else 0,
-                predict_remaining(s, sib or list(self.finished_lengths), cap), tau))
+                self.predict_remaining(s), tau))
         return out
 
     def prefill_seconds(self, num_tokens: int) -> float:

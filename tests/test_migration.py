@@ -9,7 +9,7 @@ import torch
 from helpers import rand_prompts
 
 from specengine import LLM, SamplingParams
-from specengine.migration import MigrationCost, merge_outputs, predict_remaining
+from specengine.migration import MigrationCost, merge_outputs
 from specengine.models.loader import save_random_model
 from specengine.sequence import SequenceStatus
 
@@ -264,7 +264,7 @@ def test_metrics_with_an_injected_clock(target_dir):
     at_baseline(src, dst)
 
 
-def test_cost_rule_and_prediction():
+def test_cost_rule():
     cost = MigrationCost(bandwidth=1e6, latency=0.01)
     assert cost.transfer_seconds(1e6) == pytest.approx(1.02)
     assert cost.choose(1_000_000, prefill_seconds=2.0) == "kv"
@@ -272,11 +272,34 @@ def test_cost_rule_and_prediction():
     with pytest.raises(ValueError, match="bandwidth"):
         MigrationCost(bandwidth=0)
 
-    class S:
-        num_output_tokens = 10
-    assert predict_remaining(S(), [4, 20, 30], cap=100) == 15.0
-    assert predict_remaining(S(), [4, 8], cap=100) == 100.0
-    assert predict_remaining(S(), [500], cap=50) == 50.0
+
+def test_predicted_remaining_learns_from_finished_siblings(target_dir):
+    """Without a policy record: all the room until a length is learnt, then the group's
+    E[L - c | L > c] from the requests finished by ``step`` (c itself once it outlived them)."""
+    llm = make(target_dir)
+    llm.add_request([1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=20,
+                                                 ignore_eos=True), request_id="b")
+    llm.step()
+    (info,) = llm.running_sequences()
+    assert info.predicted_remaining_tokens == 19 and info.acceptance_length == 1.0
+    llm.abort_request("b")  # aborted: no length learnt
+    llm.add_request([1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=12,
+                                                 ignore_eos=True), request_id="c")
+    while llm.has_unfinished_requests():
+        llm.step()
+    llm.add_request([1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=20,
+                                                 ignore_eos=True), request_id="a")
+    llm.step()
+    llm.step()
+    (info,) = llm.running_sequences()
+    assert info.num_output_tokens == 2 and info.predicted_remaining_tokens == 10
+    for _ in range(12):
+        llm.step()
+    (info,) = llm.running_sequences()
+    assert info.num_output_tokens == 14 and info.predicted_remaining_tokens == 6  # the room
+    while llm.has_unfinished_requests():
+        llm.step()
+    at_baseline(llm)
 
 
 def test_prefill_seconds_follow_measured_rate(target_dir):
