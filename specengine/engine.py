@@ -134,13 +134,15 @@ class Engine:
             raise ValueError(f"{what}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
     def abort_all(self) -> None:
-        """Drop every unfinished request and return its KV blocks to the pool."""
+        """Drop every unfinished request and return its KV blocks to the pool (and any finished
+        request ``step`` has not returned yet)."""
         for req in self.requests.values():
             for s in req.seqs:
                 if not s.is_finished:
                     self._release(s)
         self.scheduler.waiting.clear()
         self.requests.clear()
+        self.outputs_ready.clear()
 
     def abort_request(self, request_id: str) -> bool:
         """Drop one unfinished request (all its samples, running or waiting) and return its KV

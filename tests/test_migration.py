@@ -351,8 +351,11 @@ def test_kv_chunk_shape_must_fit(target_dir, tmp_path):
     with pytest.raises(ValueError, match="does not fit"):
         wide.import_sequence(state)
     assert wide.engine.blocks.num_free == wide.engine.blocks.num_blocks
-    assert torch.equal(state.tail.kv, state.tail.kv)  # a plain CPU tensor
     assert state.tail.kv.device.type == "cpu"
+    assert src.import_sequence(state) == "kv"  # it fits the engine it came from
+    while src.has_unfinished_requests():
+        src.step()
+    at_baseline(src, wide)
 
 
 @pytest.mark.parametrize("caching", [True, False])
