@@ -1,0 +1,26 @@
+"""``PoolController``: the hooks a rollout pool calls while a ``generate`` runs.
+
+The pool's dispatch loop reports each event here (requests placed on an actor, a request
+finished, an actor died). The base class does nothing. This is where a migration controller
+plugs in (issue 17 item 2, RLHFSpec): it would track, from ``on_output``'s ``num_left``, which
+actors ran dry while others still hold many sequences, and move sequences between them with the
+engines' KV export/import. ``RolloutPool(controller=...)`` takes one; hooks run on the thread
+that called ``generate``, between events, so a hook may call the pool's actors (``pool.actors``)
+but must not call ``pool.generate``.
+"""
+
+from __future__ import annotations
+
+
+class PoolController:
+    """No-op hooks of ``RolloutPool.generate`` (subclass and override)."""
+
+    def on_dispatch(self, pool, actor_id: int, indices: list[int]) -> None:
+        """Requests ``indices`` (input positions) were sent to actor ``actor_id``."""
+
+    def on_output(self, pool, actor_id: int, index: int, num_left: int) -> None:
+        """Request ``index`` finished on ``actor_id``; ``num_left`` of the requests sent with
+        it to that actor are unfinished."""
+
+    def on_actor_dead(self, pool, actor_id: int, error: Exception, rerun: list[int]) -> None:
+        """Actor ``actor_id`` died (``error``); requests ``rerun`` go to other actors."""
