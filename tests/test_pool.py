@@ -31,7 +31,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=5, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -174,45 +174,6 @@ def test_weight_updates_broadcast_once(pool, dirs, sds, monkeypatch):
     assert samples(pool.generate(PROMPTS, greedy)) == want_a
 
 
-class KillFirst(PoolController):
-    """Kills the actor of the first finished request while it still has work."""
-
-    def __init__(self):
-        self.killed, self.reruns = None, []
-
-    def on_output(self, pool, actor_id, index, num_left):
-        if self.killed is None and num_left > 0:
-            self.killed = actor_id
-            ray.kill(pool.actors[actor_id], no_restart=True)
-
-    def on_actor_dead(self, pool, actor_id, error, rerun):
-        self.reruns.append((actor_id, rerun))
-
-
-def test_killed_actor_loses_nothing(local_ray, dirs):
-    ctl = KillFirst()
-    pool = RolloutPool(str(dirs[0]), 2, seed=5, controller=ctl, **KW)
-    ref = LLM(str(dirs[0]), seed=5, **KW)
-    prompts = [[7, 8, 9, 10], [11, 12], [13, 14, 15], [16], [17, 18, 19], [20, 21]]
-    params = [SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True)
-              for m in (200, 200, 8, 8, 3, 3)]
-    try:
-        got = pool.generate(prompts, params)
-        assert samples(got) == samples(ref.generate(prompts, params, use_tqdm=False))
-        assert ctl.killed is not None and [a for a, _ in ctl.reruns] == [ctl.killed]
-        m = pool.get_metrics()
-        assert m["num_actors"] == 1 and m["num_actors_dead"] == 1
-        assert m["num_requests_rerun"] == len(ctl.reruns[0][1]) >= 1
-        # the re-run requests are the killed actor's unfinished ones, run once more: all
-        # outputs came back exactly once (samples equal, in order, one per prompt)
-        assert len(got) == len(prompts)
-        ray.kill(pool.actors[pool.alive[0]], no_restart=True)
-        with pytest.raises(RuntimeError, match="no actor is left"):
-            pool.generate(prompts[:2], params[:2])
-    finally:
-        pool.shutdown()
-
-
 def vllm_params(**kw):
     """Stands in for ``vllm.SamplingParams`` as OpenRLHF's trainer builds it (attributes with
     vLLM's names; a SimpleNamespace so the actor can unpickle it)."""
@@ -277,3 +238,44 @@ def test_openrlhf_replay(local_ray, dirs, sds):
     with pytest.raises(ray.exceptions.RayTaskError, match="use_ray=True"):
         ray.get(actor.init_process_group.remote("127.0.0.1", port, 1, 2, "g", "gloo", True))
     ray.kill(actor)
+
+
+class KillFirst(PoolController):
+    """Kills the actor of the first finished request while it still has work."""
+
+    def __init__(self):
+        self.killed, self.reruns = None, []
+
+    def on_output(self, pool, actor_id, index, num_left):
+        if self.killed is None and num_left > 0:
+            self.killed = actor_id
+            ray.kill(pool.actors[actor_id], no_restart=True)
+
+    def on_actor_dead(self, pool, actor_id, error, rerun):
+        self.reruns.append((actor_id, rerun))
+
+
+def test_killed_actor_loses_nothing(pool, dirs):
+    """Last in the module: it kills the pool's actors. The pool serves model a (as built, and
+    as the weight test leaves it)."""
+    ctl = pool.controller = KillFirst()
+    ref = LLM(str(dirs[0]), **KW)
+    ref.engine.seed_rng.set_state(pool.seeds.state())
+    prompts = [[7, 8, 9, 10], [11, 12], [13, 14, 15], [16], [17, 18, 19], [20, 21]]
+    params = [SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True)
+              for m in (200, 200, 8, 8, 3, 3)]
+    try:
+        got = pool.generate(prompts, params)  # the killed actor's requests run again
+        assert samples(got) == samples(ref.generate(prompts, params, use_tqdm=False))
+        assert ctl.killed is not None and [a for a, _ in ctl.reruns] == [ctl.killed]
+        m = pool.get_metrics()
+        assert m["num_actors"] == 1 and m["num_actors_dead"] == 1
+        assert m["num_requests_rerun"] == len(ctl.reruns[0][1]) >= 1
+        # the re-run requests are the killed actor's unfinished ones, run once more: all
+        # outputs came back exactly once (samples equal, in order, one per prompt)
+        assert len(got) == len(prompts)
+        ray.kill(pool.actors[pool.alive[0]], no_restart=True)
+        with pytest.raises(RuntimeError, match="no actor is left"):
+            pool.generate(prompts[:2], params[:2])
+    finally:
+        pool.controller = PoolController()
