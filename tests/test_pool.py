@@ -125,6 +125,7 @@ def test_pool_outputs_equal_one_engine(pool, dirs):
     where = {i: a for a, idx in rec.dispatched.items() for i in idx}
     for i, j in ((0, 3), (1, 5)):
         assert where[i] == where[j]
+    assert [ray.get(a.info.remote())["num_threads"] for a in pool.actors.values()] == [1, 1]
     metrics = pool.get_metrics()["actors"]
     assert metrics[0]["requests"] > 0 and metrics[1]["spec_steps"] > 0  # n-gram on actor 1
     assert metrics[0]["spec_steps"] == 0 and "policy" not in metrics[0]
