@@ -7,6 +7,14 @@ predicted work (``balance.assign``), streams each actor's finished requests back
 them in input order. With the same seeds, a pool samples what one engine samples (every request
 carries its seed; sampling noise is keyed by (seed, sample, position), see ``sampling.py``).
 
+What is guaranteed: ``RolloutPool(seed=s)`` fed a sequence of ``generate`` calls returns the
+samples (token ids, logprobs, finish reasons) and request ids that one ``LLM(seed=s)`` returns for
+the same calls, with any number of actors, any placement, any speculative configs, and after an
+actor death; as for one engine, this holds while the target's logits come out bit for bit the same
+(a preempted sequence recomputed by a prefill, or a bfloat16 tie, can part a sample, see the
+README). A call refused with ValueError draws no seeds, as with one ``LLM``. Timing metrics and
+``generate_time`` differ.
+
 Faults: when an actor dies mid-rollout (``ray.exceptions.RayActorError``), the requests it had not
 returned are placed again on the actors left (same params, so the same seeds and samples); what
 it returned is kept, so nothing is lost or returned twice. A dead actor is not replaced. With no
