@@ -149,7 +149,7 @@ def test_weight_updates_broadcast_once(pool, dirs, sds, monkeypatch):
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
     versions = [m["weight_version"] for m in pool.get_metrics()["actors"].values()]
 
-    pool.update_weights(sds[1])
+    pool.update_weights((k, torch.nn.Parameter(v)) for k, v in sds[1].items())  # a trainer's
     assert len(puts) == 1
     seen = [ray.get(a.received_objects.remote())[-1] for a in pool.actors.values()]
     assert len(set(seen)) == 1  # both actors fetched the same stored object

@@ -37,6 +37,7 @@ import threading
 from collections.abc import Iterable, Mapping
 
 import ray
+import torch
 from ray.exceptions import RayActorError
 
 from specengine.distributed.balance import WorkModel, assign, group_requests
@@ -215,6 +216,13 @@ class RolloutPool:
         self.num_objects_put += 1
         return [ray.put(obj)]
 
+    @staticmethod
+    def _payload(weights: Mapping | Iterable) -> list:
+        """``(name, tensor)`` pairs, tensors detached (an ``nn.Parameter`` pickles with its
+        autograd flag; the engine needs the values only). No copy is made here."""
+        pairs = weights.items() if isinstance(weights, Mapping) else weights
+        return [(name, t.detach() if isinstance(t, torch.Tensor) else t) for name, t in pairs]
+
     def update_weights(self, weights: Mapping | Iterable) -> list[str]:
         """``LLM.update_weights`` on every actor; the tensors are put in the object store once.
         Returns the names applied (by the first actor; all apply the same).
@@ -222,8 +230,7 @@ class RolloutPool:
         Raises:
             ValueError / TypeError / RuntimeError: as ``LLM.update_weights`` (from the actors).
         """
-        payload = dict(weights) if isinstance(weights, Mapping) else list(weights)
-        return self._broadcast("update_weights", self._put(payload))[0]
+        return self._broadcast("update_weights", self._put(self._payload(weights)))[0]
 
     def begin_weight_update(self) -> None:
         """``LLM.begin_weight_update`` on every actor."""
@@ -236,8 +243,7 @@ class RolloutPool:
             return self._broadcast("load_weights", weights)[0]
         if isinstance(weights, tuple) and len(weights) == 2 and isinstance(weights[0], str):
             weights = [weights]
-        payload = dict(weights) if isinstance(weights, Mapping) else list(weights)
-        return self._broadcast("load_weights", self._put(payload))[0]
+        return self._broadcast("load_weights", self._put(self._payload(weights)))[0]
 
     def finish_weight_update(self, weight_version: int | None = None) -> list[str]:
         """``LLM.finish_weight_update`` on every actor."""
