@@ -7,6 +7,13 @@ actors ran dry while others still hold many sequences, and move sequences betwee
 engines' KV export/import. ``RolloutPool(controller=...)`` takes one; hooks run on the thread
 that called ``generate``, between events, so a hook may call the pool's actors (``pool.actors``)
 but must not call ``pool.generate``.
+
+What a migration controller will need from the pool (not built yet): ``RolloutPool._run`` keeps,
+per actor call, the input indices still unfinished (``calls[cid]``); moving a sequence means
+taking its index out of the source call's set (the source actor drops the request, its
+``rollout`` stream then never yields it) and launching it on the destination as a call of its own
+(with the exported KV and sampling state instead of a fresh prefill), so every index is still
+returned exactly once; the actor side needs export/import methods on ``RolloutWorker``.
 """
 
 from __future__ import annotations
