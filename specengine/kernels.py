@@ -232,7 +232,9 @@ def prepack(weight: torch.Tensor, glu: bool = False,
             and reuse.glu == glu and weight.device.type == "cpu"
             and reuse.weight.shape == weight.shape and reuse.weight.dtype == weight.dtype
             and (weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0)):
-        with torch.no_grad():
+        # a copy packed lazily inside a forward (after sleep/wake) is an inference tensor:
+        # rewrite it in inference mode, where in-place updates to it are allowed
+        with torch.no_grad(), torch.inference_mode(reuse.packed.is_inference()):
             _repack_avx512_(reuse.packed, weight.detach(), glu)
         return PackedWeight(weight, reuse.packed, glu, _version(weight), weight.data_ptr(),
                             want, _isa_epoch)

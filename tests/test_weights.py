@@ -305,3 +305,15 @@ def test_repack_in_place_equals_a_fresh_pack(dtype, n, k, glu):
     x = torch.randn(5, k).to(dtype)
     assert torch.equal(kernels.linear(x, again) if not glu else kernels.linear_glu(x, again),
                        kernels.linear(x, fresh) if not glu else kernels.linear_glu(x, fresh))
+
+
+def test_update_after_wake_and_generate_equals_fresh(dirs, sds):
+    """sleep -> wake_up -> generate rebuilds the kernels' packed copies inside the forward's
+    inference mode; a weight update then rewrites them in place (it used to raise)."""
+    llm = make(dirs[0])
+    run(llm, 4)
+    llm.sleep(1)
+    llm.wake_up()
+    run(llm, 4)
+    llm.update_weights(sds[1])
+    assert run(llm) == run(make(dirs[1]))

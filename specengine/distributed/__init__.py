@@ -1,0 +1,13 @@
+"""specengine on Ray (``pip install specengine[ray]``): ``RolloutPool`` (engines on Ray actors,
+one ``generate``), its actor ``RolloutWorker``, the OpenRLHF-compatible ``OpenRLHFRolloutActor``
+and the ``PoolController`` hooks. Modules: ``requests`` (arguments, central seeds), ``balance``
+(placement by predicted work), ``worker``, ``pool``, ``controller``, ``collective`` (gloo weight
+group), ``openrlhf``."""
+
+from specengine.distributed.controller import PoolController
+from specengine.distributed.openrlhf import OpenRLHFRolloutActor, remote_actor
+from specengine.distributed.pool import RolloutPool
+from specengine.distributed.worker import RolloutWorker
+
+__all__ = ["OpenRLHFRolloutActor", "PoolController", "RolloutPool", "RolloutWorker",
+           "remote_actor"]

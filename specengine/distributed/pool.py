@@ -1,0 +1,281 @@
+"""``RolloutPool``: N engine instances as Ray actors behind one ``LLM``-like ``generate``.
+
+Each actor (``RolloutWorker``) holds its own ``LLM`` with its own speculative config. A
+``generate`` call seeds every unseeded request centrally (``requests.SeedSource``: the seeds one
+``LLM`` with the same ``seed`` would draw), groups identical prompts, places the groups by
+predicted work (``balance.assign``), streams each actor's finished requests back and returns
+them in input order. With the same seeds, a pool samples what one engine samples (every request
+carries its seed; sampling noise is keyed by (seed, sample, position), see ``sampling.py``).
+
+What is guaranteed: ``RolloutPool(seed=s)`` fed a sequence of ``generate`` calls returns the
+samples (token ids, logprobs, finish reasons) and request ids that one ``LLM(seed=s)`` returns for
+the same calls, with any number of actors, any placement, any speculative configs, and after an
+actor death; as for one engine, this holds while the target's logits come out bit for bit the same
+(a preempted sequence recomputed by a prefill, or a bfloat16 tie, can part a sample, see the
+README). A call refused with ValueError draws no seeds, as with one ``LLM``. Timing metrics and
+``generate_time`` differ.
+
+Faults: when an actor dies mid-rollout (``ray.exceptions.RayActorError``), the requests it had not
+returned are placed again on the actors left (same params, so the same seeds and samples); what
+it returned is kept, so nothing is lost or returned twice. A dead actor is not replaced. With no
+actor left the call raises RuntimeError.
+
+Weights: ``update_weights`` / ``load_weights`` put the tensors into Ray's object store once
+(``ray.put``) and send every actor the same reference.
+
+Runs on whatever Ray the process is connected to: ``ray.init(num_cpus=2)`` on one machine, or
+``ray.init(address="auto")`` / ``ray.init(address="ray://head:10001")`` on a cluster, unchanged
+(specengine must be installed on every node; a checkpoint path given to ``load_weights`` is read
+on each actor's node).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Iterable, Mapping
+
+import ray
+import torch
+from ray.exceptions import RayActorError
+
+from specengine.distributed.balance import WorkModel, assign, group_requests
+from specengine.distributed.controller import PoolController
+from specengine.distributed.requests import PoolRequest, SeedSource, prepare
+from specengine.distributed.worker import RolloutWorker
+from specengine.outputs import RequestOutput
+
+
+class RolloutPool:
+    """A pool of ``LLM`` engines on Ray actors.
+
+    Args:
+        model: as ``LLM(model=...)``.
+        num_actors: engine instances (>= 1).
+        speculative_config: one dict (or None) for every actor, or a list with one per actor.
+        seed: the pool's seed: unseeded requests get the seeds ``LLM(seed=seed)`` would draw.
+        num_cpus_per_actor: Ray CPUs per actor; also its torch thread count.
+        num_gpus_per_actor: Ray GPUs per actor (0 on CPU).
+        controller: a ``PoolController`` (default: the no-op one); see ``controller.py``.
+        actor_options: extra ``.options(...)`` for the actors (e.g. ``scheduling_strategy``,
+            ``runtime_env``).
+        **llm_kwargs: the other ``LLM`` arguments (dtype, max_model_len, vLLM engine args ...),
+            the same on every actor.
+
+    Raises:
+        ValueError: ``num_actors`` < 1, a speculative config list of the wrong length;
+            an actor's ``LLM`` construction error (re-raised from Ray).
+    """
+
+    def __init__(self, model: str, num_actors: int = 2, *,
+                 speculative_config: dict | list[dict | None] | None = None, seed: int = 0,
+                 num_cpus_per_actor: float = 1, num_gpus_per_actor: float = 0,
+                 controller: PoolController | None = None, actor_options: dict | None = None,
+                 **llm_kwargs):
+        if not isinstance(num_actors, int) or num_actors < 1:
+            raise ValueError(f"num_actors={num_actors!r}: must be an int >= 1")
+        specs = speculative_config if isinstance(speculative_config, list) \
+            else [speculative_config] * num_actors
+        if len(specs) != num_actors:
+            raise ValueError(f"speculative_config: {len(specs)} configs for {num_actors} actors")
+        self.seeds = SeedSource(seed)
+        self.work = WorkModel()
+        self.controller = controller or PoolController()
+        cls = ray.remote(RolloutWorker).options(
+            num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_actor, **(actor_options or {}))
+        threads = max(1, int(num_cpus_per_actor))
+        self.actors = {i: cls.remote(dict(llm_kwargs, model=model, seed=seed,
+                                          speculative_config=spec), threads)
+                       for i, spec in enumerate(specs)}
+        self.alive = list(self.actors)
+        ray.get([a.info.remote() for a in self.actors.values()])  # raise construction errors
+        self.num_objects_put = 0  # ray.put calls (one per weight update / chunk)
+        self.num_requests_rerun = 0  # requests re-run after their actor died
+        self.dead: dict[int, str] = {}  # actor id -> why
+        self._next_id = 0
+
+    # ---- generation -----------------------------------------------------------------------
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = False
+                 ) -> list[RequestOutput]:
+        """``LLM.generate`` over the pool: same arguments, outputs in input order,
+        ``request_id`` numbered as one ``LLM`` numbers them (0, 1, ... across calls).
+
+        Raises:
+            ValueError: a bad prompt or params (nothing is generated, no seed is drawn).
+            RuntimeError: every actor has died.
+        """
+        del use_tqdm  # accepted for LLM compatibility; the pool shows no progress bar
+        state = self.seeds.state()
+        try:
+            reqs = prepare(prompts, sampling_params, self.seeds)
+        except ValueError:
+            self.seeds.restore(state)
+            raise
+        results: list[RequestOutput | None] = [None] * len(reqs)
+        try:
+            self._run(reqs, results)
+        except ValueError:
+            self.seeds.restore(state)
+            raise
+        for i, out in enumerate(results):
+            out.request_id = str(self._next_id + i)
+        self._next_id += len(results)
+        return results
+
+    def _run(self, reqs: list[PoolRequest], results: list) -> None:
+        """Dispatch ``reqs`` and collect their outputs into ``results`` (by index), re-placing
+        the unfinished requests of actors that die."""
+        events: queue.Queue = queue.Queue()
+        calls: dict[int, tuple[int, dict[int, PoolRequest]]] = {}  # call -> (actor, unfinished)
+        ids = itertools.count()
+
+        def launch(plan: dict[int, list[PoolRequest]]) -> None:
+            for actor_id, rs in plan.items():
+                cid = next(ids)
+                calls[cid] = (actor_id, {r.index: r for r in rs})
+                threading.Thread(target=self._consume, args=(cid, actor_id, rs, events),
+                                 daemon=True).start()
+                self.controller.on_dispatch(self, actor_id, [r.index for r in rs])
+
+        self._require_alive()
+        launch(assign(group_requests(reqs), self.alive, self.work))
+        while calls:
+            kind, cid, payload = events.get()
+            actor_id, todo = calls[cid]
+            if kind == "out":
+                index, out = payload
+                if todo.pop(index, None) is not None and results[index] is None:
+                    results[index] = out
+                    self.work.observe(out)
+                    self.controller.on_output(self, actor_id, index, len(todo))
+                continue
+            del calls[cid]
+            if kind == "error":
+                raise payload
+            if kind == "done" and todo:
+                raise RuntimeError(f"actor {actor_id} ended its rollout without requests "
+                                   f"{sorted(todo)}")
+            if kind == "dead":
+                self._mark_dead(actor_id, payload)
+                rerun = sorted(todo)
+                self.num_requests_rerun += len(rerun)
+                self.controller.on_actor_dead(self, actor_id, payload, rerun)
+                if rerun:
+                    self._require_alive(len(rerun))
+                    load = {a: sum(self.work.work([r]) for r in t.values())
+                            for a, t in calls.values()}
+                    launch(assign(group_requests([todo[i] for i in rerun]), self.alive,
+                                  self.work, load))
+
+    def _consume(self, cid: int, actor_id: int, rs: list[PoolRequest],
+                 events: queue.Queue) -> None:
+        """Thread body: stream one actor call's outputs into ``events``."""
+        try:
+            items = [(r.index, r.prompt, r.params) for r in rs]
+            stream = self.actors[actor_id].rollout.options(num_returns="streaming").remote(items)
+            for ref in stream:
+                events.put(("out", cid, ray.get(ref)))
+            events.put(("done", cid, None))
+        except RayActorError as e:
+            events.put(("dead", cid, e))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            events.put(("error", cid, e))
+
+    def _mark_dead(self, actor_id: int, error: Exception) -> None:
+        if actor_id in self.alive:
+            self.alive.remove(actor_id)
+            self.dead[actor_id] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+
+    def _require_alive(self, unfinished: int = 0) -> None:
+        if not self.alive:
+            raise RuntimeError(f"RolloutPool: no actor is left ({len(self.dead)} died: "
+                               f"{self.dead}); {unfinished} requests unfinished")
+
+    # ---- broadcast calls --------------------------------------------------------------------
+    def _broadcast(self, method: str, *args) -> list:
+        """Call ``method`` on every live actor; results in actor order. An actor found dead is
+        dropped (RuntimeError if none is left)."""
+        return list(self._broadcast_by_actor(method, *args).values())
+
+    def _broadcast_by_actor(self, method: str, *args) -> dict:
+        self._require_alive()
+        refs = [(a, getattr(self.actors[a], method).remote(*args)) for a in list(self.alive)]
+        out = {}
+        for a, ref in refs:
+            try:
+                out[a] = ray.get(ref)
+            except RayActorError as e:
+                self._mark_dead(a, e)
+        self._require_alive()
+        return out
+
+    def _put(self, obj) -> list:
+        """``obj`` into the object store once; returns ``[ref]`` (a list, so each actor receives
+        the reference itself and fetches the one stored copy)."""
+        self.num_objects_put += 1
+        return [ray.put(obj)]
+
+    @staticmethod
+    def _payload(weights: Mapping | Iterable) -> list:
+        """``(name, tensor)`` pairs, tensors detached (an ``nn.Parameter`` pickles with its
+        autograd flag; the engine needs the values only). No copy is made here."""
+        pairs = weights.items() if isinstance(weights, Mapping) else weights
+        return [(name, t.detach() if isinstance(t, torch.Tensor) else t) for name, t in pairs]
+
+    def update_weights(self, weights: Mapping | Iterable) -> list[str]:
+        """``LLM.update_weights`` on every actor; the tensors are put in the object store once.
+        Returns the names applied (by the first actor; all apply the same).
+
+        Raises:
+            ValueError / TypeError / RuntimeError: as ``LLM.update_weights`` (from the actors).
+        """
+        return self._broadcast("update_weights", self._put(self._payload(weights)))[0]
+
+    def begin_weight_update(self) -> None:
+        """``LLM.begin_weight_update`` on every actor."""
+        self._broadcast("begin_weight_update")
+
+    def load_weights(self, weights) -> list[str]:
+        """``LLM.load_weights`` on every actor: a chunk (put in the object store once) or a
+        checkpoint path (read by each actor on its own node). Returns the names staged."""
+        if isinstance(weights, str):
+            return self._broadcast("load_weights", weights)[0]
+        if isinstance(weights, tuple) and len(weights) == 2 and isinstance(weights[0], str):
+            weights = [weights]
+        return self._broadcast("load_weights", self._put(self._payload(weights)))[0]
+
+    def finish_weight_update(self, weight_version: int | None = None) -> list[str]:
+        """``LLM.finish_weight_update`` on every actor."""
+        return self._broadcast("finish_weight_update", weight_version)[0]
+
+    def abort_weight_update(self) -> bool:
+        """``LLM.abort_weight_update`` on every actor; True if any had a session open."""
+        return any(self._broadcast("abort_weight_update"))
+
+    def sleep(self, level: int = 1) -> list[dict[str, int]]:
+        """``LLM.sleep`` on every actor; the bytes each released."""
+        return self._broadcast("sleep", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """``LLM.wake_up`` on every actor."""
+        self._broadcast("wake_up", tags)
+
+    def reset_prefix_cache(self) -> bool:
+        """``LLM.reset_prefix_cache`` on every actor; True if all reset."""
+        return all(self._broadcast("reset_prefix_cache"))
+
+    def get_metrics(self) -> dict:
+        """``actors``: actor id -> its ``LLM.get_metrics()`` (live actors); ``num_actors``,
+        ``num_actors_dead``, ``num_requests_rerun``, ``num_objects_put``."""
+        return {"actors": self._broadcast_by_actor("get_metrics"),
+                "num_actors": len(self.alive), "num_actors_dead": len(self.dead),
+                "num_requests_rerun": self.num_requests_rerun,
+                "num_objects_put": self.num_objects_put}
+
+    def shutdown(self) -> None:
+        """Kill every actor (the pool is unusable afterwards)."""
+        for a in self.actors.values():
+            ray.kill(a)
+        self.dead.update({a: "shut down" for a in self.alive})
+        self.alive = []
