@@ -2,12 +2,13 @@
 one ``generate``), its actor ``RolloutWorker``, the OpenRLHF-compatible ``OpenRLHFRolloutActor``
 and the ``PoolController`` hooks. Modules: ``requests`` (arguments, central seeds), ``balance``
 (placement by predicted work), ``worker``, ``pool``, ``controller``, ``collective`` (gloo weight
-group), ``openrlhf``."""
+group), ``openrlhf``, ``training`` (spare-instance drafter training, ``SpareTraining``)."""
 
 from specengine.distributed.controller import PoolController
 from specengine.distributed.openrlhf import OpenRLHFRolloutActor, remote_actor
 from specengine.distributed.pool import RolloutPool
+from specengine.distributed.training import SpareTraining
 from specengine.distributed.worker import RolloutWorker
 
 __all__ = ["OpenRLHFRolloutActor", "PoolController", "RolloutPool", "RolloutWorker",
-           "remote_actor"]
+           "SpareTraining", "remote_actor"]

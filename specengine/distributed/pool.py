@@ -27,6 +27,14 @@ Runs on whatever Ray the process is connected to: ``ray.init(num_cpus=2)`` on on
 ``ray.init(address="auto")`` / ``ray.init(address="ray://head:10001")`` on a cluster, unchanged
 (specengine must be installed on every node; a checkpoint path given to ``load_weights`` is read
 on each actor's node).
+
+Spare-instance drafter training (TLT, ``distributed.training``): with ``harvest=True`` every
+actor with an EAGLE drafter records its finished sequences' target features; the pool collects
+them into a bounded store of object-store references. With ``spare_training=SpareTraining(...)``
+an actor whose share of a ``generate`` is done while others still decode trains the EAGLE drafter
+on them within a time budget (stopping when new work reaches it) and the pool publishes each
+round's weights as the next drafter version to every actor (one stored object). Outputs do not
+change (verification is lossless).
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from ray.exceptions import RayActorError
 from specengine.distributed.balance import WorkModel, assign, group_requests
 from specengine.distributed.controller import PoolController
 from specengine.distributed.requests import PoolRequest, SeedSource, prepare
+from specengine.distributed.training import SpareScheduler, SpareTraining, merge_tau
 from specengine.distributed.worker import RolloutWorker
 from specengine.outputs import RequestOutput
 
@@ -60,11 +69,18 @@ class RolloutPool:
         controller: a ``PoolController`` (default: the no-op one); see ``controller.py``.
         actor_options: extra ``.options(...)`` for the actors (e.g. ``scheduling_strategy``,
             ``runtime_env``).
+        harvest: actors with an EAGLE drafter record finished sequences' target features; the
+            pool collects them (``harvested``) after each ``generate`` and before each training
+            round.
+        spare_training: a ``SpareTraining`` config: train the EAGLE drafter on spare actors
+            (implies ``harvest``; actors become threaded, ``max_concurrency`` 4 unless
+            ``actor_options`` says otherwise).
         **llm_kwargs: the other ``LLM`` arguments (dtype, max_model_len, vLLM engine args ...),
             the same on every actor.
 
     Raises:
-        ValueError: ``num_actors`` < 1, a speculative config list of the wrong length;
+        ValueError: ``num_actors`` < 1, a speculative config list of the wrong length,
+            ``spare_training`` not a ``SpareTraining``;
             an actor's ``LLM`` construction error (re-raised from Ray).
     """
 
@@ -72,6 +88,7 @@ class RolloutPool:
                  speculative_config: dict | list[dict | None] | None = None, seed: int = 0,
                  num_cpus_per_actor: float = 1, num_gpus_per_actor: float = 0,
                  controller: PoolController | None = None, actor_options: dict | None = None,
+                 harvest: bool = False, spare_training: SpareTraining | None = None,
                  **llm_kwargs):
         if not isinstance(num_actors, int) or num_actors < 1:
             raise ValueError(f"num_actors={num_actors!r}: must be an int >= 1")
@@ -79,17 +96,29 @@ class RolloutPool:
             else [speculative_config] * num_actors
         if len(specs) != num_actors:
             raise ValueError(f"speculative_config: {len(specs)} configs for {num_actors} actors")
+        if spare_training is not None and not isinstance(spare_training, SpareTraining):
+            raise ValueError(f"spare_training is a {type(spare_training).__name__}; expected "
+                             "a SpareTraining or None")
         self.seeds = SeedSource(seed)
         self.work = WorkModel()
         self.controller = controller or PoolController()
+        options = dict(actor_options or {})
+        if spare_training is not None:  # rollout / set_drafter / stop run beside a round
+            options.setdefault("max_concurrency", 4)
         cls = ray.remote(RolloutWorker).options(
-            num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_actor, **(actor_options or {}))
+            num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_actor, **options)
         threads = max(1, int(num_cpus_per_actor))
         self.actors = {i: cls.remote(dict(llm_kwargs, model=model, seed=seed,
                                           speculative_config=spec), threads)
                        for i, spec in enumerate(specs)}
         self.alive = list(self.actors)
         ray.get([a.info.remote() for a in self.actors.values()])  # raise construction errors
+        self.spare: SpareScheduler | None = None  # harvest store and spare-instance training
+        if harvest or spare_training is not None:
+            cfg = spare_training or SpareTraining()
+            ray.get([a.enable_harvest.remote(cfg.max_rollouts, cfg.max_bytes)
+                     for a in self.actors.values()])
+            self.spare = SpareScheduler(self, spare_training, cfg.max_rollouts, cfg.max_bytes)
         self.num_objects_put = 0  # ray.put calls (one per weight update / chunk)
         self.num_requests_rerun = 0  # requests re-run after their actor died
         self.dead: dict[int, str] = {}  # actor id -> why
@@ -138,10 +167,26 @@ class RolloutPool:
                                  daemon=True).start()
                 self.controller.on_dispatch(self, actor_id, [r.index for r in rs])
 
+        def busy() -> set[int]:
+            return {a for a, _ in calls.values()}
+
         self._require_alive()
         launch(assign(group_requests(reqs), self.alive, self.work))
+        try:
+            if self.spare is not None:
+                self.spare.begin(events, busy())
+            self._loop(calls, events, results, launch, busy)
+        finally:
+            if self.spare is not None:
+                self.spare.finish()
+
+    def _loop(self, calls: dict, events: queue.Queue, results: list, launch, busy) -> None:
+        """``_run``'s event loop, until every call has ended."""
         while calls:
             kind, cid, payload = events.get()
+            if kind == "trained":  # a spare-instance training round ended (payload: its id)
+                self.spare.on_trained(payload, busy(), events)
+                continue
             actor_id, todo = calls[cid]
             if kind == "out":
                 index, out = payload
@@ -156,6 +201,8 @@ class RolloutPool:
             if kind == "done" and todo:
                 raise RuntimeError(f"actor {actor_id} ended its rollout without requests "
                                    f"{sorted(todo)}")
+            if kind == "done" and self.spare is not None:
+                self.spare.on_idle(actor_id, busy(), events)
             if kind == "dead":
                 self._mark_dead(actor_id, payload)
                 rerun = sorted(todo)
@@ -267,11 +314,28 @@ class RolloutPool:
 
     def get_metrics(self) -> dict:
         """``actors``: actor id -> its ``LLM.get_metrics()`` (live actors); ``num_actors``,
-        ``num_actors_dead``, ``num_requests_rerun``, ``num_objects_put``."""
-        return {"actors": self._broadcast_by_actor("get_metrics"),
-                "num_actors": len(self.alive), "num_actors_dead": len(self.dead),
-                "num_requests_rerun": self.num_requests_rerun,
-                "num_objects_put": self.num_objects_put}
+        ``num_actors_dead``, ``num_requests_rerun``, ``num_objects_put``. With ``harvest`` /
+        ``spare_training``: ``spare_training`` (``SpareScheduler.stats``: train seconds, steps,
+        rounds, versions published, newest drafter version, harvested rollouts),
+        ``drafter_versions`` (actor id -> drafter version in use; EAGLE actors) and
+        ``tau_per_drafter_version`` (drafter version -> tokens committed per verify step, over
+        the pool)."""
+        d = {"actors": self._broadcast_by_actor("get_metrics"),
+             "num_actors": len(self.alive), "num_actors_dead": len(self.dead),
+             "num_requests_rerun": self.num_requests_rerun,
+             "num_objects_put": self.num_objects_put}
+        if self.spare is not None:
+            d["spare_training"] = self.spare.stats()
+            d["drafter_versions"] = {a: m["drafter_version"] for a, m in d["actors"].items()
+                                     if "drafter_version" in m}
+            counts = [c for c in self._broadcast("drafter_counts") if c is not None]
+            d["tau_per_drafter_version"] = merge_tau(counts)
+        return d
+
+    def harvested(self) -> list:
+        """ObjectRefs of the harvested rollout chunks the pool holds (``list[Rollout]`` each,
+        oldest first; ``harvest=True``), e.g. for training elsewhere. Empty without harvest."""
+        return self.spare.store.refs() if self.spare is not None else []
 
     def shutdown(self) -> None:
         """Kill every actor (the pool is unusable afterwards)."""

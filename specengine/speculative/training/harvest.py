@@ -67,6 +67,12 @@ class HiddenBuffer:
         with self._lock:
             return list(self.items)
 
+    def drain(self) -> list[Rollout]:
+        """Take every rollout out (oldest first); the buffer is left empty."""
+        with self._lock:
+            out, self.items, self.nbytes = list(self.items), deque(), 0
+            return out
+
     def __len__(self) -> int:
         return len(self.items)
 

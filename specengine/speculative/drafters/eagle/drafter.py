@@ -131,6 +131,12 @@ class EagleDrafter(Drafter):
         with self._lock:
             self._pending = (version, state_dict)
 
+    def swap(self) -> int:
+        """Swap queued weights (``publish``) in now instead of before the next ``propose``;
+        returns the version in use. Call it only between engine steps (an idle engine)."""
+        self._swap()
+        return self.version
+
     def _swap(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, None

@@ -1,0 +1,352 @@
+"""Spare-instance drafter training (TLT, arXiv 2511.16665): during a rollout's long tail, a pool
+actor whose share is finished trains the EAGLE drafter on the target hidden states harvested
+across the pool and publishes a new drafter version that every actor swaps in between steps.
+
+Three parts:
+
+- ``SpareTraining``: the configuration (``RolloutPool(spare_training=...)``).
+- ``SpareTrainer`` (actor side, inside ``RolloutWorker``): a float32 copy of the actor's
+  ``EagleDrafter`` weights, its optimizer (``training.fit.Fitter``) and the pool's rollouts
+  fetched from Ray's object store; ``run`` trains one round and returns the new weights.
+- ``SpareScheduler`` (pool side, driven by ``RolloutPool.generate``): collects every actor's
+  harvested rollouts into a bounded ``HarvestStore`` of object-store references (each chunk is
+  stored once and never passes through the driver), starts a training round on an actor that has
+  nothing left to decode while others still do, and publishes the round's weights to every actor
+  (one stored object, every actor reads it; versions numbered by the pool, so monotonic).
+
+Rules. One round runs at a time in the pool. A round trains for ``seconds`` (or ``max_steps``)
+and stops early, between optimizer steps, as soon as new work reaches its actor (a ``rollout``
+call arrives: no step starts after that) or the pool's ``generate`` is about to return (the step
+in progress and at least one step complete, so a started round always yields a version). While
+the actor stays spare, the next round starts after the publish. Outputs never change:
+verification is lossless whatever the drafter's weights.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import ray
+import torch
+from ray.exceptions import RayActorError
+
+from specengine.speculative.drafters.eagle import EagleDrafter, load_state
+from specengine.speculative.training.fit import Fitter, TrainConfig, trainable_copy
+from specengine.speculative.training.harvest import Rollout
+
+
+def _default_train() -> TrainConfig:
+    return TrainConfig(steps=1000, warmup=10, lr=5e-4, batch_tokens=2048)
+
+
+@dataclass
+class SpareTraining:
+    """Configuration of spare-instance drafter training.
+
+    Attributes:
+        seconds: time budget of one training round (seconds, > 0); the round's weights are
+            published when it ends.
+        max_steps: optimizer steps per round at most (None: only ``seconds`` bounds a round).
+        min_rollouts: harvested rollouts the pool must hold before a round starts.
+        max_rollouts, max_bytes: bounds of the pool's harvest store (and of each actor's
+            harvest buffer); the oldest chunks are dropped first.
+        train: optimizer hyper-parameters (``TrainConfig``: lr, batch_tokens, unroll, ...).
+
+    Raises:
+        ValueError: a bound that is not positive.
+    """
+
+    seconds: float = 2.0
+    max_steps: int | None = None
+    min_rollouts: int = 4
+    max_rollouts: int = 512
+    max_bytes: int = 256 << 20
+    train: TrainConfig = field(default_factory=_default_train)
+
+    def __post_init__(self) -> None:
+        if not self.seconds > 0:
+            raise ValueError(f"SpareTraining.seconds={self.seconds!r}: must be > 0")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"SpareTraining.max_steps={self.max_steps!r}: must be >= 1 or None")
+        for name in ("min_rollouts", "max_rollouts", "max_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SpareTraining.{name}={getattr(self, name)!r}: must be >= 1")
+
+
+class HarvestStore:
+    """The pool's harvested rollouts: chunks ``(ref, count, nbytes)`` of ``list[Rollout]``
+    objects in Ray's object store (the driver holds references only). At most ``max_rollouts``
+    rollouts and ``max_bytes`` bytes; the oldest chunks are dropped first (the newest is kept
+    even when alone over the bounds)."""
+
+    def __init__(self, max_rollouts: int, max_bytes: int):
+        self.max_rollouts, self.max_bytes = max_rollouts, max_bytes
+        self.chunks: deque[tuple[ray.ObjectRef, int, int]] = deque()
+        self.num_rollouts = self.nbytes = self.total_added = 0
+
+    def add(self, ref: ray.ObjectRef, count: int, nbytes: int) -> None:
+        if count <= 0:
+            return
+        self.chunks.append((ref, count, nbytes))
+        self.num_rollouts += count
+        self.nbytes += nbytes
+        self.total_added += count
+        while len(self.chunks) > 1 and (self.num_rollouts > self.max_rollouts
+                                        or self.nbytes > self.max_bytes):
+            _, c, b = self.chunks.popleft()
+            self.num_rollouts -= c
+            self.nbytes -= b
+
+    def refs(self) -> list[ray.ObjectRef]:
+        return [r for r, _, _ in self.chunks]
+
+
+class SpareTrainer:
+    """One actor's side of spare-instance training: a trainable float32 copy of the drafter
+    (``trainable_copy``), its ``Fitter`` and the pool's rollouts.
+
+    Args:
+        drafter: the actor's ``EagleDrafter`` (its weights are the starting point).
+        cfg: ``SpareTraining``.
+
+    Attributes:
+        version: the drafter version the trainable weights descend from (the last one this
+            trainer produced, or one it reloaded).
+        data: object id (hex) -> rollouts of that chunk, for the chunks the pool still holds.
+    """
+
+    def __init__(self, drafter: EagleDrafter, cfg: SpareTraining):
+        self.drafter, self.cfg = drafter, cfg
+        self.model = trainable_copy(drafter.model)
+        self.fitter = Fitter(self.model, cfg.train)
+        self.version = drafter.version
+        self.last_round: int | None = None  # pool round id of the weights last returned
+        self.data: dict[str, list[Rollout]] = {}
+        self.rng = random.Random(cfg.train.seed)
+
+    def sync(self) -> None:
+        """Continue from the drafter's weights when it runs a newer version than this trainer
+        produced (another actor published since); the optimizer state is kept."""
+        if self.drafter.version > self.version:
+            load_state(self.model, {k: v.float() for k, v in
+                                    self.drafter.model.state_dict().items()}, "sync")
+            self.version = self.drafter.version
+
+    def load(self, refs: list[ray.ObjectRef]) -> int:
+        """Keep the chunks at ``refs`` (fetching those not held yet), drop the others; returns
+        the rollouts held."""
+        keep = {r.hex(): r for r in refs}
+        self.data = {h: rs for h, rs in self.data.items() if h in keep}
+        new = [h for h in keep if h not in self.data]
+        for h, rs in zip(new, ray.get([keep[h] for h in new])):
+            self.data[h] = rs
+        return sum(len(rs) for rs in self.data.values())
+
+    def batch(self) -> list[Rollout]:
+        """Random rollouts packed up to ``train.batch_tokens`` (padded size; at least one)."""
+        pool = [r for rs in self.data.values() for r in rs]
+        self.rng.shuffle(pool)
+        batch, longest = [], 0
+        for r in pool:
+            n = min(len(r.token_ids), self.cfg.train.max_len)
+            if batch and (len(batch) + 1) * max(longest, n) > self.cfg.train.batch_tokens:
+                break
+            batch.append(r)
+            longest = max(longest, n)
+        return batch
+
+    def run(self, work_arrived: Callable[[], bool], stopped: Callable[[], bool],
+            clock: Callable[[], float] = time.perf_counter
+            ) -> tuple[dict, dict[str, torch.Tensor] | None]:
+        """One training round.
+
+        Before every step: ``work_arrived()`` ends the round at once; after at least one step,
+        ``stopped()``, the ``seconds`` budget (measured by ``clock``, seconds) or ``max_steps``
+        end it.
+
+        Returns:
+            ``(stats, weights)``: stats ``steps``, ``seconds``, ``rollouts``, ``stop`` (why it
+            ended: ``work``, ``pool``, ``budget``, ``steps``, ``data``), ``loss`` and ``top1``
+            (of the last step); weights in the drafter's dtype (names as ``named_parameters``),
+            None when no step ran.
+        """
+        cfg, t0 = self.cfg, clock()
+        held = sum(len(rs) for rs in self.data.values())
+        steps, stop, last = 0, "data", {}
+        while True:
+            if work_arrived():
+                stop = "work"
+                break
+            if steps and stopped():
+                stop = "pool"
+                break
+            if steps and clock() - t0 >= cfg.seconds:
+                stop = "budget"
+                break
+            if cfg.max_steps is not None and steps >= cfg.max_steps:
+                stop = "steps"
+                break
+            if held < 1:
+                break
+            last = self.fitter.step(self.batch())
+            steps += 1
+        stats = {"steps": steps, "seconds": clock() - t0, "rollouts": held, "stop": stop,
+                 "loss": last.get("loss"), "top1": last.get("top1")}
+        if not steps:
+            return stats, None
+        dtype = self.drafter.model.fc.dtype
+        return stats, {k: v.detach().to(dtype).clone() for k, v in
+                       self.model.state_dict().items()}
+
+
+class SpareScheduler:
+    """The pool's side: harvest collection, when a round starts, publishing its weights.
+
+    ``RolloutPool`` calls ``begin`` after dispatching a ``generate``, ``on_idle`` when an actor's
+    call ends, ``on_trained`` for a round's ``("trained", None, round_id)`` event and ``finish``
+    before returning (it stops the round in flight and publishes what it produced).
+
+    Args:
+        pool: the ``RolloutPool`` (its ``actors`` and ``alive``).
+        cfg: ``SpareTraining``, or None to harvest only (no training).
+        max_rollouts, max_bytes: the harvest store's bounds.
+    """
+
+    def __init__(self, pool, cfg: SpareTraining | None, max_rollouts: int, max_bytes: int):
+        self.pool, self.cfg = pool, cfg
+        self.store = HarvestStore(max_rollouts, max_bytes)
+        self.version = 0  # the newest drafter version published in the pool
+        self.round = None  # (round id, actor id, thread, [result]) of the round in flight
+        self.round_ids = 0
+        self.num_rounds = self.num_steps = self.num_published = 0
+        self.train_seconds = 0.0
+        self.rounds: list[dict] = []  # per round: actor, stats, version published (or None)
+
+    # ---- harvest ---------------------------------------------------------------------------
+    def collect(self) -> None:
+        """Move every live actor's newly harvested rollouts into the store (each actor puts
+        its chunk in the object store; the driver keeps the reference)."""
+        calls = []
+        for a in list(self.pool.alive):
+            meta, data = self.pool.actors[a].take_harvest.options(num_returns=2).remote()
+            calls.append((meta, data))
+        for meta, data in calls:
+            try:
+                m = ray.get(meta)
+            except RayActorError:
+                continue  # the pool notices the death through its own calls
+            self.store.add(data, m["count"], m["nbytes"])
+
+    # ---- rounds -----------------------------------------------------------------------------
+    def begin(self, events, busy: set[int]) -> None:
+        """A ``generate`` was dispatched: actors without work are spare from the start."""
+        for a in list(self.pool.alive):
+            if a not in busy:
+                self.on_idle(a, busy, events)
+
+    def on_idle(self, actor_id: int, busy: set[int], events) -> None:
+        """``actor_id`` has nothing left to decode; ``busy``: actors still decoding. Starts a
+        round there when training is on, no round is in flight, another actor is still busy,
+        and the store holds ``min_rollouts``."""
+        if self.cfg is None or self.round is not None or not busy or actor_id in busy:
+            return
+        self.collect()
+        if self.store.num_rollouts < self.cfg.min_rollouts:
+            return
+        self.round_ids += 1
+        rid, holder = self.round_ids, []
+        actor = self.pool.actors[actor_id]
+
+        def body():
+            try:
+                stats, weights = actor.train_drafter.options(num_returns=2).remote(
+                    self.store.refs(), self.cfg, rid)
+                holder.append((ray.get(stats), weights))
+            except Exception as e:  # noqa: BLE001 - a failed round publishes nothing
+                holder.append(({"error": f"{type(e).__name__}: {e}"}, None))
+            events.put(("trained", None, rid))
+
+        thread = threading.Thread(target=body, daemon=True)
+        self.round = (rid, actor_id, thread, holder)
+        thread.start()
+
+    def on_trained(self, rid: int, busy: set[int], events) -> None:
+        """The round ``rid`` ended: publish its weights; start the next round if its actor is
+        still spare."""
+        if self.round is None or self.round[0] != rid:
+            return
+        actor_id = self._end_round()
+        if actor_id in self.pool.alive:
+            self.on_idle(actor_id, busy, events)
+
+    def finish(self) -> None:
+        """Before ``generate`` returns: stop the round in flight (after its current step), wait
+        for it, publish its weights; then collect the last rollouts."""
+        if self.round is not None:
+            rid, actor_id, thread, _ = self.round
+            try:
+                ray.get(self.pool.actors[actor_id].stop_training.remote(rid))
+            except RayActorError:
+                pass
+            thread.join()
+            self._end_round()
+        refs = [self.pool.actors[a].swap_drafter.remote() for a in list(self.pool.alive)]
+        for ref in refs:  # a version published while an actor decoded its last step
+            try:
+                ray.get(ref)
+            except RayActorError:
+                pass
+        self.collect()
+
+    def _end_round(self) -> int:
+        rid, actor_id, thread, holder = self.round
+        thread.join()
+        self.round = None
+        stats, weights = holder[0]
+        self.num_rounds += 1
+        self.num_steps += stats.get("steps", 0)
+        self.train_seconds += stats.get("seconds", 0.0)
+        published = self._publish(weights, rid) if stats.get("steps") else None
+        self.rounds.append({"actor": actor_id, "version": published, **stats})
+        return actor_id
+
+    def _publish(self, weights: ray.ObjectRef, rid: int) -> int:
+        """Every live actor swaps in the weights at ``weights`` (one stored object, from round
+        ``rid``) as the next version; returns it."""
+        self.version += 1
+        refs = [(a, self.pool.actors[a].set_drafter.remote([weights], self.version, rid))
+                for a in list(self.pool.alive)]
+        for _, ref in refs:
+            try:
+                ray.get(ref)
+            except RayActorError:
+                pass
+        self.num_published += 1
+        return self.version
+
+    def stats(self) -> dict:
+        """``train_seconds`` (seconds training, summed over rounds), ``train_steps``,
+        ``train_rounds``, ``versions_published``, ``drafter_version`` (newest published),
+        ``harvested_rollouts`` / ``harvested_bytes`` (held in the store now),
+        ``harvested_total`` (ever collected)."""
+        return {"train_seconds": round(self.train_seconds, 4), "train_steps": self.num_steps,
+                "train_rounds": self.num_rounds, "versions_published": self.num_published,
+                "drafter_version": self.version, "harvested_rollouts": self.store.num_rollouts,
+                "harvested_bytes": self.store.nbytes, "harvested_total": self.store.total_added}
+
+
+def merge_tau(per_actor: list[dict[int, list[int]]]) -> dict[int, float]:
+    """Pool-wide tau per drafter version from each actor's ``{version: [verify steps, tokens
+    committed]}``: tokens committed / verify steps, summed over actors."""
+    tot: dict[int, list[int]] = {}
+    for d in per_actor:
+        for v, (steps, tokens) in d.items():
+            c = tot.setdefault(int(v), [0, 0])
+            c[0] += steps
+            c[1] += tokens
+    return {v: round(c[1] / c[0], 3) for v, c in sorted(tot.items()) if c[0]}
