@@ -225,6 +225,7 @@ class SpareScheduler:
         self.round_ids = 0
         self.num_rounds = self.num_steps = self.num_published = 0
         self.train_seconds = 0.0
+        self.finish_wait_seconds = 0.0  # generate's wait for the round in flight at its end
         self.rounds: list[dict] = []  # per round: actor, stats, version published (or None)
 
     # ---- harvest ---------------------------------------------------------------------------
@@ -288,12 +289,14 @@ class SpareScheduler:
         """Before ``generate`` returns: stop the round in flight (after its current step), wait
         for it, publish its weights; then collect the last rollouts."""
         if self.round is not None:
+            t0 = time.perf_counter()
             rid, actor_id, thread, _ = self.round
             try:
                 ray.get(self.pool.actors[actor_id].stop_training.remote(rid))
             except RayActorError:
                 pass
             thread.join()
+            self.finish_wait_seconds += time.perf_counter() - t0
             self._end_round()
         refs = [self.pool.actors[a].swap_drafter.remote() for a in list(self.pool.alive)]
         for ref in refs:  # a version published while an actor decoded its last step
@@ -333,8 +336,10 @@ class SpareScheduler:
         """``train_seconds`` (seconds training, summed over rounds), ``train_steps``,
         ``train_rounds``, ``versions_published``, ``drafter_version`` (newest published),
         ``harvested_rollouts`` / ``harvested_bytes`` (held in the store now),
-        ``harvested_total`` (ever collected)."""
+        ``harvested_total`` (ever collected), ``finish_wait_seconds`` (time ``generate`` waited
+        at its end for a round's last step: the overhead training adds to a rollout)."""
         return {"train_seconds": round(self.train_seconds, 4), "train_steps": self.num_steps,
+                "finish_wait_seconds": round(self.finish_wait_seconds, 4),
                 "train_rounds": self.num_rounds, "versions_published": self.num_published,
                 "drafter_version": self.version, "harvested_rollouts": self.store.num_rollouts,
                 "harvested_bytes": self.store.nbytes, "harvested_total": self.store.total_added}
