@@ -51,7 +51,7 @@ class RolloutWorker:
         self.objects_received: list[str] = []  # hex ids of the ObjectRefs fetched here
         self.train_lock = threading.Lock()  # held while a training round runs
         self._work = threading.Lock()
-        self.work_received = 0  # rollout calls that arrived (see notify_work)
+        self.work_received = 0  # notify_work calls (each rollout call makes one)
         self.active_rollouts = 0  # rollout calls arrived and not finished
         self.stop_round = 0  # training rounds with an id <= this stop (stop_training)
         self.harvest_buffer: HiddenBuffer | None = None
@@ -71,6 +71,8 @@ class RolloutWorker:
             ValueError: a bad prompt or params (from ``LLM.generate_iter``); nothing runs then.
         """
         self.notify_work()
+        with self._work:
+            self.active_rollouts += 1
         try:
             with self.train_lock:  # a training round stops before its next step
                 pass
@@ -147,11 +149,9 @@ class RolloutWorker:
     # ---- spare-instance drafter training (distributed.training) -------------------------------
     def notify_work(self) -> None:
         """New work arrived for this actor: a training round in progress stops before its next
-        optimizer step. ``rollout`` calls it; pair each call with the end of that work by
-        decrementing ``active_rollouts`` (as ``rollout`` does)."""
+        optimizer step (``rollout`` calls it on arrival)."""
         with self._work:
             self.work_received += 1
-            self.active_rollouts += 1
 
     def _eagle(self) -> EagleDrafter | None:
         d = self.llm.engine.drafter
