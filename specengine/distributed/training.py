@@ -2,12 +2,13 @@
 actor whose share is finished trains the EAGLE drafter on the target hidden states harvested
 across the pool and publishes a new drafter version that every actor swaps in between steps.
 
-Three parts:
+The parts:
 
 - ``SpareTraining``: the configuration (``RolloutPool(spare_training=...)``).
-- ``SpareTrainer`` (actor side, inside ``RolloutWorker``): a float32 copy of the actor's
-  ``EagleDrafter`` weights, its optimizer (``training.fit.Fitter``) and the pool's rollouts
-  fetched from Ray's object store; ``run`` trains one round and returns the new weights.
+- ``SpareTrainer`` (actor side): a float32 copy of the actor's ``EagleDrafter`` weights, its
+  optimizer (``training.fit.Fitter``) and the pool's rollouts fetched from Ray's object store;
+  ``run`` trains one round and returns the new weights. ``SpareTrainingActor``: the methods
+  ``RolloutWorker`` gets for it (harvest, train a round, stop, publish).
 - ``SpareScheduler`` (pool side, driven by ``RolloutPool.generate``): collects every actor's
   harvested rollouts into a bounded ``HarvestStore`` of object-store references (each chunk is
   stored once and never passes through the driver), starts a training round on an actor that has
@@ -37,7 +38,7 @@ from ray.exceptions import RayActorError
 
 from specengine.speculative.drafters.eagle import EagleDrafter, load_state
 from specengine.speculative.training.fit import Fitter, TrainConfig, trainable_copy
-from specengine.speculative.training.harvest import Rollout
+from specengine.speculative.training.harvest import Harvester, HiddenBuffer, Rollout, harvest
 
 
 def _default_train() -> TrainConfig:
@@ -343,6 +344,147 @@ class SpareScheduler:
                 "train_rounds": self.num_rounds, "versions_published": self.num_published,
                 "drafter_version": self.version, "harvested_rollouts": self.store.num_rollouts,
                 "harvested_bytes": self.store.nbytes, "harvested_total": self.store.total_added}
+
+
+class SpareTrainingActor:
+    """The actor side of spare-instance training, mixed into ``RolloutWorker`` (it uses the
+    worker's ``llm``, engine ``lock`` and ``_fetch``).
+
+    ``enable_harvest`` makes the EAGLE drafter's engine record finished sequences' target
+    features, ``take_harvest`` hands them to the pool, ``train_drafter`` runs one round (under
+    ``train_lock``, not the engine lock), ``stop_training`` ends it early, ``set_drafter`` swaps
+    in a published version. Work arriving (``rollout_begins``, called first by ``rollout``)
+    stops a round before its next optimizer step and waits for it, so a threaded actor is needed
+    (``RolloutPool`` gives its actors ``max_concurrency`` 4 when training is on). Code that hands
+    the actor work by another method (e.g. migrated sequences) calls ``notify_work`` first.
+    """
+
+    def init_spare_training(self) -> None:
+        """Set up the state (call in ``__init__``)."""
+        self.train_lock = threading.Lock()  # held while a training round runs
+        self._work = threading.Lock()
+        self.work_received = 0  # notify_work calls (each rollout call makes one)
+        self.active_rollouts = 0  # rollout calls arrived and not finished
+        self.stop_round = 0  # training rounds with an id <= this stop (stop_training)
+        self.harvest_buffer: HiddenBuffer | None = None
+        self.trainer: SpareTrainer | None = None
+
+    def rollout_begins(self) -> None:
+        """A rollout call arrived: stop a round in progress (``notify_work``), count the call
+        as active (no round starts while one is), wait until the round has stopped."""
+        self.notify_work()
+        with self._work:
+            self.active_rollouts += 1
+        with self.train_lock:
+            pass
+
+    def rollout_ends(self) -> None:
+        """A rollout call ended (pairs with ``rollout_begins``)."""
+        with self._work:
+            self.active_rollouts -= 1
+
+    def notify_work(self) -> None:
+        """New work arrived for this actor: a training round in progress stops before its next
+        optimizer step (``rollout`` calls it on arrival)."""
+        with self._work:
+            self.work_received += 1
+
+    def _eagle(self) -> EagleDrafter | None:
+        d = self.llm.engine.drafter
+        d = d.inner if isinstance(d, Harvester) else d
+        return d if isinstance(d, EagleDrafter) else None
+
+    def enable_harvest(self, max_rollouts: int = 512, max_bytes: int = 256 << 20) -> bool:
+        """With an EAGLE drafter: record every finished sequence's token ids and target
+        features (``speculative.training.harvest``) into a buffer of at most ``max_rollouts``
+        rollouts and ``max_bytes`` bytes (oldest dropped first). Returns False (and harvests
+        nothing) without an EAGLE drafter."""
+        if self._eagle() is None:
+            return False
+        with self.lock:
+            self.harvest_buffer = HiddenBuffer(max_rollouts, max_bytes)
+            harvest(self.llm, self.harvest_buffer)
+        return True
+
+    def take_harvest(self) -> tuple[dict, list]:
+        """The rollouts harvested since the last call, taken out of the buffer: ``({"count",
+        "nbytes"}, list[Rollout])`` (call with ``num_returns=2``: the list stays in the object
+        store, the caller reads the counts)."""
+        items = self.harvest_buffer.drain() if self.harvest_buffer is not None else []
+        return {"count": len(items), "nbytes": sum(r.nbytes for r in items)}, items
+
+    def train_drafter(self, refs: list, cfg: SpareTraining, round_id: int) -> tuple[dict, dict]:
+        """One spare-instance training round of this actor's EAGLE drafter on the rollouts at
+        ``refs`` (ObjectRefs of ``list[Rollout]``); see ``SpareTrainer.run`` for when it stops
+        (new work here, ``stop_training(round_id)``, ``cfg.seconds``, ``cfg.max_steps``). The
+        weights are not applied here: the pool publishes them (``set_drafter``).
+
+        Returns:
+            ``(stats, weights)`` as ``SpareTrainer.run`` (call with ``num_returns=2``).
+
+        Raises:
+            ValueError: the actor has no EAGLE drafter.
+        """
+        with self.train_lock:
+            with self._work:
+                if self.active_rollouts:
+                    return {"steps": 0, "seconds": 0.0, "rollouts": 0, "stop": "work"}, None
+                seen = self.work_received
+            drafter = self._eagle()
+            if drafter is None:
+                raise ValueError("train_drafter: this actor has no EAGLE drafter")
+            with self.lock:  # idle: the drafter's weights are read between engine steps
+                drafter.swap()
+                if self.trainer is None:
+                    self.trainer = SpareTrainer(drafter, cfg)
+                self.trainer.cfg = cfg
+                self.trainer.sync()
+            self.trainer.load(refs)
+            stats, weights = self.trainer.run(lambda: self.work_received != seen,
+                                              lambda: self.stop_round >= round_id)
+            if weights is not None:
+                self.trainer.last_round = round_id
+            return stats, weights
+
+    def stop_training(self, round_id: int) -> None:
+        """End training round ``round_id`` (and earlier ones) after its current optimizer step
+        (a round runs at least one step)."""
+        self.stop_round = max(self.stop_round, round_id)
+
+    def set_drafter(self, refs: list, version: int, round_id: int | None = None) -> int | None:
+        """Publish the EAGLE drafter weights at ``refs[0]`` (an ObjectRef) as ``version``
+        (``EagleDrafter.publish``): swapped in now if the engine is idle, else between its
+        next steps. ``round_id``: the pool round that trained them (this actor's trainer then
+        continues from them). Returns the version in use now, None without an EAGLE drafter."""
+        drafter = self._eagle()
+        if drafter is None:
+            return None
+        weights = self._fetch(refs)
+        if self.trainer is not None and round_id is not None \
+                and self.trainer.last_round == round_id:
+            self.trainer.version = version
+        drafter.publish(weights, version)
+        if self.lock.acquire(blocking=False):
+            try:
+                drafter.swap()
+            finally:
+                self.lock.release()
+        return drafter.version
+
+    def swap_drafter(self) -> int | None:
+        """Swap in a published drafter version still queued (call when the engine is idle);
+        returns the version in use, None without an EAGLE drafter."""
+        drafter = self._eagle()
+        if drafter is None:
+            return None
+        with self.lock:
+            return drafter.swap()
+
+    def drafter_counts(self) -> dict[int, list[int]] | None:
+        """The EAGLE drafter's ``{version: [verify steps, tokens committed]}`` (None without
+        one)."""
+        drafter = self._eagle()
+        return None if drafter is None else {v: list(c) for v, c in drafter.per_version.items()}
 
 
 def merge_tau(per_actor: list[dict[int, list[int]]]) -> dict[int, float]:
