@@ -111,6 +111,21 @@ def test_round_stops_when_work_arrives(local_ray, model_dir, monkeypatch):
     assert all(torch.equal(p, weights[n]) for n, p in drafter.model.named_parameters())
     assert not torch.equal(drafter.model.fc, weights_before["fc"])
 
+    # a version published while the engine decodes is swapped in between two of its steps
+    long = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+    t = threading.Thread(target=lambda: got.update(long=list(w.rollout([(0, [7, 8, 9], long)]))))
+    t.start()
+    for _ in range(60000):  # until a verify step ran with version 1
+        if drafter.per_version.get(1, [0])[0] >= 1:
+            break
+        threading.Event().wait(0.005)
+    nudged = {k: v + 0.01 for k, v in weights.items()}
+    assert w.set_drafter([ray.put(nudged)], 2) == 1  # queued: the engine is busy
+    t.join(timeout=600)
+    assert drafter.version == 2 and drafter.per_version[2][0] >= 1
+    plain_long = LLM(str(model_dir), seed=3, **KW).generate([[7, 8, 9]], long, use_tqdm=False)
+    assert got["long"][0][1].outputs[0].token_ids == plain_long[0].outputs[0].token_ids
+
     w.stop_training(2)  # a stop sent before the round starts: it still runs one step
     stats, _ = w.train_drafter(refs, cfg, 2)
     assert (stats["steps"], stats["stop"]) == (1, "pool")
