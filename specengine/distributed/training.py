@@ -208,9 +208,15 @@ class SpareTrainer:
 class SpareScheduler:
     """The pool's side: harvest collection, when a round starts, publishing its weights.
 
-    ``RolloutPool`` calls ``begin`` after dispatching a ``generate``, ``on_idle`` when an actor's
-    call ends, ``on_trained`` for a round's ``("trained", None, round_id)`` event and ``finish``
-    before returning (it stops the round in flight and publishes what it produced).
+    Wiring (the whole contract with the pool's dispatch loop; ``events`` is the loop's queue,
+    ``busy`` the set of actors with a call in flight): ``begin(events, busy)`` once after the
+    first dispatch; ``on_idle(actor, busy, events)`` when an actor's call ends (``busy`` without
+    it); ``on_trained(round_id, busy, events)`` for each ``("trained", None, round_id)`` event
+    the round threads put on ``events``; ``finish()`` before ``generate`` returns or raises (it
+    stops the round in flight after its current step, publishes what it produced and swaps
+    queued versions in on every idle actor). Work placed on an actor later (re-runs, migrated
+    samples) needs nothing here: the actor's ``rollout_begins`` / ``notify_work`` stops its
+    round, and ``on_trained`` does not start another on a busy actor.
 
     Args:
         pool: the ``RolloutPool`` (its ``actors`` and ``alive``).
