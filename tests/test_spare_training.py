@@ -132,7 +132,11 @@ def test_round_stops_when_work_arrives(local_ray, model_dir, monkeypatch):
     stats, _ = w.train_drafter(refs, SpareTraining(seconds=1e6, max_steps=3, train=TRAIN), 3)
     assert (stats["steps"], stats["stop"]) == (3, "steps")
     w.trainer.cfg = SpareTraining(seconds=2.5, train=TRAIN)
-    ticks = iter(range(100))  # an injected clock: 1 s per read, budget 2.5 s
+    ticks = iter(range(100))  # an injected clock: 1 s per step, budget 2.5 s
+    stats, _ = w.trainer.run(lambda: False, lambda: False, clock=lambda: float(next(ticks)))
+    assert (stats["steps"], stats["stop"], stats["seconds"]) == (2, "budget", 2.0)  # 3rd: 3 s
+    w.trainer.cfg = SpareTraining(seconds=3.0, train=TRAIN)
+    ticks = iter(range(100))
     stats, _ = w.trainer.run(lambda: False, lambda: False, clock=lambda: float(next(ticks)))
     assert (stats["steps"], stats["stop"]) == (3, "budget")
     assert w.trainer.load([]) == 0  # nothing harvested: no step, no weights

@@ -167,8 +167,9 @@ class SpareTrainer:
         """One training round.
 
         Before every step: ``work_arrived()`` ends the round at once; after at least one step,
-        ``stopped()``, the ``seconds`` budget (measured by ``clock``, seconds) or ``max_steps``
-        end it.
+        ``stopped()``, ``max_steps``, or the ``seconds`` budget end it: the next step is not
+        started when the time spent (read from ``clock``, seconds) plus the mean step time so
+        far would pass the budget.
 
         Returns:
             ``(stats, weights)``: stats ``steps``, ``seconds``, ``rollouts``, ``stop`` (why it
@@ -176,7 +177,8 @@ class SpareTrainer:
             (of the last step); weights in the drafter's dtype (names as ``named_parameters``),
             None when no step ran.
         """
-        cfg, t0 = self.cfg, clock()
+        cfg = self.cfg
+        t0 = now = clock()
         held = sum(len(rs) for rs in self.data.values())
         steps, stop, last = 0, "data", {}
         while True:
@@ -186,7 +188,7 @@ class SpareTrainer:
             if steps and stopped():
                 stop = "pool"
                 break
-            if steps and clock() - t0 >= cfg.seconds:
+            if steps and (now - t0) * (steps + 1) / steps > cfg.seconds:
                 stop = "budget"
                 break
             if cfg.max_steps is not None and steps >= cfg.max_steps:
@@ -196,7 +198,8 @@ class SpareTrainer:
                 break
             last = self.fitter.step(self.batch())
             steps += 1
-        stats = {"steps": steps, "seconds": clock() - t0, "rollouts": held, "stop": stop,
+            now = clock()
+        stats = {"steps": steps, "seconds": now - t0, "rollouts": held, "stop": stop,
                  "loss": last.get("loss"), "top1": last.get("top1")}
         if not steps:
             return stats, None
