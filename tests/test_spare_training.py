@@ -211,6 +211,13 @@ def test_spare_actor_publishes_a_version_every_actor_uses(pool, reference):
         m["spare_training"]["drafter_version"] >= v
 
 
+def test_spare_training_needs_an_eagle_actor(local_ray, model_dir):
+    with pytest.raises(ValueError, match="no actor has an EAGLE drafter"):
+        RolloutPool(str(model_dir), 1, spare_training=SpareTraining(), **KW)
+    with pytest.raises(ValueError, match="spare_training is a dict"):
+        RolloutPool(str(model_dir), 1, spare_training={"seconds": 1}, **KW)
+
+
 def test_no_spare_actor_no_training(local_ray, model_dir, reference):
     cfg = SpareTraining(seconds=600, max_steps=2, min_rollouts=1, train=TRAIN)
     solo = RolloutPool(str(model_dir), 1, seed=3, speculative_config=EAGLE, spare_training=cfg,

@@ -80,7 +80,7 @@ class RolloutPool:
 
     Raises:
         ValueError: ``num_actors`` < 1, a speculative config list of the wrong length,
-            ``spare_training`` not a ``SpareTraining``;
+            ``spare_training`` not a ``SpareTraining`` or without any EAGLE actor;
             an actor's ``LLM`` construction error (re-raised from Ray).
     """
 
@@ -116,9 +116,15 @@ class RolloutPool:
         self.spare: SpareScheduler | None = None  # harvest store and spare-instance training
         if harvest or spare_training is not None:
             cfg = spare_training or SpareTraining()
-            ray.get([a.enable_harvest.remote(cfg.max_rollouts, cfg.max_bytes)
-                     for a in self.actors.values()])
-            self.spare = SpareScheduler(self, spare_training, cfg.max_rollouts, cfg.max_bytes)
+            eagle = ray.get([a.enable_harvest.remote(cfg.max_rollouts, cfg.max_bytes)
+                             for a in self.actors.values()])
+            if spare_training is not None and not any(eagle):
+                for a in self.actors.values():
+                    ray.kill(a)
+                raise ValueError("spare_training: no actor has an EAGLE drafter to train "
+                                 "(speculative_config method 'eagle')")
+            self.spare = SpareScheduler(self, spare_training, cfg.max_rollouts, cfg.max_bytes,
+                                        {a for a, ok in zip(self.actors, eagle) if ok})
         self.num_objects_put = 0  # ray.put calls (one per weight update / chunk)
         self.num_requests_rerun = 0  # requests re-run after their actor died
         self.dead: dict[int, str] = {}  # actor id -> why

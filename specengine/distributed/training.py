@@ -91,6 +91,8 @@ class HarvestStore:
         self.num_rollouts = self.nbytes = self.total_added = 0
 
     def add(self, ref: ray.ObjectRef, count: int, nbytes: int) -> None:
+        """Hold the chunk at ``ref`` (``count`` rollouts, ``nbytes`` bytes; an empty one is
+        ignored), then drop the oldest chunks while over the bounds."""
         if count <= 0:
             return
         self.chunks.append((ref, count, nbytes))
@@ -104,6 +106,7 @@ class HarvestStore:
             self.nbytes -= b
 
     def refs(self) -> list[ray.ObjectRef]:
+        """The chunks' references, oldest first."""
         return [r for r, _, _ in self.chunks]
 
 
@@ -225,10 +228,12 @@ class SpareScheduler:
         pool: the ``RolloutPool`` (its ``actors`` and ``alive``).
         cfg: ``SpareTraining``, or None to harvest only (no training).
         max_rollouts, max_bytes: the harvest store's bounds.
+        trainable: the actors with an EAGLE drafter (only they train).
     """
 
-    def __init__(self, pool, cfg: SpareTraining | None, max_rollouts: int, max_bytes: int):
-        self.pool, self.cfg = pool, cfg
+    def __init__(self, pool, cfg: SpareTraining | None, max_rollouts: int, max_bytes: int,
+                 trainable: set[int]):
+        self.pool, self.cfg, self.trainable = pool, cfg, set(trainable)
         self.store = HarvestStore(max_rollouts, max_bytes)
         self.version = 0  # the newest drafter version published in the pool
         self.round = None  # (round id, actor id, thread, [result]) of the round in flight
@@ -262,9 +267,10 @@ class SpareScheduler:
 
     def on_idle(self, actor_id: int, busy: set[int], events) -> None:
         """``actor_id`` has nothing left to decode; ``busy``: actors still decoding. Starts a
-        round there when training is on, no round is in flight, another actor is still busy,
-        and the store holds ``min_rollouts``."""
-        if self.cfg is None or self.round is not None or not busy or actor_id in busy:
+        round there when training is on, it has an EAGLE drafter, no round is in flight,
+        another actor is still busy, and the store holds ``min_rollouts``."""
+        if self.cfg is None or self.round is not None or not busy or actor_id in busy \
+                or actor_id not in self.trainable:
             return
         self.collect()
         if self.store.num_rollouts < self.cfg.min_rollouts:
