@@ -92,6 +92,16 @@ def test_shipped_drafter_drafts_for_the_gguf_path(gguf_path):
     assert llm.get_metrics()["spec_steps"] > 0
 
 
+def test_placeholder_weights_match_on_tokenizer_and_config(default_model_dir, tiny_llama_dir):
+    """``load_format="dummy"`` (RL frameworks load random weights, then push the real ones):
+    the weights say nothing yet, so tokenizer and architecture decide."""
+    target = load_model(default_model_dir, dtype=torch.bfloat16, dummy=True)
+    assert target.dummy and target_identity(target)["weight_sketch"] is None
+    assert shipped_drafter(target) is not None
+    tiny = load_model(tiny_llama_dir, dtype=torch.float32, dummy=True)
+    assert shipped_drafter(tiny) is None
+
+
 def test_a_different_model_is_refused_with_the_reason(tiny_llama_tok_dir):
     """SmolLM2's tokenizer but random tiny weights: no shipped drafter, and the message says
     which check failed."""

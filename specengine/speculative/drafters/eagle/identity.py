@@ -14,15 +14,24 @@ A target identity (``target_identity``) holds:
 - ``name``, ``hidden_size``, ``vocab_size``: for messages and quick checks.
 
 Matching rule (``match_target``): same tokenizer hash, same config hash, and every sketch's
-cosine with the target's >= ``SKETCH_COSINE`` (0.95). Rounding to bfloat16 moves the cosine by
-~1e-5, Q8_0 by ~1e-4 and 4-bit block quantization (Q4_0/Q4_1/Q4_K) by ~0.005, so every load of
-one model matches; weights drawn independently give cosines ~N(0, 1/32), so two unrelated
-models of the same architecture and tokenizer match with probability far below 1e-30.
+cosine with the target's >= ``SKETCH_COSINE`` (0.95). A target loaded with placeholder weights
+(``load_format="dummy"``: the trainer pushes the real ones later) has no sketch and matches on
+tokenizer and config alone; so does a drafter that recorded none. A drafter that recorded no
+config hash (made before identities were fingerprinted) matches by the target's name only.
+
+Why 0.95: rounding to bfloat16 lowers a sketch cosine by ~1e-6 and 4-bit block quantization
+(Q4_1, measured on random weights) by ~0.002-0.003, so every load of one model matches with a
+wide margin (2-bit quantizations, not tested, may come closer). For independent weights a
+sketch is a random direction in 32 dimensions: P(cosine >= 0.95) ~ (1 - 0.95^2)^15.5 ~ 1e-16
+per slice, ~1e-47 for all three, so unrelated models with the same architecture and tokenizer
+(e.g. differently seeded random models) do not match.
 
 False positives: a fine-tune of the same base model (same tokenizer and shapes, weights a
 small step away) also matches, by design: an RL policy is such a fine-tune, and the base
-model's drafter still proposes useful tokens for it. Speculation stays exact whichever drafter
-is used; only the acceptance rate depends on the match.
+model's drafter still proposes useful tokens for it (so the base SmolLM2-135M would likely find
+the instruct model's drafter; with placeholder weights, any model of the same tokenizer and
+config does). Speculation stays exact whichever drafter is used; only the acceptance rate
+depends on the match.
 """
 
 from __future__ import annotations
@@ -95,7 +104,8 @@ def target_identity(target) -> dict:
             "vocab_size": target.config.vocab_size,
             "tokenizer_sha256": tokenizer_hash(target.tokenizer),
             "config_sha256": config_hash(target.config),
-            "weight_sketch": weight_sketch(target.model)}
+            "weight_sketch": None if getattr(target, "dummy", False) else
+            weight_sketch(target.model)}
 
 
 def sketch_cosine(a: list[float], b: list[float]) -> float:
@@ -108,9 +118,8 @@ def sketch_cosine(a: list[float], b: list[float]) -> float:
 
 def match_target(recorded: dict, current: dict) -> str | None:
     """None when ``current`` (a ``target_identity``) is the model ``recorded`` describes;
-    otherwise why not, in a few words. A recorded identity without ``weight_sketch`` (an older
-    drafter) matches by ``name`` only."""
-    if "weight_sketch" not in recorded:
+    otherwise why not, in a few words (the rule is in the module docstring)."""
+    if recorded.get("config_sha256") is None:
         return None if recorded.get("name") == current["name"] else \
             f"made for {recorded.get('name')!r} (no fingerprint recorded)"
     for key in ("hidden_size", "vocab_size"):
@@ -121,6 +130,8 @@ def match_target(recorded: dict, current: dict) -> str | None:
         return f"tokenizer differs (vocab sha256 {str(b)[:12]} != {str(a)[:12]})"
     if recorded.get("config_sha256") != current["config_sha256"]:
         return "architecture config differs"
+    if not recorded.get("weight_sketch") or not current.get("weight_sketch"):
+        return None  # placeholder weights (or none recorded): tokenizer and config decide
     for name, want in recorded["weight_sketch"].items():
         cos = sketch_cosine(want, current["weight_sketch"].get(name, []))
         if cos < SKETCH_COSINE:
