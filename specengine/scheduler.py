@@ -93,7 +93,8 @@ class Scheduler:
             else:
                 keep.append(g)
         if taken:
-            self.waiting = keep
+            self.waiting.clear()
+            self.waiting.extend(keep)
         return taken
 
     def _schedule_decodes(self, num_slots: int) -> list[BatchEntry]:
