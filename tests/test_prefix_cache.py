@@ -271,6 +271,13 @@ def test_cached_blocks_hold_exactly_their_tokens_kv_after_rejected_drafts(tiny_d
             torch.testing.assert_close(llm.engine.runner.kv_cache[:, :, b], ref[:, :, i],
                                        atol=1e-4, rtol=1e-4)
             checked += 1
+        # the prompt's partial last block, written past by its owner's decode (drafts too):
+        # cached as the prompt left it, so only the prompt's slots are compared
+        k = len(p) // BS
+        b = llm.engine.blocks.cache.lookup(hash_partial(chain_hashes(p, BS, k)[k - 1], p[k * BS:]))
+        assert b is not None and b != cached_block(llm, tokens, k)
+        torch.testing.assert_close(llm.engine.runner.kv_cache[:, :, b, :len(p) % BS],
+                                   ref[:, :, k, :len(p) % BS], atol=1e-4, rtol=1e-4)
     assert checked >= 2 * (len(prompts[1]) + 40 - 1) // BS
     # a follow-up turn (prompt + answer + more) hits the generated blocks too, same output
     follow = [tokens + [1, 2, 3]]
