@@ -83,3 +83,20 @@ def test_hidden_states_off_by_default_and_validated(target_dir):
     assert out[0].outputs[0].hidden_states is None
     with pytest.raises(ValueError, match="return_hidden_states"):
         SamplingParams(return_hidden_states=1)
+
+
+def test_hidden_states_survive_preemption(target_dir, target):
+    """A preempted sample is recomputed from its tokens so far; the rows it kept stay right and
+    the recompute's last row gives the next token's."""
+    probe = LLM(str(target_dir), dtype="float32", block_size=BS, kv_cache_memory_bytes=1 << 20)
+    per_block = probe.engine.runner.kv_cache[:, :, 0].numel() * 4
+    llm = LLM(str(target_dir), dtype="float32", block_size=BS,
+              kv_cache_memory_bytes=12 * per_block)
+    prompts = rand_prompts(6, lo=10, hi=20, seed=8)
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, return_hidden_states=True)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert llm.get_metrics()["preemptions"] > 0
+    for p, r in zip(prompts, outs):
+        o = r.outputs[0]
+        want = plain_hidden(target, p + o.token_ids)[len(p) - 1:len(p) - 1 + len(o.token_ids)]
+        torch.testing.assert_close(o.hidden_states, want, atol=1e-4, rtol=1e-4)
