@@ -169,12 +169,13 @@ class LLM:
         ``weight_updates``, ``weight_update_time`` / ``last_weight_update_time`` (seconds
         applying updates) and ``sleep_level`` (0 awake, else the deepest level slept); prefix
         caching: ``prefix_cache_hit_rate`` (hit / queried prompt tokens),
-        ``prefix_cache_hit_tokens``, ``prefix_cache_queried_tokens``, ``prefix_cache_blocks``
-        (cached now; those nobody uses count in ``kv_blocks_free``, evicted on demand);
-        migration (``specengine.migration.Migrator``): ``migration_stage1_seconds`` /
-        ``_bytes``, ``migration_stage2_seconds`` / ``_bytes``, ``migration_import_seconds`` /
-        ``_bytes``, ``migrated_out`` / ``migrated_in`` (with K/V), ``reprefilled_out`` /
-        ``reprefilled_in`` (as tokens)."""
+        ``prefix_cache_hit_tokens``, ``prefix_cache_queried_tokens``,
+        ``prefix_cache_rerun_tokens`` (hit tokens run again for their logits),
+        ``prefix_cache_blocks`` (cached now; those nobody uses count in ``kv_blocks_free``,
+        evicted on demand); migration (``specengine.migration.Migrator``):
+        ``migration_stage1_seconds`` / ``_bytes``, ``migration_stage2_seconds`` / ``_bytes``,
+        ``migration_import_seconds`` / ``_bytes``, ``migrated_out`` / ``migrated_in`` (with
+        K/V), ``reprefilled_out`` / ``reprefilled_in`` (as tokens)."""
         d = self.engine.metrics.as_dict()
         d.update(kv_blocks_total=self.engine.blocks.num_blocks,
                  kv_blocks_free=self.engine.blocks.num_free, generate_time=self._wall_time,

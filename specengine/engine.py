@@ -254,7 +254,7 @@ class Engine:
             self._commit_kv(layout, commits)
             self._observe(layout, hidden, commits)
             times.mark("sampled")
-            num_appended, finished = self._append(layout, commits, now=times.sampled)
+            num_appended, finished = self._append(layout, commits, hidden, now=times.sampled)
             self._account(layout, commits, strategy, times, num_proposed, num_appended)
             return ready + [self._request_output(req, now=times.sampled) for req in finished]
 
@@ -371,26 +371,35 @@ class Engine:
             for s in e.samplers or [e.seq]:
                 self.drafter.observe(s, start, feats)
 
-    def _append(self, layout: ForwardLayout, commits: list[Commit],
+    def _append(self, layout: ForwardLayout, commits: list[Commit], hidden: torch.Tensor,
                 now: float) -> tuple[int, list[Request]]:
         """Append each commit's tokens one at a time with the stop rules (``OutputProcessor``);
-        a sequence that stops releases its KV blocks and drops the rest of its tokens. Then
-        the decodes still running give back their unused draft slots.
+        a sequence that stops releases its KV blocks and drops the rest of its tokens. A
+        sequence with ``return_hidden_states`` keeps the rows of ``hidden`` ``[T, H]`` that
+        produced the tokens it appended. Then the decodes still running give back their unused
+        draft slots.
 
         Returns:
             ``(tokens appended, requests whose samples have all finished)``.
         """
         num_appended, finished = 0, []
+        index = None
         for c in commits:
             req = self.requests[c.seq.request_id]
             req.first_token_time = req.first_token_time or now
+            n = 0
             for tok, lp in zip(c.tokens, c.logprobs):
                 num_appended += 1
+                n += 1
                 if self.output.append(c.seq, tok, lp):
                     self._release(c.seq)
                     if all(s.is_finished for s in req.seqs):
                         finished.append(req)
                     break
+            if c.seq.hidden_states is not None:
+                index = index or {id(e): i for i, e in enumerate(layout.entries)}
+                rows = layout.sampling_rows(index[id(c.entry)], c.accepted)[:n]
+                c.seq.hidden_states.append(hidden[rows].cpu())
         for e in layout.decodes:
             if not e.seq.is_finished:  # give back the draft slots
                 self.blocks.shrink(e.seq, e.seq.num_cached)
