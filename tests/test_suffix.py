@@ -81,11 +81,14 @@ def test_siblings_are_visible_mid_rollout():
 
 
 def test_longest_indexed_match_wins_and_own_text_counts():
-    mem = RolloutMemory()
+    mem = RolloutMemory(backoff=0.0)
     toks = PROMPT + [1, 2, 3, 4, 5, 6, 7, 8, 20, 9, 8, 21, 1, 2, 3, 4, 5, 6, 7, 8]
     mem.start("s", toks, len(PROMPT))
     # the 8-gram [1..8] occurred once before (-> 20, 9); the 1-gram 8 also preceded 21
     assert mem.lookup("s", toks[-8:], 2) == (8, [(1.0, [20, 9])])
+    # backing off: the shorter matches' other occurrences follow, weighted per level
+    mem.backoff = 0.5
+    assert mem.lookup("s", toks[-8:], 2) == (8, [(1.0, [20, 9]), (0.125, [21, 1])])
     assert mem.lookup("s", [8], 2) == (1, [(1.0, [21, 1]), (1.0, [20, 9])])
     # the prompt is a document too (prompt lookup)
     assert mem.lookup("s", [12, 13], 3) == (2, [(1.0, [14, 15])])
@@ -179,7 +182,7 @@ def test_an_evicted_live_sample_is_detached():
 def test_bad_memory_arguments_are_named():
     for kw, name in [({"cap_bytes": 0}, "cap_bytes"), ({"decay": 0.0}, "decay"),
                      ({"decay": 1.5}, "decay"), ({"max_age": -1}, "max_age"),
-                     ({"max_matches": 0}, "max_matches")]:
+                     ({"max_matches": 0}, "max_matches"), ({"backoff": -0.1}, "backoff")]:
         with pytest.raises(ValueError, match=name):
             RolloutMemory(**kw)
 
@@ -197,7 +200,8 @@ def test_config_keys_are_validated_by_name():
            ("suffix_decoding_min_token_prob", 1.5), ("suffix_decoding_min_token_prob", "x"),
            ("suffix_memory_bytes", 0), ("suffix_memory_bytes", True),
            ("suffix_history_decay", 0), ("suffix_history_decay", 1.01),
-           ("suffix_history_max_age", -1), ("suffix_max_matches", 0)]
+           ("suffix_history_max_age", -1), ("suffix_max_matches", 0),
+           ("suffix_backoff", 1.5)]
     for key, value in bad:
         with pytest.raises(ValueError, match=key):
             SpeculativeConfig.from_dict({"method": "suffix", key: value})

@@ -48,6 +48,9 @@ class SpeculativeConfig:
             versions old are dropped (>= 0; default 4).
         suffix_max_matches: ``suffix``: most earlier occurrences whose continuations one
             lookup merges (>= 1; default 32).
+        suffix_backoff: ``suffix``: weight factor per level of the occurrences of shorter
+            n-grams merged after the longest match's, in [0, 1] (default 0.5; 0: the longest
+            match only).
 
     Raises:
         ValueError: unknown method or key, out-of-range sizes (message names the key).
@@ -69,6 +72,7 @@ class SpeculativeConfig:
     suffix_history_decay: float = 0.5
     suffix_history_max_age: int = 4
     suffix_max_matches: int = 32
+    suffix_backoff: float = 0.5
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -113,6 +117,7 @@ class SpeculativeConfig:
             ("suffix_history_decay", number, 0.0, 1.0, "a number in (0, 1]"),
             ("suffix_history_max_age", integer, 0, None, "an int >= 0 (weight versions)"),
             ("suffix_max_matches", integer, 1, None, "an int >= 1"),
+            ("suffix_backoff", number, 0.0, 1.0, "a number in [0, 1]"),
         ]
         for key, kind, lo, hi, what in checks:
             v = getattr(self, key)

@@ -15,7 +15,8 @@ Index (the lookup never scans a group): for each n in ``INDEX_NS`` a dict from t
 n-gram to the position code of its most recent occurrence, and per document an int64 array
 ``prev[j, pos]`` with the previous occurrence of the same n-gram (a linked chain, most recent
 first). Appending a token costs O(len(INDEX_NS)); a lookup walks at most ``max_matches``
-occurrences of the longest indexed n-gram that ends the query. Hash collisions between
+occurrences (up to 4x that many chain links) of the longest indexed n-gram that ends the query
+and, backing off, of the shorter ones. Hash collisions between
 different n-grams only make a draft worse, never an output different (verification is exact).
 
 Memory (bytes, accounted as allocated, never above ``cap_bytes`` once a call returns):
@@ -150,35 +151,45 @@ class Group:
         self.bytes = (GROUP_BYTES + self.doc_bytes + KEY_BYTES * self.num_keys
                       + sum(sys.getsizeof(h) for h in self.heads))
 
-    def continuations(self, tail: list[int], depth: int, max_matches: int
-                      ) -> tuple[int, list[tuple[float, list[int]]]]:
+    def continuations(self, tail: list[int], depth: int, max_matches: int,
+                      backoff: float = 0.0) -> tuple[int, list[tuple[float, list[int]]]]:
         """Continuations of the most recent occurrences of the longest indexed n-gram
-        (``n`` in ``INDEX_NS``) that ends ``tail``.
+        (``n`` in ``INDEX_NS``) that ends ``tail``; with ``backoff`` > 0, also those of the
+        shorter indexed n-grams (occurrences not already taken), their weights multiplied by
+        ``backoff`` per level shorter.
 
         Returns:
-            ``(n, [(weight, tokens), ...])``: the match length and up to ``max_matches``
-            continuations (each 1..``depth`` tokens, most recent first, with its document's
-            weight); ``(0, [])`` when nothing matches.
+            ``(n, [(weight, tokens), ...])``: the longest match length and up to
+            ``max_matches`` continuations (each 1..``depth`` tokens, longest match first, then
+            most recent first, weighted by their document's weight); ``(0, [])`` when nothing
+            matches.
         """
+        out: list[tuple[float, list[int]]] = []
+        seen: set[int] = set()
+        found, scale = 0, 1.0
         for j in range(len(INDEX_NS) - 1, -1, -1):
             n = INDEX_NS[j]
             if n > len(tail):
                 continue
             key = tail[-1] if n == 1 else hash(tuple(tail[-n:]))
             code = self.heads[j].get(key, -1)
-            out: list[tuple[float, list[int]]] = []
             steps = 0
             while code >= 0 and len(out) < max_matches and steps < 4 * max_matches:
                 steps += 1
                 doc = self.docs[code >> _SHIFT]
                 pos = code & _MASK
-                if doc.weight > 0.0 and pos + 1 < doc.length:
+                if doc.weight > 0.0 and pos + 1 < doc.length and code not in seen:
+                    seen.add(code)
                     end = min(pos + 1 + depth, doc.length)
-                    out.append((doc.weight, doc.tokens[pos + 1:end].tolist()))
+                    out.append((doc.weight * scale, doc.tokens[pos + 1:end].tolist()))
                 code = int(doc.prev[j, pos])
-            if out:
-                return n, out
-        return 0, []
+            if out and not found:
+                found = n
+            if found:
+                if backoff <= 0.0 or len(out) >= max_matches:
+                    break
+                scale *= backoff
+        return found, out
 
     def compact(self) -> None:
         """Drop dead documents and rebuild the index from the others (O(tokens kept)); the
@@ -210,13 +221,15 @@ class RolloutMemory:
         decay: weight factor per weight version of age of a history response, in (0, 1].
         max_age: history older than this many weight versions is dropped (>= 0).
         max_matches: most occurrences whose continuations one lookup returns (>= 1).
+        backoff: weight factor per level for the occurrences of shorter indexed n-grams, in
+            [0, 1] (0: the longest match only, as SuffixDecoding; see ``Group.continuations``).
 
     Raises:
         ValueError: an argument out of range, naming it.
     """
 
     def __init__(self, cap_bytes: int = 256 << 20, decay: float = 0.5, max_age: int = 4,
-                 max_matches: int = 32):
+                 max_matches: int = 32, backoff: float = 0.5):
         if not isinstance(cap_bytes, int) or cap_bytes < 1:
             raise ValueError(f"RolloutMemory.cap_bytes={cap_bytes!r}: must be an int >= 1")
         if not 0.0 < decay <= 1.0:
@@ -225,8 +238,10 @@ class RolloutMemory:
             raise ValueError(f"RolloutMemory.max_age={max_age!r}: must be an int >= 0")
         if not isinstance(max_matches, int) or max_matches < 1:
             raise ValueError(f"RolloutMemory.max_matches={max_matches!r}: must be an int >= 1")
+        if not 0.0 <= backoff <= 1.0:
+            raise ValueError(f"RolloutMemory.backoff={backoff!r}: must be in [0, 1]")
         self.cap_bytes, self.decay, self.max_age = cap_bytes, decay, max_age
-        self.max_matches = max_matches
+        self.max_matches, self.backoff = max_matches, backoff
         self.version = 0
         self.groups: OrderedDict[tuple[int, int], Group] = OrderedDict()
         self.bytes = 0
@@ -342,7 +357,8 @@ class RolloutMemory:
         if entry is None:
             return 0, []
         self.groups.move_to_end(entry[0])
-        return self.groups[entry[0]].continuations(tail, depth, self.max_matches)
+        return self.groups[entry[0]].continuations(tail, depth, self.max_matches,
+                                                  self.backoff)
 
     # ---- weight versions ----------------------------------------------------------------------
     def set_version(self, version: int) -> None:

@@ -8,9 +8,11 @@ own output and the finished responses of earlier calls (weighed down per weight 
 age). No model runs, so drafting costs only the index update and the lookup (both timed, see
 ``stats``).
 
-The tree: the continuations of the most recent occurrences of the longest matching n-gram are
-merged into a trie; a node's count is the summed weight of the continuations through it, its
-path probability ``count(node) / count(root)`` and its draft log-probability
+The tree: the continuations of the most recent occurrences of the longest matching n-gram (and,
+weighted down by ``backoff`` per level, of the shorter ones: on recorded T = 1 GSM rollouts of
+the default model this drafted ~0.05 more accepted tokens per step than the longest match
+alone) are merged into a trie; a node's count is the summed weight of the continuations through
+it, its path probability ``count(node) / count(root)`` and its draft log-probability
 ``log(count(node) / count(parent))``. Nodes are taken best-first by path probability, at most
 ``topk`` children per node, ``budget`` nodes, ``min(depth, max_tree_depth)`` deep, and none whose
 path probability is below ``min_token_prob``.
@@ -104,8 +106,9 @@ class SuffixDrafter(Drafter):
             ``suffix_decoding_max_tree_depth``).
         min_token_prob: least path probability of a drafted node (vLLM's
             ``suffix_decoding_min_token_prob``).
-        memory_bytes, history_decay, history_max_age, max_matches: ``RolloutMemory``'s
-            ``cap_bytes``, ``decay``, ``max_age``, ``max_matches``.
+        memory_bytes, history_decay, history_max_age, max_matches, backoff:
+            ``RolloutMemory``'s ``cap_bytes``, ``decay``, ``max_age``, ``max_matches``,
+            ``backoff``.
         clock: seconds, for the update and lookup timers (tests inject one).
 
     Raises:
@@ -117,6 +120,7 @@ class SuffixDrafter(Drafter):
     def __init__(self, strategy: Strategy, max_tree_depth: int = 24,
                  min_token_prob: float = 0.1, memory_bytes: int = 256 << 20,
                  history_decay: float = 0.5, history_max_age: int = 4, max_matches: int = 32,
+                 backoff: float = 0.5,
                  clock: Callable[[], float] = time.perf_counter):
         super().__init__(strategy)
         if not isinstance(max_tree_depth, int) or max_tree_depth < 1:
@@ -126,7 +130,8 @@ class SuffixDrafter(Drafter):
             raise ValueError(f"SuffixDrafter.min_token_prob={min_token_prob!r}: must be in "
                              f"[0, 1]")
         self.max_tree_depth, self.min_token_prob = max_tree_depth, min_token_prob
-        self.memory = RolloutMemory(memory_bytes, history_decay, history_max_age, max_matches)
+        self.memory = RolloutMemory(memory_bytes, history_decay, history_max_age, max_matches,
+                                    backoff)
         self.clock = clock
         self._live: dict[int, Sequence] = {}
         self.update_seconds = 0.0
