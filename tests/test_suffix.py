@@ -67,7 +67,7 @@ def test_siblings_are_visible_mid_rollout():
     assert mem.lookup("b", b[-8:], 4) == (4, [(1.0, [2, 3, 4, 5])])
     b += [2, 3, 4]
     mem.sync("b", b)  # b's own continuation has none yet; a's has
-    assert mem.lookup("b", b[-8:], 2) == (8, [(1.0, [5, 6])])
+    assert mem.lookup("b", b[-8:], 2) == (4, [(1.0, [5, 6])])
     # a separate request with the same prompt is in the same group
     mem.start("c", PROMPT + [9], len(PROMPT))
     assert mem.stats()["rollout_memory_groups"] == 1
@@ -82,14 +82,14 @@ def test_siblings_are_visible_mid_rollout():
 
 def test_longest_indexed_match_wins_and_own_text_counts():
     mem = RolloutMemory(backoff=0.0)
-    toks = PROMPT + [1, 2, 3, 4, 5, 6, 7, 8, 20, 9, 8, 21, 1, 2, 3, 4, 5, 6, 7, 8]
+    toks = PROMPT + [1, 2, 3, 4, 20, 9, 3, 4, 21, 8, 1, 2, 3, 4]
     mem.start("s", toks, len(PROMPT))
-    # the 8-gram [1..8] occurred once before (-> 20, 9); the 1-gram 8 also preceded 21
-    assert mem.lookup("s", toks[-8:], 2) == (8, [(1.0, [20, 9])])
-    # backing off: the shorter matches' other occurrences follow, weighted per level
+    # the 4-gram [1, 2, 3, 4] occurred once before (-> 20, 9); the 2-gram [3, 4] also -> 21
+    assert mem.lookup("s", toks[-8:], 2) == (4, [(1.0, [20, 9])])
+    # backing off: the shorter match's other occurrence follows, weighted per level
     mem.backoff = 0.5
-    assert mem.lookup("s", toks[-8:], 2) == (8, [(1.0, [20, 9]), (0.125, [21, 1])])
-    assert mem.lookup("s", [8], 2) == (1, [(1.0, [21, 1]), (1.0, [20, 9])])
+    assert mem.lookup("s", toks[-8:], 2) == (4, [(1.0, [20, 9]), (0.5, [21, 8])])
+    assert mem.lookup("s", [9], 2) == (1, [(1.0, [3, 4])])
     # the prompt is a document too (prompt lookup)
     assert mem.lookup("s", [12, 13], 3) == (2, [(1.0, [14, 15])])
 
@@ -125,11 +125,13 @@ def test_aborted_documents_are_skipped_and_compacted():
     mem.finish("keep", keep=True)
     before = mem.bytes
     mem.start("gone", PROMPT + [1, 7, 7, 7, 7, 7, 7], len(PROMPT))
-    mem.finish("gone", keep=False)  # dead tokens > half: compacted now
+    mem.finish("gone", keep=False)  # dead: skipped by lookups, held until compacted
+    assert len(mem.group_of(PROMPT).docs) == 3 and mem.bytes > before
     mem.start("q", PROMPT + [1], len(PROMPT))
     assert mem.lookup("q", [15, 1], 2)[1] == [(1.0, [2, 3])]
-    mem.finish("q", keep=False)
-    assert mem.bytes == before
+    mem.finish("q", keep=False)  # now over half of the group's tokens are dead: compacted
+    assert len(mem.group_of(PROMPT).docs) == 2 and mem.bytes == before == recount(mem)
+    assert mem.stats()["rollout_memory_history"] == 1
 
 
 def recount(mem):
