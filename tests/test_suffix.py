@@ -8,7 +8,9 @@ import pytest
 from helpers import rand_prompts
 
 from specengine import LLM, SamplingParams
+from specengine._ext import ext
 from specengine.models.loader import save_random_model
+from specengine.sampling import noise_rows
 from specengine.speculative.config import METHODS, SpeculativeConfig
 from specengine.speculative.drafters import make_drafter
 from specengine.speculative.drafters.rollout_memory import (
@@ -17,7 +19,7 @@ from specengine.speculative.drafters.rollout_memory import (
     KEY_BYTES,
     RolloutMemory,
 )
-from specengine.speculative.drafters.suffix import SuffixDrafter, build_tree
+from specengine.speculative.drafters.suffix import SuffixDrafter, build_tree, noise_fn
 from specengine.speculative.strategy import Strategy
 
 PROMPT = [11, 12, 13, 14, 15]
@@ -52,6 +54,33 @@ def test_tree_respects_topk_budget_depth_and_min_prob():
     assert tree.tokens == [7, 9]
     assert tree.draft_logprobs == pytest.approx([0.0, math.log(3 / 4)])
     assert build_tree([], 3, 2, 4) is None
+
+
+def test_noise_ranks_children_by_perturbed_counts():
+    conts = [(1.0, [1, 3]), (1.0, [1, 3]), (1.0, [2]), (1.0, [1, 4])]  # 1: 3/4, 2: 1/4
+
+    def noise(depth, token):  # 2 drew a small E at depth 1: it wins the race
+        return {(1, 1): 1.0, (1, 2): 0.05}.get((depth, token), 1.0)
+
+    plain = build_tree(conts, depth=2, topk=1, budget=4)
+    coupled = build_tree(conts, depth=2, topk=1, budget=4, noise=noise)
+    assert plain.tokens == [1, 3] and coupled.tokens == [2]
+    # softmax of log count - log E: 1 -> 3 * 1, 2 -> 1 * 20
+    tree = build_tree(conts, depth=2, topk=2, budget=4, noise=noise)
+    assert tree.tokens == [2, 1, 3, 4]
+    assert tree.draft_logprobs[:2] == pytest.approx([math.log(20 / 23), math.log(3 / 23)])
+    # a single child keeps its share (count over its parent's), whatever the noise
+    assert tree.draft_logprobs[2:] == pytest.approx([math.log(2 / 3), math.log(1 / 3)])
+
+
+@pytest.mark.skipif(ext() is None, reason="specengine._C is not built")
+def test_token_noise_equals_the_samplers_rows():
+    key, first, vocab = 987654321, 17, 49152
+    f = noise_fn(key, first)
+    for depth in (1, 3):
+        row = noise_rows(key, [first + depth - 1], vocab)[0]
+        for tok in (0, 5, 4000, vocab - 1):
+            assert f(depth, tok) == pytest.approx(float(row[tok]), rel=3e-7)
 
 
 # ---- the index ----------------------------------------------------------------------------------
@@ -219,7 +248,7 @@ def test_drafter_depth_is_capped_and_timers_use_the_clock():
     class Seq:
         def __init__(self, sid, toks):
             self.seq_id, self.token_ids, self.num_prompt_tokens = sid, toks, len(PROMPT)
-            self.finish_reason = "stop"
+            self.finish_reason, self.params = "stop", SamplingParams(temperature=0)
 
     a = Seq(1, PROMPT + [1, 2, 3, 4, 5])
     b = Seq(2, PROMPT + [1])

@@ -16,6 +16,13 @@ it, its path probability ``count(node) / count(root)`` and its draft log-probabi
 ``log(count(node) / count(parent))``. Nodes are taken best-first by path probability, at most
 ``topk`` children per node, ``budget`` nodes, ``min(depth, max_tree_depth)`` deep, and none whose
 path probability is below ``min_token_prob``.
+
+For a sampled sequence the children are ranked with the sequence's own sampling noise
+(``coupled``, the shared-noise coupling of ``drafters/coupling.py``, Daliri et al. 2024,
+arXiv 2408.07978): by ``log count - log E`` of each child's token at its output position, so
+the child first in line is the continuation the target's exponential race is likeliest to draw
+(on recorded T = 1 GSM rollouts of the default model: ~0.05 more accepted tokens per step).
+The noise of single tokens is computed by ``noise_fn`` (no vocabulary-wide rows).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import math
 import time
 from collections.abc import Callable
 
+from specengine._ext import ext
 from specengine.sequence import Sequence
 from specengine.speculative.drafters.base import Drafter
 from specengine.speculative.drafters.rollout_memory import INDEX_NS, RolloutMemory
@@ -32,10 +40,55 @@ from specengine.speculative.strategy import Strategy
 from specengine.speculative.tree import DraftTree
 
 KEPT_FINISH_REASONS = ("stop", "length")  # responses added to history (not aborted ones)
+_M64 = (1 << 64) - 1
+_V_MAX = 0.99999994  # float32 just below 1: csrc/noise.cpp's cap on v
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's finalizer (Steele, Lea & Flood 2014), as in ``csrc/noise.cpp``."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def noise_fn(key: int, first_position: int) -> Callable[[int, int], float]:
+    """The sampling noise ``E`` of single tokens, without drawing whole rows: the returned
+    ``f(depth, token)`` is the ``Exp(1)`` noise of ``token`` at output position
+    ``first_position + depth - 1`` of noise stream ``key`` (``SampleNoise.key``), by the formula
+    of ``csrc/noise.cpp`` in Python integers and float64 (equal to the extension's float32 up to
+    rounding; ~2 us a token where a row of 49k tokens costs ~0.25 ms)."""
+    rows: dict[int, int] = {}
+
+    def f(depth: int, token: int) -> float:
+        row = rows.get(depth)
+        if row is None:
+            pos = first_position + depth - 1
+            row = rows[depth] = _mix64((key + 0xD1B54A32D192ED03 * (pos + 1)) & _M64)
+        h = _mix64((row + 0x9E3779B97F4A7C15 * (token + 1)) & _M64) | 1
+        v = min(float(h) * 2.0 ** -64, _V_MAX)
+        return -math.log1p(-v)
+
+    return f
+
+
+def _conditionals(node: list, depth: int, noise: Callable[[int, int], float] | None
+                  ) -> list[tuple[int, list, float]]:
+    """``(token, child, conditional probability)`` of ``node``'s children at ``depth``: count
+    over the node's count; with ``noise``, the children's share of the node's count split by
+    the softmax of the perturbed scores ``log count - log E`` instead (Daliri et al. 2024)."""
+    items = node[1].items()
+    if noise is None or len(items) == 1:  # one child: the noise does not change its share
+        return [(t, c, c[0] / node[0]) for t, c in items]
+    scores = [math.log(c[0]) - math.log(noise(depth, t)) for t, c in items]
+    top = max(scores)
+    ex = [math.exp(x - top) for x in scores]
+    share = sum(c[0] for _, c in items) / node[0] / sum(ex)
+    return [(t, c, e * share) for (t, c), e in zip(items, ex)]
 
 
 def build_tree(continuations: list[tuple[float, list[int]]], depth: int, topk: int,
-               budget: int, min_prob: float = 0.0, source: str = "suffix") -> DraftTree | None:
+               budget: int, min_prob: float = 0.0, source: str = "suffix",
+               noise: Callable[[int, int], float] | None = None) -> DraftTree | None:
     """Merge weighted continuations into a scored token tree, best-first by path probability.
 
     Args:
@@ -45,6 +98,11 @@ def build_tree(continuations: list[tuple[float, list[int]]], depth: int, topk: i
         budget: most nodes (>= 1).
         min_prob: nodes whose path probability (count / total weight) is below it are left out.
         source: the name written into ``DraftTree.sources``.
+        noise: for a sampled sequence, ``f(depth, token)``, the sampling noise ``E`` of
+            ``token`` at the output position of a node at ``depth`` (``noise_fn``): children
+            are then scored by ``log count - log E``, the shared-noise coupling of
+            ``drafters/coupling.py``, so the child first in line is the one the target's
+            exponential race is likeliest to draw. None: plain counts (greedy).
 
     Returns:
         A ``DraftTree`` (distinct sibling tokens; ``draft_logprobs`` the log of each node's
@@ -71,12 +129,12 @@ def build_tree(continuations: list[tuple[float, list[int]]], depth: int, topk: i
     nchild = [0]  # slot 0 = root, slot 1 + i = node i
     order = 0
     heap: list = []
-    for t, child in root[1].items():
-        heap.append((-child[0] / total, order, -1, t, child, total, 1))
+    for t, child, p in _conditionals(root, 1, noise):
+        heap.append((-p, order, -1, t, child, p, 1))
         order += 1
     heapq.heapify(heap)
     while heap and len(tokens) < budget:
-        negp, _, par, tok, node, par_count, d = heapq.heappop(heap)
+        negp, _, par, tok, node, cond, d = heapq.heappop(heap)
         if -negp < min_prob:
             break
         if nchild[par + 1] >= topk:
@@ -85,11 +143,11 @@ def build_tree(continuations: list[tuple[float, list[int]]], depth: int, topk: i
         i = len(tokens)
         tokens.append(tok)
         parents.append(par)
-        lps.append(math.log(node[0] / par_count))
+        lps.append(math.log(cond))
         nchild.append(0)
-        if d < depth:
-            for t, child in node[1].items():
-                heapq.heappush(heap, (-child[0] / total, order, i, t, child, node[0], d + 1))
+        if d < depth and node[1]:
+            for t, child, p in _conditionals(node, d + 1, noise):
+                heapq.heappush(heap, (negp * p, order, i, t, child, p, d + 1))
                 order += 1
     if not tokens:
         return None
@@ -109,6 +167,8 @@ class SuffixDrafter(Drafter):
         memory_bytes, history_decay, history_max_age, max_matches, backoff:
             ``RolloutMemory``'s ``cap_bytes``, ``decay``, ``max_age``, ``max_matches``,
             ``backoff``.
+        coupled: rank a sampled sequence's children with its sampling noise (``noise_fn``;
+            only with the C++ extension, whose noise ``noise_fn`` reproduces).
         clock: seconds, for the update and lookup timers (tests inject one).
 
     Raises:
@@ -120,7 +180,7 @@ class SuffixDrafter(Drafter):
     def __init__(self, strategy: Strategy, max_tree_depth: int = 24,
                  min_token_prob: float = 0.1, memory_bytes: int = 256 << 20,
                  history_decay: float = 0.5, history_max_age: int = 4, max_matches: int = 32,
-                 backoff: float = 0.5,
+                 backoff: float = 0.5, coupled: bool = True,
                  clock: Callable[[], float] = time.perf_counter):
         super().__init__(strategy)
         if not isinstance(max_tree_depth, int) or max_tree_depth < 1:
@@ -133,6 +193,7 @@ class SuffixDrafter(Drafter):
         self.memory = RolloutMemory(memory_bytes, history_decay, history_max_age, max_matches,
                                     backoff)
         self.clock = clock
+        self.coupled = coupled and ext() is not None
         self._live: dict[int, Sequence] = {}
         self.update_seconds = 0.0
         self.lookup_seconds = 0.0
@@ -164,8 +225,14 @@ class SuffixDrafter(Drafter):
             if n:
                 self.matched += 1
                 self.match_len_sum += n
+            if not conts:
+                trees.append(None)
+                continue
+            noise = None
+            if self.coupled and not s.params.greedy:
+                noise = noise_fn(s.noise.key, s.num_output_tokens)
             trees.append(build_tree(conts, depth, strategy.topk, strategy.budget,
-                                    self.min_token_prob) if conts else None)
+                                    self.min_token_prob, noise=noise))
         t2 = self.clock()
         self.update_seconds += t1 - t0
         self.lookup_seconds += t2 - t1
