@@ -345,6 +345,7 @@ def test_abort_adds_no_history_and_weight_updates_age_it(target_dir):
     eng.abort_request(rid)
     m = llm.get_metrics()
     assert m["rollout_memory_history"] == 0 and m["rollout_memory_live"] == 0
+    assert m["rollout_memory_groups"] == 0 and m["rollout_memory_bytes"] == 0
     assert m["kv_blocks_free"] == m["kv_blocks_total"]
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, n=2), use_tqdm=False)
     assert llm.get_metrics()["rollout_memory_history"] == 2

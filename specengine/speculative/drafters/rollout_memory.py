@@ -334,7 +334,10 @@ class RolloutMemory:
 
     def finish(self, handle: object, keep: bool) -> None:
         """``handle``'s sample finished: with ``keep``, its document becomes history tagged
-        with the current weight version; otherwise (aborted) it is dropped."""
+        with the current weight version (its arrays trimmed to its length); otherwise
+        (aborted) it is dropped: skipped at once, its memory freed when more than half of the
+        group's tokens are dead (compaction), and the group dropped when it holds no live or
+        finished response any more."""
         self._detached.discard(handle)
         entry = self._live.pop(handle, None)
         if entry is None:
@@ -353,7 +356,10 @@ class RolloutMemory:
             return
         doc.version, doc.weight = -2, 0.0  # dead: skipped, then compacted away
         g.dead_tokens += doc.length
-        if 2 * g.dead_tokens > g.num_tokens:
+        if not g.num_live and all(d.version is not None and d.version < 0 for d in g.docs):
+            del self.groups[key]  # no response left, only the prompt: not worth keeping
+            self.bytes -= g.bytes
+        elif 2 * g.dead_tokens > g.num_tokens:
             before = g.bytes
             g.compact()
             self.bytes += g.bytes - before
