@@ -22,9 +22,12 @@ different n-grams only make a draft worse, never an output different (verificati
 Memory (bytes, accounted as allocated, never above ``cap_bytes`` once a call returns):
 numpy ``nbytes`` of each document's arrays (capacity, not length) plus ``DOC_BYTES`` per
 document, ``sys.getsizeof`` of each index dict plus ``KEY_BYTES`` per key (its int key and int
-value objects), plus ``GROUP_BYTES`` per group. Groups are evicted least-recently-used (touched
-when a sample starts, syncs or looks up in them); a live sample of an evicted group is
-detached (it drafts nothing more and adds nothing).
+value objects), plus ``GROUP_BYTES`` per group. Not counted: the map from in-flight samples to
+their documents (one entry per running sample, not growing with the memory). Groups are
+evicted least-recently-used (touched when a sample starts or looks up in them); a live sample
+of an evicted group is detached (it drafts nothing more and adds nothing). At the default
+indexing (n in 1, 2, 4) a finished response costs ~200-230 bytes per token, so 256 MiB hold
+about a million tokens.
 
 SuffixDecoding (Oliaro et al., arXiv 2411.04975) keeps a suffix tree per request plus a global
 one over earlier outputs; this memory keeps the same sources per prompt group, and adds the
