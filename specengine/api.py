@@ -21,7 +21,6 @@ from specengine.outputs import RequestOutput
 from specengine.sampling import SamplingParams
 from specengine.speculative.config import SpeculativeConfig
 from specengine.speculative.drafters import make_drafter
-from specengine.speculative.drafters.eagle import EagleDrafter
 from specengine.speculative.policy import make_policy
 from specengine.speculative.training.harvest import Harvester
 from specengine.weights import WeightUpdater
@@ -165,7 +164,10 @@ class LLM:
         (target weight version -> tokens committed per verify step while it served: drift
         after a weight update shows here); with an EAGLE drafter (also inside a
         ``Harvester``), ``drafter_version`` and ``tau_per_version`` (drafter version -> tokens
-        committed per verify step, see ``EagleDrafter.stats``). Always: ``weight_version``,
+        committed per verify step, see ``EagleDrafter.stats``); with the suffix drafter,
+        ``rollout_memory_bytes`` / ``_groups`` / ``_tokens`` / ... and the index update and lookup
+        seconds (``suffix_update_seconds``, ``suffix_lookup_seconds``, totals and per step; see
+        ``SuffixDrafter.stats``). Always: ``weight_version``,
         ``weight_updates``, ``weight_update_time`` / ``last_weight_update_time`` (seconds
         applying updates) and ``sleep_level`` (0 awake, else the deepest level slept); prefix
         caching: ``prefix_cache_hit_rate`` (hit / queried prompt tokens),
@@ -187,7 +189,7 @@ class LLM:
             d["tau_per_weight_version"] = self.weights.tau_per_weight_version()
         if isinstance(drafter, Harvester):
             drafter = drafter.inner
-        if isinstance(drafter, EagleDrafter):
+        if drafter is not None:  # EAGLE: versions; suffix: rollout memory and its costs
             d.update(drafter.stats())
         return d
 

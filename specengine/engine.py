@@ -80,11 +80,24 @@ class Engine:
         self.drafter = drafter
         self.policy = policy or StaticPolicy(drafter.strategy if drafter else None)
         self._next_id = 0
+        self._weight_version = 0
         self.weight_version = 0  # stamped on outputs; weights.WeightUpdater advances it
         self.ready_check = None  # callable raising when requests cannot run (memory.py)
         # finished requests not returned by a step yet: the last unfinished sample of a request
         # left the engine (``detach``), the others had finished; the next ``step`` returns them
         self.outputs_ready: list[RequestOutput] = []
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the target's weights (``weights.WeightUpdater`` advances it); setting it
+        tells the drafter (``Drafter.set_weight_version``)."""
+        return self._weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        self._weight_version = version
+        if self.drafter is not None:
+            self.drafter.set_weight_version(version)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,

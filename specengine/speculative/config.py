@@ -6,7 +6,8 @@ from dataclasses import dataclass, fields
 
 from specengine.speculative.strategy import Strategy
 
-METHODS = ("ngram", "draft_model", "eagle")
+METHODS = ("ngram", "draft_model", "eagle", "suffix")
+DEFAULT_SUFFIX_MEMORY_BYTES = 256 << 20  # 256 MiB of rollout memory
 POLICIES = ("auto", "static", "bandit")
 
 
@@ -16,7 +17,9 @@ class SpeculativeConfig:
 
     Attributes:
         method: ``"ngram"`` (prompt lookup), ``"draft_model"`` (an independent small model with
-            the target's tokenizer) or ``"eagle"`` (EAGLE-style feature drafter).
+            the target's tokenizer), ``"eagle"`` (EAGLE-style feature drafter) or ``"suffix"``
+            (SuffixDecoding over the rollout memory of the prompt group:
+            ``drafters/suffix.py``).
         model: the draft model (alias, directory or .gguf) for ``draft_model``; the drafter
             checkpoint directory for ``eagle`` (None: the drafter shipped for the target;
             ``"random"``: random weights, for tests).
@@ -32,6 +35,22 @@ class SpeculativeConfig:
             1..``num_speculative_tokens`` and ``candidate_trees`` (``spec/policy.py``).
         candidate_trees: trees for ``auto``/``bandit`` as ``[depth, topk, budget]`` lists
             (None: defaults, see ``spec.policy.candidate_strategies``).
+        suffix_decoding_max_tree_depth: ``suffix``: most draft tokens on a path, whatever the
+            strategy's depth (>= 1; vLLM's key, default 24).
+        suffix_decoding_min_token_prob: ``suffix``: least path probability (continuation
+            count over all matched continuations) of a drafted node, in [0, 1] (vLLM's key,
+            default 0.1).
+        suffix_memory_bytes: ``suffix``: cap of the rollout memory in bytes (>= 1; default
+            256 MiB); least-recently-used prompt groups are evicted beyond it.
+        suffix_history_decay: ``suffix``: weight of a finished response per weight version of
+            age, in (0, 1] (default 0.5: one update halves its counts).
+        suffix_history_max_age: ``suffix``: finished responses more than this many weight
+            versions old are dropped (>= 0; default 4).
+        suffix_max_matches: ``suffix``: most earlier occurrences whose continuations one
+            lookup merges (>= 1; default 32).
+        suffix_backoff: ``suffix``: weight factor per level of the occurrences of shorter
+            n-grams merged after the longest match's, in [0, 1] (default 0.5; 0: the longest
+            match only).
 
     Raises:
         ValueError: unknown method or key, out-of-range sizes (message names the key).
@@ -47,6 +66,13 @@ class SpeculativeConfig:
     draft_dtype: str | None = None
     policy: str = "auto"
     candidate_trees: list | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_min_token_prob: float = 0.1
+    suffix_memory_bytes: int = DEFAULT_SUFFIX_MEMORY_BYTES
+    suffix_history_decay: float = 0.5
+    suffix_history_max_age: int = 4
+    suffix_max_matches: int = 32
+    suffix_backoff: float = 0.5
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -72,8 +98,34 @@ class SpeculativeConfig:
                                         for t in self.candidate_trees]
             except (TypeError, ValueError) as e:
                 raise ValueError(f"speculative_config candidate_trees: {e}") from None
+        self._check_suffix()
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config method='draft_model' needs 'model'")
+
+    def _check_suffix(self) -> None:
+        """Range checks of the ``suffix_*`` keys (ValueError naming the key)."""
+        def number(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        def integer(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        checks = [
+            ("suffix_decoding_max_tree_depth", integer, 1, None, "an int >= 1"),
+            ("suffix_decoding_min_token_prob", number, 0.0, 1.0, "a number in [0, 1]"),
+            ("suffix_memory_bytes", integer, 1, None, "an int >= 1 (bytes)"),
+            ("suffix_history_decay", number, 0.0, 1.0, "a number in (0, 1]"),
+            ("suffix_history_max_age", integer, 0, None, "an int >= 0 (weight versions)"),
+            ("suffix_max_matches", integer, 1, None, "an int >= 1"),
+            ("suffix_backoff", number, 0.0, 1.0, "a number in [0, 1]"),
+        ]
+        for key, kind, lo, hi, what in checks:
+            v = getattr(self, key)
+            bad = not kind(v) or v < lo or (hi is not None and v > hi)
+            if key == "suffix_history_decay" and kind(v) and v == 0:
+                bad = True
+            if bad:
+                raise ValueError(f"speculative_config {key}={v!r}: must be {what}")
 
     @classmethod
     def from_dict(cls, d: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:

@@ -16,6 +16,12 @@ def make_drafter(cfg: SpeculativeConfig, target, num_blocks: int, block_size: in
     if cfg.method == "ngram":
         from specengine.speculative.drafters.ngram import NgramDrafter
         return NgramDrafter(cfg.strategy, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+    if cfg.method == "suffix":
+        from specengine.speculative.drafters.suffix import SuffixDrafter
+        return SuffixDrafter(cfg.strategy, cfg.suffix_decoding_max_tree_depth,
+                             cfg.suffix_decoding_min_token_prob, cfg.suffix_memory_bytes,
+                             cfg.suffix_history_decay, cfg.suffix_history_max_age,
+                             cfg.suffix_max_matches, cfg.suffix_backoff)
     if cfg.method == "draft_model":
         from specengine.config import parse_dtype
         from specengine.models.loader import load_model
