@@ -16,7 +16,11 @@ class SpeculativeConfig:
 
     Attributes:
         method: ``"ngram"`` (prompt lookup), ``"draft_model"`` (an independent small model with
-            the target's tokenizer) or ``"eagle"`` (EAGLE-style feature drafter).
+            the target's tokenizer) or ``"eagle"`` (EAGLE-style feature drafter); or a list of
+            distinct methods, e.g. ``["ngram", "eagle"]``: each drafts for every sequence and
+            their trees are merged into one token tree under one verify budget
+            (``drafters.merged.MergedDrafter``). A one-element list is that method alone.
+            ``"draft_model"`` and ``"eagle"`` cannot be combined: both read ``model``.
         model: the draft model (alias, directory or .gguf) for ``draft_model``; the drafter
             checkpoint directory for ``eagle`` (None: the drafter shipped for the target;
             ``"random"``: random weights, for tests).
@@ -34,10 +38,12 @@ class SpeculativeConfig:
             (None: defaults, see ``spec.policy.candidate_strategies``).
 
     Raises:
-        ValueError: unknown method or key, out-of-range sizes (message names the key).
+        ValueError: unknown method or key, out-of-range sizes (message names the key); a
+            method list that is empty, repeats a method or combines ``draft_model`` with
+            ``eagle``.
     """
 
-    method: str
+    method: str | list[str]
     model: str | None = None
     num_speculative_tokens: int = 4
     topk: int = 1
@@ -49,8 +55,7 @@ class SpeculativeConfig:
     candidate_trees: list | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"speculative_config method={self.method!r}: use one of {METHODS}")
+        self.method = check_method(self.method)
         try:
             self.strategy = Strategy(self.num_speculative_tokens, self.topk,
                                      self.num_verify_tokens)
@@ -72,8 +77,13 @@ class SpeculativeConfig:
                                         for t in self.candidate_trees]
             except (TypeError, ValueError) as e:
                 raise ValueError(f"speculative_config candidate_trees: {e}") from None
-        if self.method == "draft_model" and not self.model:
+        if "draft_model" in self.methods and not self.model:
             raise ValueError("speculative_config method='draft_model' needs 'model'")
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The drafters to build, in order (one for a single method)."""
+        return (self.method,) if isinstance(self.method, str) else tuple(self.method)
 
     @classmethod
     def from_dict(cls, d: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -90,3 +100,35 @@ class SpeculativeConfig:
         if "method" not in d:
             raise ValueError(f"speculative_config needs 'method' (one of {METHODS})")
         return cls(**d)
+
+
+def check_method(method) -> str | list[str]:
+    """``method`` checked: a name of ``METHODS`` or a list (tuple) of two or more distinct ones
+    (returned as a list; a one-element list gives its name).
+
+    Raises:
+        ValueError: an unknown name, a non-string, an empty list, a repeated method, or
+            ``draft_model`` with ``eagle`` (both would read ``model``).
+    """
+    if isinstance(method, str):
+        if method not in METHODS:
+            raise ValueError(f"speculative_config method={method!r}: use one of {METHODS}")
+        return method
+    if not isinstance(method, (list, tuple)):
+        raise ValueError(f"speculative_config method={method!r}: use one of {METHODS} or a list "
+                         "of them")
+    if not method:
+        raise ValueError(f"speculative_config method=[]: list at least one of {METHODS}")
+    bad = [m for m in method if not isinstance(m, str) or m not in METHODS]
+    if bad:
+        raise ValueError(f"speculative_config method={list(method)!r}: unknown method(s) {bad}; "
+                         f"use {METHODS}")
+    repeated = sorted({m for m in method if method.count(m) > 1})
+    if repeated:
+        raise ValueError(f"speculative_config method={list(method)!r}: {repeated} listed more "
+                         "than once")
+    if "draft_model" in method and "eagle" in method:
+        raise ValueError(f"speculative_config method={list(method)!r}: 'draft_model' and "
+                         "'eagle' cannot be combined (both read 'model': the draft model and the "
+                         "EAGLE checkpoint)")
+    return method[0] if len(method) == 1 else list(method)
