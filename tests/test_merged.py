@@ -432,3 +432,21 @@ def test_method_list_forms():
     assert cfg.method == ["ngram", "eagle"] and cfg.methods == ("ngram", "eagle")
     with pytest.raises(ValueError, match="needs 'model'"):
         SpeculativeConfig.from_dict({"method": ["ngram", "draft_model"]})
+
+
+def test_sleep_releases_the_merged_drafters_kv_and_wakes_to_the_same_outputs(target_dir):
+    """The memory manager finds the EAGLE part's KV pool and LM-head copies through the merged
+    drafter (its attributes reach the one part that has them)."""
+    llm = make(target_dir, merged())
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = rand_prompts(3, seed=2)
+    before = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    eagle = llm.engine.drafter.part("eagle")
+    assert llm.engine.drafter.kv is eagle.kv
+    released = llm.sleep(level=1)
+    assert released["kv_cache"] == (8 << 20) + eagle.kv.numel() * 4
+    assert eagle.kv.untyped_storage().nbytes() == 0
+    llm.wake_up()
+    after = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert after == before
+    check_clean(llm)

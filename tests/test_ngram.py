@@ -38,6 +38,10 @@ def test_common_prefixes_are_shared_and_budget_is_respected():
     tree = NgramIndex().propose(seq, Strategy(depth=3, topk=2))
     assert shape(tree) == ([3, 5, 1, 4, 1], [-1, 0, 1, 0, 3])
     assert tree.num_nodes == 5 and tree.max_depth == 3
+    # scored by the share of match weight through each node: matches [1, 2] (n = 2) at both
+    # earlier places plus one pseudo-match; both continue with 3, one each with 5 and 4
+    from specengine.speculative.policy.calibration import confidence_list
+    assert confidence_list(tree) == pytest.approx([4 / 5, 2 / 5, 2 / 5, 2 / 5, 2 / 5])
     for budget in (3, 4):
         tree = NgramIndex().propose(seq, Strategy(depth=3, topk=2, budget=budget))
         assert tree.num_nodes == budget
