@@ -13,10 +13,9 @@ distinct tokens (a trie), so the tree is deterministic and verification stays ex
 (``speculative.verify``). The per-source merge follows the multi-drafter token trees of SpecInfer
 (arXiv 2305.09781), with EAGLE-2's best-first budget fill (arXiv 2406.16858).
 
-With the ``auto`` policy the drafter fills the budget with the policy's own per-source
-calibrators (``share_calibration``), which the policy trains on the verified nodes and then
-uses to cut the merged tree further; with another policy the calibrators stay at their prior
-(the confidence itself).
+The drafter fills the budget with per-source calibrators the policy trains on the verified
+nodes (``share_calibration``): with the ``auto`` policy its own, which then also cut the merged
+tree further; with another policy a learner the policy feeds every step.
 """
 
 from __future__ import annotations
@@ -148,8 +147,9 @@ class MergedDrafter(Drafter):
     pessimistic still has its best nodes verified and its map corrected.
 
     The engine's hooks go to every part: ``observe`` to those that want hidden states,
-    ``release`` to all, ``publish`` (EAGLE's hot swap of drafter weights) to those that have it.
-    Any other attribute a part has is reached through the merged drafter (e.g. ``kv``, ``model``
+    ``release`` and ``discard`` to all, ``features`` from the part that keeps them,
+    ``publish`` (EAGLE's hot swap of drafter weights) to those that have it. Any other
+    attribute a part has is reached through the merged drafter (e.g. ``kv``, ``model``
     of the one model part; a method several parts have, such as a weight-version hook, is
     called on each of them and returns their results in part order).
 
@@ -212,6 +212,18 @@ class MergedDrafter(Drafter):
         for p in self.parts:
             p.release(seq)
 
+    def discard(self, seq: Sequence) -> None:
+        for p in self.parts:
+            p.discard(seq)
+
+    def features(self, seq: Sequence) -> torch.Tensor | None:
+        """The first part's features for ``seq`` that are not None (EAGLE's), else None."""
+        for p in self.parts:
+            f = p.features(seq)
+            if f is not None:
+                return f
+        return None
+
     def publish(self, state_dict: dict, version: int) -> None:
         """New drafter weights for the parts that take them (``EagleDrafter.publish``).
 
@@ -254,10 +266,16 @@ class MergedDrafter(Drafter):
 
 def share_calibration(drafter: Drafter, policy) -> None:
     """Let a ``MergedDrafter`` (possibly wrapped, e.g. by a ``Harvester``) fill its budget with
-    ``policy``'s per-source calibrators (``TreeCutter.sources`` of an ``AutoPolicy``), which the
-    policy trains on the verified nodes; nothing happens for another drafter or policy."""
+    per-source calibrators that ``policy`` trains on the verified nodes: an ``AutoPolicy``'s
+    own (``TreeCutter.sources``, which also cut the trees); for another policy a
+    ``TreeCutter`` that only learns (``Policy.calibration_learner``). Nothing happens for
+    another drafter or without a policy."""
     while drafter is not None and not isinstance(drafter, MergedDrafter):
         drafter = drafter.__dict__.get("inner")
+    if drafter is None or policy is None:
+        return
     cutter = getattr(policy, "cutter", None)
-    if drafter is not None and cutter is not None:
-        drafter.scorer = cutter.sources
+    if cutter is None:
+        from specengine.speculative.policy.parts import TreeCutter
+        cutter = policy.calibration_learner = TreeCutter()
+    drafter.scorer = cutter.sources
