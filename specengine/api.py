@@ -170,9 +170,10 @@ class LLM:
         (drafter version -> tokens committed per verify step, see ``EagleDrafter.stats``); with
         several drafters merged, ``merged_nodes_proposed`` / ``merged_nodes_kept`` per source
         (``MergedDrafter.stats``); with speculation, ``source_stats``: per draft source, nodes
-        verified and accepted, overall and per depth (``sources.SourceStats``), and with the
-        ``auto`` policy its ``calibration`` map (acceptance probability per confidence bin,
-        also in ``policy_calibration_per_source``). Always: ``weight_version``,
+        verified and accepted, overall and per depth (``sources.SourceStats``), and where the
+        policy calibrates per source (``auto``, or any policy with a merged drafter) its
+        ``calibration`` map (acceptance probability per confidence bin, also in
+        ``policy_calibration_per_source``). Always: ``weight_version``,
         ``weight_updates``, ``weight_update_time`` / ``last_weight_update_time`` (seconds
         applying updates) and ``sleep_level`` (0 awake, else the deepest level slept); prefix
         caching: ``prefix_cache_hit_rate`` (hit / queried prompt tokens),

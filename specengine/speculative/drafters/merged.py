@@ -51,8 +51,8 @@ def merge_trees(trees: list[DraftTree | None], names: list[str], budget: int,
             increased by the nodes each source proposed and the kept nodes it voted for.
 
     Returns:
-        A ``MergedTree`` (parents before children; children by descending probability), or
-        None when no tree has a node.
+        A ``MergedTree`` (parents before children; children by descending probability; a
+        lone tree within the budget keeps its own order), or None when no tree has a node.
 
     Raises:
         ValueError: ``budget < 1`` or ``trees``/``names`` of different lengths.
@@ -61,6 +61,17 @@ def merge_trees(trees: list[DraftTree | None], names: list[str], budget: int,
         raise ValueError(f"merge_trees budget={budget}: must be >= 1")
     if len(trees) != len(names):
         raise ValueError(f"merge_trees: {len(trees)} trees but {len(names)} names")
+    present = [(t, n) for t, n in zip(trees, names) if t is not None and t.num_nodes]
+    if len(present) == 1 and present[0][0].num_nodes <= budget:  # one source: kept whole
+        tree, name = present[0]
+        votes = node_votes(tree, name)
+        if counts is not None:
+            for v in votes:
+                for s in v:
+                    counts["proposed"][s] = counts["proposed"].get(s, 0) + 1
+                    counts["kept"][s] = counts["kept"].get(s, 0) + 1
+        return MergedTree(tree.tokens, tree.parents, tree.draft_logprobs,
+                          list(tree.sources or [name] * tree.num_nodes), votes=votes)
     tok: list[int] = []
     par: list[int] = []
     depth: list[int] = []
