@@ -455,3 +455,27 @@ def test_sleep_releases_the_merged_drafters_kv_and_wakes_to_the_same_outputs(tar
     after = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert after == before
     check_clean(llm)
+
+
+def test_ngram_with_a_self_draft_model_learns_which_source_pays(target_dir, plain):
+    """``["ngram", "draft_model"]`` with the target as its own draft model: outputs equal
+    plain decoding (greedy and seeded), the draft model's nodes are accepted far more often
+    than the n-gram ones, and the per-source calibration learns that."""
+    prompts = rand_prompts(4, seed=21)
+    prompts[0] = [9, 10, 11] * 8
+    sp = [SamplingParams(temperature=t, seed=i, max_tokens=20, ignore_eos=True)
+          for i, t in enumerate([0.0, 0.0, 1.0, 1.0])]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
+    spec = {"method": ["ngram", "draft_model"], "model": str(target_dir),
+            "num_speculative_tokens": 3, "topk": 2, "num_verify_tokens": 6, "policy": "static"}
+    llm = make(target_dir, spec)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert got == want
+    met = llm.get_metrics()
+    assert met["kv_blocks_free"] == met["kv_blocks_total"]
+    src = met["source_stats"]
+    assert src["draft_model"]["acceptance"] > 0.3 > src["ngram"]["acceptance"]
+    cal = llm.engine.policy.calibration_learner.sources
+    b = bin_of(0.5)  # the draft model's well-calibrated confidence bins pay more
+    assert cal.get("draft_model").rate_per_bin()[b:].mean() > \
+        cal.get("ngram").rate_per_bin()[b:].mean()
