@@ -21,6 +21,7 @@ from specengine.outputs import RequestOutput
 from specengine.sampling import SamplingParams
 from specengine.speculative.config import SpeculativeConfig
 from specengine.speculative.drafters import make_drafter
+from specengine.speculative.drafters.merged import share_calibration
 from specengine.speculative.policy import make_policy
 from specengine.speculative.training.harvest import Harvester
 from specengine.weights import WeightUpdater
@@ -136,6 +137,7 @@ class LLM:
         drafter = make_drafter(self.speculative_config, loaded, num_blocks, block_size) \
             if self.speculative_config else None
         policy = make_policy(self.speculative_config, seed) if drafter else None
+        share_calibration(drafter, policy)  # a merged drafter fills its budget with them
         eos = None  # default: the model's and the tokenizer's
         if self.tokenizer is None and getattr(loaded.tokenizer, "eos_token_id", None) is not None:
             eos = {*cfg.eos_token_ids, loaded.tokenizer.eos_token_id}  # skip_tokenizer_init
@@ -163,10 +165,16 @@ class LLM:
         ``policy_remaining``, the remembered output lengths) and ``tau_per_weight_version``
         (target weight version -> tokens committed per verify step while it served: drift
         after a weight update shows here); with an EAGLE drafter (also inside a
-        ``Harvester``), ``drafter_version`` and ``tau_per_version`` (drafter version -> tokens
-        committed per verify step, see ``EagleDrafter.stats``); with the suffix drafter,
-        ``rollout_memory_bytes`` / ``_groups`` / ``_tokens`` / ... and the index update and lookup
-        seconds (``suffix_update_seconds``, ``suffix_lookup_seconds``, totals and per step; see
+        ``Harvester`` or merged with others), ``drafter_version`` and ``tau_per_version``
+        (drafter version -> tokens committed per verify step, see ``EagleDrafter.stats``); with
+        several drafters merged, ``merged_nodes_proposed`` / ``merged_nodes_kept`` per source
+        (``MergedDrafter.stats``); with speculation, ``source_stats``: per draft source, nodes
+        verified and accepted, overall and per depth (``sources.SourceStats``), and where the
+        policy calibrates per source (``auto``, or any policy with a merged drafter) its
+        ``calibration`` map (acceptance probability per confidence bin, also in
+        ``policy_calibration_per_source``); with the suffix drafter, ``rollout_memory_bytes`` /
+        ``_groups`` / ``_tokens`` / ... and the index update and lookup seconds
+        (``suffix_update_seconds``, ``suffix_lookup_seconds``, totals and per step; see
         ``SuffixDrafter.stats``). Always: ``weight_version``,
         ``weight_updates``, ``weight_update_time`` / ``last_weight_update_time`` (seconds
         applying updates) and ``sleep_level`` (0 awake, else the deepest level slept); prefix
@@ -191,6 +199,9 @@ class LLM:
             drafter = drafter.inner
         if drafter is not None:  # EAGLE: versions; suffix: rollout memory and its costs
             d.update(drafter.stats())
+        for src, cal in d.get("policy_calibration_per_source", {}).items():
+            if src in d.get("source_stats", {}):
+                d["source_stats"][src]["calibration"] = cal
         return d
 
     # ---- weight sync (specengine.weights) ----------------------------------------------------

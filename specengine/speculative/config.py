@@ -19,7 +19,11 @@ class SpeculativeConfig:
         method: ``"ngram"`` (prompt lookup), ``"draft_model"`` (an independent small model with
             the target's tokenizer), ``"eagle"`` (EAGLE-style feature drafter) or ``"suffix"``
             (SuffixDecoding over the rollout memory of the prompt group:
-            ``drafters/suffix.py``).
+            ``drafters/suffix.py``); or a list of distinct methods, e.g. ``["suffix", "eagle"]``:
+            each drafts for every sequence and their trees are merged into one token tree under
+            one verify budget (``drafters.merged.MergedDrafter``). A one-element list is that
+            method alone. ``"draft_model"`` and ``"eagle"`` cannot be combined: both read
+            ``model``.
         model: the draft model (alias, directory or .gguf) for ``draft_model``; the drafter
             checkpoint directory for ``eagle`` (None: the drafter shipped for the target;
             ``"random"``: random weights, for tests).
@@ -53,10 +57,12 @@ class SpeculativeConfig:
             match only).
 
     Raises:
-        ValueError: unknown method or key, out-of-range sizes (message names the key).
+        ValueError: unknown method or key, out-of-range sizes (message names the key); a
+            method list that is empty, repeats a method or combines ``draft_model`` with
+            ``eagle``.
     """
 
-    method: str
+    method: str | list[str]
     model: str | None = None
     num_speculative_tokens: int = 4
     topk: int = 1
@@ -75,8 +81,7 @@ class SpeculativeConfig:
     suffix_backoff: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"speculative_config method={self.method!r}: use one of {METHODS}")
+        self.method = check_method(self.method)
         try:
             self.strategy = Strategy(self.num_speculative_tokens, self.topk,
                                      self.num_verify_tokens)
@@ -99,7 +104,7 @@ class SpeculativeConfig:
             except (TypeError, ValueError) as e:
                 raise ValueError(f"speculative_config candidate_trees: {e}") from None
         self._check_suffix()
-        if self.method == "draft_model" and not self.model:
+        if "draft_model" in self.methods and not self.model:
             raise ValueError("speculative_config method='draft_model' needs 'model'")
 
     def _check_suffix(self) -> None:
@@ -126,6 +131,10 @@ class SpeculativeConfig:
                 bad = True
             if bad:
                 raise ValueError(f"speculative_config {key}={v!r}: must be {what}")
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The drafters to build, in order (one for a single method)."""
+        return (self.method,) if isinstance(self.method, str) else tuple(self.method)
 
     @classmethod
     def from_dict(cls, d: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -142,3 +151,35 @@ class SpeculativeConfig:
         if "method" not in d:
             raise ValueError(f"speculative_config needs 'method' (one of {METHODS})")
         return cls(**d)
+
+
+def check_method(method) -> str | list[str]:
+    """``method`` checked: a name of ``METHODS`` or a list (tuple) of two or more distinct ones
+    (returned as a list; a one-element list gives its name).
+
+    Raises:
+        ValueError: an unknown name, a non-string, an empty list, a repeated method, or
+            ``draft_model`` with ``eagle`` (both would read ``model``).
+    """
+    if isinstance(method, str):
+        if method not in METHODS:
+            raise ValueError(f"speculative_config method={method!r}: use one of {METHODS}")
+        return method
+    if not isinstance(method, (list, tuple)):
+        raise ValueError(f"speculative_config method={method!r}: use one of {METHODS} or a list "
+                         "of them")
+    if not method:
+        raise ValueError(f"speculative_config method=[]: list at least one of {METHODS}")
+    bad = [m for m in method if not isinstance(m, str) or m not in METHODS]
+    if bad:
+        raise ValueError(f"speculative_config method={list(method)!r}: unknown method(s) {bad}; "
+                         f"use {METHODS}")
+    repeated = sorted({m for m in method if method.count(m) > 1})
+    if repeated:
+        raise ValueError(f"speculative_config method={list(method)!r}: {repeated} listed more "
+                         "than once")
+    if "draft_model" in method and "eagle" in method:
+        raise ValueError(f"speculative_config method={list(method)!r}: 'draft_model' and "
+                         "'eagle' cannot be combined (both read 'model': the draft model and the "
+                         "EAGLE checkpoint)")
+    return method[0] if len(method) == 1 else list(method)

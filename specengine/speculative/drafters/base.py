@@ -25,7 +25,11 @@ class Drafter:
 
     def propose(self, seqs: list[Sequence], strategy: Strategy) -> list[DraftTree | None]:
         """One tree per sequence (None: nothing to draft), at most ``strategy.budget`` nodes
-        and ``strategy.depth`` deep; the root is each sequence's last token."""
+        and ``strategy.depth`` deep; the root is each sequence's last token. Each node should
+        be scored (``draft_logprobs``: log-probability of the node given its parent, so that
+        ``exp`` of the cumulative sum is the drafter's confidence in the path) and labelled
+        (``sources``: the drafter's ``name``), for the per-source calibration that cuts trees
+        and merges several drafters' trees (``merged.MergedDrafter``)."""
         raise NotImplementedError
 
     def observe(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:

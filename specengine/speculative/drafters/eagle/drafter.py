@@ -284,7 +284,7 @@ class EagleDrafter(Drafter):
         index = {c: j for j, c in enumerate(keep)}
         return DraftTree([cands[c][2] for c in keep],
                          [index[cands[c][3]] if cands[c][3] >= 0 else -1 for c in keep],
-                         [cands[c][4] for c in keep])
+                         [cands[c][4] for c in keep], ["eagle"] * len(keep))
 
 
 def _path(cands: list[tuple], c: int) -> list[int]:
