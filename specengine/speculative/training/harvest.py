@@ -132,6 +132,10 @@ class Harvester(Drafter):
         if self.inner is not None:
             self.inner.release(seq)
 
+    def set_weight_version(self, version: int) -> None:
+        if self.inner is not None:
+            self.inner.set_weight_version(version)
+
 
 def harvest(llm, buffer: HiddenBuffer) -> Harvester:
     """Make ``llm`` (an ``LLM``) put every finished sequence into ``buffer``; returns the
