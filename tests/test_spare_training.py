@@ -144,6 +144,27 @@ def test_round_stops_when_work_arrives(local_ray, model_dir, monkeypatch):
     assert (stats["steps"], stats["stop"], weights) == (0, "data", None)
 
 
+def test_eagle_inside_a_merged_drafter_trains(local_ray, model_dir):
+    spec = {"method": ["suffix", "eagle"], "model": "random", "num_speculative_tokens": 3,
+            "topk": 2}
+    w = RolloutWorker(dict(model=str(model_dir), seed=3, speculative_config=spec, **KW))
+    assert w.enable_harvest() and w._eagle() is w.llm.engine.drafter.inner.part("eagle")
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [100, 200, 300], [5, 6, 7, 8, 9]]
+    want = [o.outputs[0].token_ids
+            for o in LLM(str(model_dir), **KW).generate(prompts, greedy, use_tqdm=False)]
+    items = [(i, p, greedy) for i, p in enumerate(prompts)]
+    assert [o.outputs[0].token_ids for _, o in sorted(w.rollout(items))] == want
+    meta, rollouts = w.take_harvest()
+    assert meta["count"] == 3
+    stats, weights = w.train_drafter([ray.put(rollouts)],
+                                     SpareTraining(seconds=600, max_steps=2, min_rollouts=1,
+                                                   train=TRAIN), 1)
+    assert stats["steps"] == 2 and w.set_drafter([ray.put(weights)], 1, 1) == 1
+    assert [o.outputs[0].token_ids for _, o in sorted(w.rollout(items))] == want
+    assert w.get_metrics()["drafter_version"] == 1 and 1 in w.drafter_counts()
+
+
 class Recorder(PoolController):
     def __init__(self):
         self.dispatched = {}
