@@ -3,7 +3,6 @@
 
 #include <ATen/Parallel.h>
 #include <pthread.h>
-#include <sched.h>
 
 #include <algorithm>
 #include <atomic>
@@ -50,10 +49,12 @@ struct Pool {
   std::atomic<int64_t> done{0};
   std::atomic<int> sleepers{0};
   std::atomic<int> active{0};  // helpers with index < active take part in the current job
+  std::atomic<bool> caller_waits{false};  // the caller sleeps on done_cv for claimed chunks
   ChunkFn fn = nullptr;
   void* ctx = nullptr;
   std::mutex mu;
   std::condition_variable cv;
+  std::condition_variable done_cv;
   std::mutex call_mu;  // one job at a time (callers from several Python threads queue here)
   std::vector<std::thread> helpers;
 
@@ -67,7 +68,11 @@ struct Pool {
                                       std::memory_order_acquire))
         continue;
       fn(ctx, static_cast<int64_t>(w & kMask16));
-      done.fetch_add(1, std::memory_order_acq_rel);
+      done.fetch_add(1);  // seq_cst: pairs with caller_waits (no lost wake-up)
+      if (caller_waits.load()) {
+        { std::lock_guard<std::mutex> lock(mu); }
+        done_cv.notify_all();
+      }
       ++ran;
       w = word.load(std::memory_order_acquire);
     }
@@ -77,9 +82,13 @@ struct Pool {
   void helper_loop(int index) {
     in_pool_job = true;
     uint32_t seen = gen.load();
+    int misses = 0;  // jobs in a row this helper joined too late to run a chunk of
     for (;;) {
       const auto t0 = std::chrono::steady_clock::now();
-      const auto limit = std::chrono::microseconds(spin_us());
+      // A helper that keeps arriving after the caller has run every chunk is not getting a core
+      // of its own (another process is busy): spinning would only take time from the caller
+      // or that process, so it sleeps at once until it runs a chunk again.
+      const auto limit = std::chrono::microseconds(misses >= 2 ? 0 : spin_us());
       uint32_t g = gen.load(std::memory_order_acquire);
       for (int i = 0; g == seen; ++i) {
         spin_pause();
@@ -94,7 +103,8 @@ struct Pool {
         g = gen.load();
       }
       seen = g;
-      if (index < active.load(std::memory_order_acquire)) work(g);
+      if (index < active.load(std::memory_order_acquire))
+        misses = work(g) > 0 ? 0 : misses + 1;
     }
   }
 
@@ -123,10 +133,16 @@ struct Pool {
     in_pool_job = true;
     work(g);
     in_pool_job = false;
-    // Only chunks a running helper has claimed are left.
-    for (int i = 0; done.load(std::memory_order_acquire) < n; ++i) {
-      if (i < 4096) spin_pause();
-      else sched_yield();
+    // Only chunks a helper has claimed are left. Spin briefly (a running helper finishes in
+    // microseconds), then sleep: a helper that was descheduled mid-chunk needs a core, and a
+    // caller spinning or yielding would keep its own core busy (the idle core is what lets
+    // the kernel move the helper over).
+    for (int i = 0; i < 4096 && done.load(std::memory_order_acquire) < n; ++i) spin_pause();
+    if (done.load(std::memory_order_acquire) < n) {
+      std::unique_lock<std::mutex> lock(mu);
+      caller_waits.store(true);  // seq_cst: pairs with the helpers' done.fetch_add
+      done_cv.wait(lock, [&] { return done.load() >= n; });
+      caller_waits.store(false);
     }
   }
 };

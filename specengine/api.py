@@ -185,11 +185,15 @@ class LLM:
         evicted on demand); migration (``specengine.migration.Migrator``):
         ``migration_stage1_seconds`` / ``_bytes``, ``migration_stage2_seconds`` / ``_bytes``,
         ``migration_import_seconds`` / ``_bytes``, ``migrated_out`` / ``migrated_in`` (with
-        K/V), ``reprefilled_out`` / ``reprefilled_in`` (as tokens)."""
+        K/V), ``reprefilled_out`` / ``reprefilled_in`` (as tokens); threads
+        (``specengine.threads.ThreadTuner.stats``): ``kernel_threads`` (forward-size bucket ->
+        the kernels' thread count chosen), ``kernel_threads_max``, ``thread_probes``,
+        ``thread_switches``, ``adaptive_threads``."""
         d = self.engine.metrics.as_dict()
         d.update(kv_blocks_total=self.engine.blocks.num_blocks,
                  kv_blocks_free=self.engine.blocks.num_free, generate_time=self._wall_time,
                  sleep_level=self.memory.level, **self.weights.stats())
+        d.update(self.engine.threads.stats())
         d.update(self.engine.blocks.prefix_cache_stats())
         drafter = self.engine.drafter
         if drafter is not None:

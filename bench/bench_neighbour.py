@@ -1,0 +1,196 @@
+"""Decode throughput beside a busy process vs quiet, one run: is the engine sturdy under load?
+
+Sampled decoding (T = 1, seeded, a fixed number of new tokens: ``min_tokens = max_tokens``) of
+raw HumanEval prompts on the default model in bfloat16, at batch 1 and batch 64, under:
+
+- ``quiet``: nothing else started by the bench;
+- ``spin``: one neighbour process spinning in a Python loop (one core's worth of work);
+- ``matmul``: one neighbour multiplying 512x512 float64 matrices with numpy on one thread
+  (it also competes for memory bandwidth and caches).
+
+Each neighbour is started before and killed after its run. Conditions take turns (``--rounds``
+rounds), each run preceded by a warm-up ``generate`` under the same condition (the engine's
+adaptive thread count, ``specengine.threads``, gets to measure it); medians over rounds. Thread
+modes (``--modes``): ``adaptive`` (the default engine), ``full`` (always torch's thread count,
+adaptation off) and a number ``k`` (always k threads). Per row: decode tok/s = tokens from
+decode steps / (wall time - prefill time), the ratio to ``quiet`` in the same mode (the target
+under one busy neighbour on 2 cores: >= 0.4; the fair share is 0.5), and the kernels' thread
+count the engine chose (``get_metrics()["kernel_threads"]``).
+
+    python bench/bench_neighbour.py [--quick] [--rounds 3] [--modes adaptive,full,1]
+        [--neighbours spin,matmul] [--out bench/results/neighbour.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from common import machine_info, markdown_table, quiet_transformers, stderr_logger, write_json
+
+from specengine import LLM, SamplingParams
+from specengine._ext import ext
+from specengine.models.loader import resolve_model
+from specengine.prompt_sets import humaneval_prompts
+
+MODEL = "smollm2-135m-instruct"
+BLOCK = 16
+HERE = os.path.dirname(os.path.abspath(__file__))
+NEIGHBOURS = {
+    "spin": "while True:\n    pass\n",
+    "matmul": ("import numpy as np\na = np.random.default_rng(0).random((512, 512))\n"
+               "while True:\n    a @ a\n"),
+}
+ONE_THREAD = {k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+
+
+class Neighbour:
+    """A busy process beside the engine (``kind`` in ``NEIGHBOURS``; None: none) for a
+    ``with`` block: started on entry, killed on exit."""
+
+    def __init__(self, kind: str | None):
+        self.kind, self.proc = kind, None
+
+    def __enter__(self):
+        if self.kind is not None:
+            self.proc = subprocess.Popen([sys.executable, "-c", NEIGHBOURS[self.kind]],
+                                         env={**os.environ, **ONE_THREAD})
+            time.sleep(0.3)  # let it start spinning
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def thread_settings() -> dict:
+    """What decides the engine's threads in this process."""
+    mod = ext()
+    env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
+                                          "SPECENGINE_SPIN_US", "SPECENGINE_ADAPTIVE_THREADS")}
+    return {"torch_threads": torch.get_num_threads(), "cores": os.cpu_count(),
+            "parallel_backend": "OpenMP" if "OpenMP" in torch.__config__.parallel_info()
+            else "other", "extension": mod is not None, "env": env}
+
+
+def set_mode(llm: LLM, mode: str, full: int) -> None:
+    """``adaptive``: the tuner on; ``full``: off (torch's count); ``k``: off, k threads."""
+    t = llm.engine.threads
+    if mode == "adaptive":
+        t.enabled, t.max_threads = True, full
+    elif mode == "full":
+        t.enabled, t.max_threads = False, full
+    else:
+        t.enabled, t.max_threads = False, max(1, min(full, int(mode)))
+
+
+def run_once(llm: LLM, prompts: list[list[int]], tokens: int, seed: int) -> dict:
+    """One ``generate`` of ``prompts``, ``tokens`` new tokens each; rates from metrics deltas."""
+    params = SamplingParams(temperature=1.0, seed=seed, max_tokens=tokens, min_tokens=tokens)
+    m0 = llm.get_metrics()
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    m1 = llm.get_metrics()
+    prefill = m1["prefill_time"] - m0["prefill_time"]
+    gen = m1["generated_tokens"] - m0["generated_tokens"]
+    steps = m1["decode_steps"] - m0["decode_steps"]
+    decode_tokens = gen - len(prompts)  # first tokens come from prefill
+    return {"decode_tok_s": decode_tokens / max(wall - prefill, 1e-9),
+            "forward_tok_s": decode_tokens / max(m1["decode_time"] - m0["decode_time"], 1e-9),
+            "ms_step": 1e3 * (wall - prefill) / max(steps, 1), "wall_s": wall,
+            "kernel_threads": m1["kernel_threads"],
+            "thread_probes": m1["thread_probes"] - m0["thread_probes"],
+            "thread_switches": m1["thread_switches"] - m0["thread_switches"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer tokens and rounds (smoke run)")
+    ap.add_argument("--rounds", type=int, help="rounds over the conditions (default 3; quick 1)")
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--modes", default="adaptive,full",
+                    help="comma list of adaptive, full, or a thread count")
+    ap.add_argument("--neighbours", default="spin,matmul", help=f"of {sorted(NEIGHBOURS)}")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "neighbour.json"))
+    args = ap.parse_args()
+    quiet_transformers()
+    log = stderr_logger(time.perf_counter())
+    q = args.quick
+    rounds = args.rounds or (1 if q else 3)
+    batches = [int(b) for b in args.batches.split(",")]
+    modes = args.modes.split(",")
+    kinds = [k for k in args.neighbours.split(",") if k]
+    for k in kinds:
+        if k not in NEIGHBOURS:
+            raise ValueError(f"--neighbours: unknown kind {k!r}; expected {sorted(NEIGHBOURS)}")
+    tokens = {1: 32 if q else 128}
+    warm_tokens = 48 if q else 96  # warm-up run per condition: the tuner may probe and switch
+
+    from transformers import AutoConfig, AutoTokenizer
+    model_dir = resolve_model(MODEL)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = [tok(p["prompt"]).input_ids for p in humaneval_prompts(max(batches))]
+    cfg = AutoConfig.from_pretrained(model_dir)
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+    most = max(max(tokens.get(b, 8 if q else 32) for b in batches), warm_tokens)
+    blocks = sum(-(-(len(p) + most + 1) // BLOCK) + 1 for p in ids) + 16
+    llm = LLM(MODEL, dtype="bfloat16", block_size=BLOCK, max_num_seqs=max(batches),
+              kv_cache_memory_bytes=blocks * BLOCK * per_token,
+              max_num_batched_tokens=sum(len(p) for p in ids) + len(ids) + 64,
+              enable_prefix_caching=False)
+    full = torch.get_num_threads()
+    run_once(llm, ids[:4], 8, 0)  # load, pack
+    settings = thread_settings()
+    log(f"threads: {settings}")
+
+    conditions = [None, *kinds]
+    results = []
+    for b in batches:
+        n_tok = tokens.get(b, 8 if q else 32)
+        prompts = ids[:b]
+        for mode in modes:
+            set_mode(llm, mode, full)
+            runs: dict[str, list[dict]] = {c or "quiet": [] for c in conditions}
+            for r in range(rounds):
+                for c in conditions:
+                    with Neighbour(c):
+                        run_once(llm, prompts, warm_tokens, 1000 + r)
+                        res = run_once(llm, prompts, n_tok, r)
+                    runs[c or "quiet"].append(res)
+                    log(f"b={b} {mode} {c or 'quiet'} round {r}: {res['decode_tok_s']:.1f} tok/s "
+                        f"threads {res['kernel_threads']}")
+            base = statistics.median(x["decode_tok_s"] for x in runs["quiet"])
+            for c, rs in runs.items():
+                tps = statistics.median(x["decode_tok_s"] for x in rs)
+                results.append({
+                    "batch": b, "mode": mode, "neighbour": c, "tokens": n_tok,
+                    "decode_tok_s": tps, "ratio_to_quiet": tps / base,
+                    "forward_tok_s": statistics.median(x["forward_tok_s"] for x in rs),
+                    "ms_step": statistics.median(x["ms_step"] for x in rs),
+                    "kernel_threads": rs[-1]["kernel_threads"],
+                    "thread_switches": sum(x["thread_switches"] for x in rs), "runs": rs})
+
+    headers = ["batch", "mode", "neighbour", "decode tok/s", "vs quiet", "ms/step",
+               "kernel threads (last run)"]
+    rows = [[r["batch"], r["mode"], r["neighbour"], r["decode_tok_s"], r["ratio_to_quiet"],
+             r["ms_step"], ", ".join(f"{k}: {v}" for k, v in r["kernel_threads"].items())]
+            for r in results]
+    table = markdown_table(headers, rows)
+    print(table)
+    doc = {"machine": machine_info(), "threads": settings, "model": MODEL, "dtype": "bfloat16",
+           "temperature": 1.0, "rounds": rounds, "warm_tokens": warm_tokens, "quick": q,
+           "results": results, "table": table}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    write_json(args.out, doc)
+    log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
