@@ -30,17 +30,25 @@ import subprocess
 import sys
 import time
 
-import torch
-from common import machine_info, markdown_table, quiet_transformers, stderr_logger, write_json
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # this checkout's specengine
 
-from specengine import LLM, SamplingParams
-from specengine._ext import ext
-from specengine.models.loader import resolve_model
-from specengine.prompt_sets import humaneval_prompts
+import torch  # noqa: E402
+from common import (  # noqa: E402
+    machine_info,
+    markdown_table,
+    quiet_transformers,
+    stderr_logger,
+    write_json,
+)
+
+from specengine import LLM, SamplingParams  # noqa: E402
+from specengine._ext import ext  # noqa: E402
+from specengine.models.loader import resolve_model  # noqa: E402
+from specengine.prompt_sets import humaneval_prompts  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 BLOCK = 16
-HERE = os.path.dirname(os.path.abspath(__file__))
 NEIGHBOURS = {
     "spin": "while True:\n    pass\n",
     "matmul": ("import numpy as np\na = np.random.default_rng(0).random((512, 512))\n"

@@ -82,12 +82,14 @@ struct Pool {
   void helper_loop(int index) {
     in_pool_job = true;
     uint32_t seen = gen.load();
-    int misses = 0;  // jobs in a row this helper joined too late to run a chunk of
+    // Jobs in a row this helper saw while spinning yet joined too late to run a chunk of: a
+    // spinning helper that misses a job was not on a core (another process is busy), and its
+    // spinning then only takes time from the caller or that process, so after two such misses
+    // it sleeps at once after each job until it runs a chunk again. (A helper woken from sleep
+    // may miss a short job by the wake-up latency alone; that is not counted.)
+    int misses = 0;
     for (;;) {
       const auto t0 = std::chrono::steady_clock::now();
-      // A helper that keeps arriving after the caller has run every chunk is not getting a core
-      // of its own (another process is busy): spinning would only take time from the caller
-      // or that process, so it sleeps at once until it runs a chunk again.
       const auto limit = std::chrono::microseconds(misses >= 2 ? 0 : spin_us());
       uint32_t g = gen.load(std::memory_order_acquire);
       for (int i = 0; g == seen; ++i) {
@@ -95,6 +97,7 @@ struct Pool {
         if ((i & 63) == 63 && std::chrono::steady_clock::now() - t0 > limit) break;
         g = gen.load(std::memory_order_acquire);
       }
+      const bool spun = g != seen;
       if (g == seen) {
         std::unique_lock<std::mutex> lock(mu);
         sleepers.fetch_add(1);
@@ -103,8 +106,10 @@ struct Pool {
         g = gen.load();
       }
       seen = g;
-      if (index < active.load(std::memory_order_acquire))
-        misses = work(g) > 0 ? 0 : misses + 1;
+      if (index < active.load(std::memory_order_acquire)) {
+        if (work(g) > 0) misses = 0;
+        else if (spun) ++misses;
+      }
     }
   }
 

@@ -186,10 +186,12 @@ class ThreadTuner:
         self.record(rows, threads, self.clock() - t0)
 
     def stats(self) -> dict:
-        """``kernel_threads`` (bucket's token range ``"lo-hi"`` -> current count),
+        """``kernel_threads`` (bucket's token range ``"lo-hi"`` -> the count its steps use,
+        probes aside),
         ``kernel_threads_max``, ``thread_probes`` (probes decided), ``thread_switches`` and
         ``adaptive_threads`` (enabled)."""
-        per = {f"{1 << (k - 1)}-{(1 << k) - 1}": b.current
+        on = self.enabled and self.max_threads > 1
+        per = {f"{1 << (k - 1)}-{(1 << k) - 1}": b.current if on else self.max_threads
                for k, b in sorted(self.buckets.items())}
         return {"kernel_threads": per, "kernel_threads_max": self.max_threads,
                 "thread_probes": self.probes, "thread_switches": self.switches,

@@ -205,3 +205,27 @@ def test_outputs_do_not_depend_on_the_thread_count(two_threads, mid_dir):
     assert results[0] == results[1] == results[2]
     m = llm.get_metrics()
     assert m["kernel_threads_max"] == 2 and set(m["kernel_threads"].values()) <= {1, 2}
+
+
+@needs_ext
+def test_pool_many_calls_beside_a_busy_process(two_threads):
+    """Thousands of short pool jobs while another process spins: the caller sleeps while a
+    descheduled helper holds a chunk, late helpers stop spinning; every result stays exact and
+    nothing hangs (a lost wake-up would)."""
+    import subprocess
+    import sys
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(1024, 256, generator=g).bfloat16()
+    pw = kernels.prepack(w)
+    xs = [torch.randn(m, 256, generator=g).bfloat16() for m in (1, 3, 8)]
+    with kernels.kernel_threads(True, 1):
+        want = [kernels.linear(x, pw) for x in xs]
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        with kernels.kernel_threads(True, 2):
+            for i in range(3000):
+                assert torch.equal(kernels.linear(xs[i % 3], pw), want[i % 3])
+    finally:
+        proc.kill()
+        proc.wait()
