@@ -101,6 +101,8 @@ def set_mode(llm: LLM, mode: str, full: int) -> None:
 def run_once(llm: LLM, prompts: list[list[int]], tokens: int, seed: int) -> dict:
     """One ``generate`` of ``prompts``, ``tokens`` new tokens each; rates from metrics deltas."""
     params = SamplingParams(temperature=1.0, seed=seed, max_tokens=tokens, min_tokens=tokens)
+    if hasattr(ext(), "pool_stats"):
+        ext().pool_stats(True)  # zero the pool's counters
     m0 = llm.get_metrics()
     t0 = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -110,12 +112,20 @@ def run_once(llm: LLM, prompts: list[list[int]], tokens: int, seed: int) -> dict
     gen = m1["generated_tokens"] - m0["generated_tokens"]
     steps = m1["decode_steps"] - m0["decode_steps"]
     decode_tokens = gen - len(prompts)  # first tokens come from prefill
+    pool = m1.get("kernel_pool") or {}
+    jobs, n_steps = max(pool.get("jobs", 0), 1), max(m1["steps"] - m0["steps"], 1)
     return {"decode_tok_s": decode_tokens / max(wall - prefill, 1e-9),
             "forward_tok_s": decode_tokens / max(m1["decode_time"] - m0["decode_time"], 1e-9),
             "ms_step": 1e3 * (wall - prefill) / max(steps, 1), "wall_s": wall,
             "kernel_threads": m1["kernel_threads"],
             "thread_probes": m1["thread_probes"] - m0["thread_probes"],
-            "thread_switches": m1["thread_switches"] - m0["thread_switches"]}
+            "thread_switches": m1["thread_switches"] - m0["thread_switches"],
+            # what the kernels' pool waited for (csrc/pool.h), per step / per job
+            "pool_jobs_per_step": pool.get("jobs", 0) / n_steps,
+            "pool_waits_per_job": pool.get("waits", 0) / jobs,
+            "pool_sleeps_per_job": pool.get("sleeps", 0) / jobs,
+            "pool_wait_ms_per_step": 1e-6 * pool.get("wait_ns", 0) / n_steps,
+            "pool_late_helpers_per_step": pool.get("late_helpers", 0) / n_steps}
 
 
 def main() -> None:
@@ -182,13 +192,16 @@ def main() -> None:
                     "decode_tok_s": tps, "ratio_to_quiet": tps / base,
                     "forward_tok_s": statistics.median(x["forward_tok_s"] for x in rs),
                     "ms_step": statistics.median(x["ms_step"] for x in rs),
+                    "pool_wait_ms_per_step": statistics.median(
+                        x["pool_wait_ms_per_step"] for x in rs),
                     "kernel_threads": rs[-1]["kernel_threads"],
                     "thread_switches": sum(x["thread_switches"] for x in rs), "runs": rs})
 
     headers = ["batch", "mode", "neighbour", "decode tok/s", "vs quiet", "ms/step",
-               "kernel threads (last run)"]
+               "pool wait ms/step", "kernel threads (last run)"]
     rows = [[r["batch"], r["mode"], r["neighbour"], r["decode_tok_s"], r["ratio_to_quiet"],
-             r["ms_step"], ", ".join(f"{k}: {v}" for k, v in r["kernel_threads"].items())]
+             r["ms_step"], r["pool_wait_ms_per_step"],
+             ", ".join(f"{k}: {v}" for k, v in r["kernel_threads"].items())]
             for r in results]
     table = markdown_table(headers, rows)
     print(table)

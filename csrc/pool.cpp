@@ -49,6 +49,8 @@ struct Pool {
   std::atomic<int64_t> done{0};
   std::atomic<int> sleepers{0};
   std::atomic<int> active{0};  // helpers with index < active take part in the current job
+  std::atomic<int64_t> n_jobs{0}, n_helper_chunks{0}, n_waits{0}, n_sleeps{0}, n_wait_ns{0},
+      n_late{0};  // PoolStats (relaxed counters)
   std::atomic<bool> caller_waits{false};  // the caller sleeps on done_cv for claimed chunks
   ChunkFn fn = nullptr;
   void* ctx = nullptr;
@@ -107,8 +109,14 @@ struct Pool {
       }
       seen = g;
       if (index < active.load(std::memory_order_acquire)) {
-        if (work(g) > 0) misses = 0;
-        else if (spun) ++misses;
+        const int64_t ran = work(g);
+        n_helper_chunks.fetch_add(ran, std::memory_order_relaxed);
+        if (ran > 0) {
+          misses = 0;
+        } else if (spun) {
+          ++misses;
+          n_late.fetch_add(1, std::memory_order_relaxed);
+        }
       }
     }
   }
@@ -142,13 +150,21 @@ struct Pool {
     // microseconds), then sleep: a helper that was descheduled mid-chunk needs a core, and a
     // caller spinning or yielding would keep its own core busy (the idle core is what lets
     // the kernel move the helper over).
+    n_jobs.fetch_add(1, std::memory_order_relaxed);
+    if (done.load(std::memory_order_acquire) >= n) return;
+    const auto t0 = std::chrono::steady_clock::now();
     for (int i = 0; i < 4096 && done.load(std::memory_order_acquire) < n; ++i) spin_pause();
     if (done.load(std::memory_order_acquire) < n) {
       std::unique_lock<std::mutex> lock(mu);
       caller_waits.store(true);  // seq_cst: pairs with the helpers' done.fetch_add
       done_cv.wait(lock, [&] { return done.load() >= n; });
       caller_waits.store(false);
+      n_sleeps.fetch_add(1, std::memory_order_relaxed);
     }
+    n_waits.fetch_add(1, std::memory_order_relaxed);
+    n_wait_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                            std::chrono::steady_clock::now() - t0).count(),
+                        std::memory_order_relaxed);
   }
 };
 
@@ -170,6 +186,15 @@ std::atomic<int> g_threads{0};
 int pool_threads() {
   const int n = g_threads.load(std::memory_order_relaxed);
   return std::max(1, n > 0 ? n : at::get_num_threads());
+}
+
+PoolStats pool_stats(bool reset) {
+  Pool& p = pool();
+  auto get = [reset](std::atomic<int64_t>& c) {
+    return reset ? c.exchange(0) : c.load(std::memory_order_relaxed);
+  };
+  return {get(p.n_jobs), get(p.n_helper_chunks), get(p.n_waits), get(p.n_sleeps),
+          get(p.n_wait_ns), get(p.n_late)};
 }
 
 void set_pool_threads(int n) { g_threads.store(std::max(0, n), std::memory_order_relaxed); }

@@ -32,6 +32,16 @@ int pool_threads();
 // memory-bound linear at 15 instead of 30 GB/s on 2 cores).
 void set_pool_threads(int n);
 
+// Counters since start (or the last reset), to see what a job waits for: jobs run on the pool,
+// chunks run by helpers, jobs whose caller had to wait for a helper's claimed chunk after its
+// own work (and how many of those it slept through), the caller's total wait in nanoseconds,
+// and helper wake-ups that found the job already done while spinning (a late helper: it was
+// not on a core).
+struct PoolStats {
+  int64_t jobs, helper_chunks, waits, sleeps, wait_ns, late_helpers;
+};
+PoolStats pool_stats(bool reset);
+
 template <class F>
 void parallel_chunks(int64_t n, F&& f) {
   if (n <= 0) return;

@@ -229,3 +229,19 @@ def test_pool_many_calls_beside_a_busy_process(two_threads):
     finally:
         proc.kill()
         proc.wait()
+
+
+@needs_ext
+def test_pool_counters(two_threads):
+    w = kernels.prepack(torch.randn(2048, 256).bfloat16())
+    x = torch.randn(2, 256).bfloat16()
+    ext().pool_stats(True)
+    with kernels.kernel_threads(True, 1):
+        kernels.linear(x, w)
+    assert ext().pool_stats()["jobs"] == 0  # one thread: inline, no pool job
+    with kernels.kernel_threads(True, 2):
+        for _ in range(10):
+            kernels.linear(x, w)
+    s = ext().pool_stats(True)
+    assert s["jobs"] == 10 and 0 <= s["sleeps"] <= s["waits"] <= 10
+    assert ext().pool_stats() == dict.fromkeys(s, 0)
