@@ -149,7 +149,9 @@ def main() -> None:
         if k not in NEIGHBOURS:
             raise ValueError(f"--neighbours: unknown kind {k!r}; expected {sorted(NEIGHBOURS)}")
     tokens = {1: 32 if q else 128}
-    warm_tokens = 48 if q else 96  # warm-up run per condition: the tuner may probe and switch
+    # warm-up run per condition: longer than the tuner's probe period (128 steps + a probe),
+    # so each measured run starts from the count the tuner keeps under that condition
+    warm_tokens = 48 if q else 144
 
     from transformers import AutoConfig, AutoTokenizer
     model_dir = resolve_model(MODEL)

@@ -87,7 +87,7 @@ class ThreadTuner:
     """
 
     def __init__(self, max_threads: int, clock=time.perf_counter, enabled: bool = True,
-                 probe_every: int = 256, samples: int = 4, margin: float = 0.05,
+                 probe_every: int = 128, samples: int = 4, margin: float = 0.05,
                  drift: float = 0.3, min_gap: int = 32, warmup: int = 2):
         if max_threads < 1:
             raise ValueError(f"max_threads={max_threads} must be >= 1")
