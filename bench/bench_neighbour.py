@@ -12,10 +12,11 @@ Each neighbour is started before and killed after its run. Conditions take turns
 rounds), each run preceded by a warm-up ``generate`` under the same condition (the engine's
 adaptive thread count, ``specengine.threads``, gets to measure it); medians over rounds. Thread
 modes (``--modes``): ``adaptive`` (the default engine), ``full`` (always torch's thread count,
-adaptation off) and a number ``k`` (always k threads). Per row: decode tok/s = tokens from
-decode steps / (wall time - prefill time), the ratio to ``quiet`` in the same mode (the target
-under one busy neighbour on 2 cores: >= 0.4; the fair share is 0.5), and the kernels' thread
-count the engine chose (``get_metrics()["kernel_threads"]``).
+adaptation off) and a number ``k`` (always k threads). Per row: decode tok/s = tokens of the
+steps after the first (which prefills every prompt) / their wall time, the ratio to ``quiet``
+in the same mode (the target under one busy neighbour on 2 cores: >= 0.4; the fair share is
+0.5), what the kernels' pool waited for (its counters, decode steps and prefill step apart) and
+the kernels' thread count the engine chose (``get_metrics()["kernel_threads"]``).
 
     python bench/bench_neighbour.py [--quick] [--rounds 3] [--modes adaptive,full,1]
         [--neighbours spin,matmul] [--out bench/results/neighbour.json]
@@ -98,34 +99,51 @@ def set_mode(llm: LLM, mode: str, full: int) -> None:
         t.enabled, t.max_threads = False, max(1, min(full, int(mode)))
 
 
-def run_once(llm: LLM, prompts: list[list[int]], tokens: int, seed: int) -> dict:
-    """One ``generate`` of ``prompts``, ``tokens`` new tokens each; rates from metrics deltas."""
-    params = SamplingParams(temperature=1.0, seed=seed, max_tokens=tokens, min_tokens=tokens)
-    if hasattr(ext(), "pool_stats"):
-        ext().pool_stats(True)  # zero the pool's counters
-    m0 = llm.get_metrics()
-    t0 = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    wall = time.perf_counter() - t0
-    m1 = llm.get_metrics()
-    prefill = m1["prefill_time"] - m0["prefill_time"]
-    gen = m1["generated_tokens"] - m0["generated_tokens"]
-    steps = m1["decode_steps"] - m0["decode_steps"]
-    decode_tokens = gen - len(prompts)  # first tokens come from prefill
-    pool = m1.get("kernel_pool") or {}
-    jobs, n_steps = max(pool.get("jobs", 0), 1), max(m1["steps"] - m0["steps"], 1)
-    return {"decode_tok_s": decode_tokens / max(wall - prefill, 1e-9),
-            "forward_tok_s": decode_tokens / max(m1["decode_time"] - m0["decode_time"], 1e-9),
-            "ms_step": 1e3 * (wall - prefill) / max(steps, 1), "wall_s": wall,
-            "kernel_threads": m1["kernel_threads"],
-            "thread_probes": m1["thread_probes"] - m0["thread_probes"],
-            "thread_switches": m1["thread_switches"] - m0["thread_switches"],
-            # what the kernels' pool waited for (csrc/pool.h), per step / per job
-            "pool_jobs_per_step": pool.get("jobs", 0) / n_steps,
+def _pool(reset: bool) -> dict:
+    mod = ext()
+    return mod.pool_stats(reset) if hasattr(mod, "pool_stats") else {}
+
+
+def _per(pool: dict, steps: int) -> dict:
+    """What the kernels' pool waited for (csrc/pool.h), per step and per job."""
+    jobs, steps = max(pool.get("jobs", 0), 1), max(steps, 1)
+    return {"pool_jobs_per_step": pool.get("jobs", 0) / steps,
             "pool_waits_per_job": pool.get("waits", 0) / jobs,
             "pool_sleeps_per_job": pool.get("sleeps", 0) / jobs,
-            "pool_wait_ms_per_step": 1e-6 * pool.get("wait_ns", 0) / n_steps,
-            "pool_late_helpers_per_step": pool.get("late_helpers", 0) / n_steps}
+            "pool_wait_ms_per_step": 1e-6 * pool.get("wait_ns", 0) / steps,
+            "pool_late_helpers_per_step": pool.get("late_helpers", 0) / steps}
+
+
+def run_once(llm: LLM, prompts: list[list[int]], tokens: int, seed: int) -> dict:
+    """``prompts`` stepped to their end, ``tokens`` new tokens each (the engine is sized so
+    the first step prefills them all, every later step decodes): decode tok/s over the steps
+    after the first, the pool's counters of the prefill step and of the decode steps."""
+    params = SamplingParams(temperature=1.0, seed=seed, max_tokens=tokens, min_tokens=tokens)
+    for p in prompts:
+        llm.add_request({"prompt_token_ids": p}, params)
+    _pool(True)
+    m0 = llm.get_metrics()
+    t0 = time.perf_counter()
+    llm.step()  # prefill (+ the first token)
+    t1 = time.perf_counter()
+    pre, m1 = _pool(True), llm.get_metrics()
+    while llm.has_unfinished_requests():
+        llm.step()
+    t2 = time.perf_counter()
+    dec, m2 = _pool(True), llm.get_metrics()
+    if m1["prefill_tokens"] - m0["prefill_tokens"] != sum(len(p) for p in prompts):
+        raise RuntimeError("the first step did not prefill every prompt: raise "
+                           "max_num_batched_tokens / the KV budget")
+    steps = m2["steps"] - m1["steps"]
+    decode_tokens = m2["generated_tokens"] - m1["generated_tokens"]
+    return {"decode_tok_s": decode_tokens / max(t2 - t1, 1e-9),
+            "forward_tok_s": decode_tokens / max(m2["decode_time"] - m1["decode_time"], 1e-9),
+            "ms_step": 1e3 * (t2 - t1) / max(steps, 1), "prefill_s": t1 - t0,
+            "wall_s": t2 - t0, "decode_steps": steps,
+            "kernel_threads": m2["kernel_threads"],
+            "thread_probes": m2["thread_probes"] - m0["thread_probes"],
+            "thread_switches": m2["thread_switches"] - m0["thread_switches"],
+            "decode_pool": _per(dec, steps), "prefill_pool": _per(pre, 1)}
 
 
 def main() -> None:
@@ -195,14 +213,18 @@ def main() -> None:
                     "forward_tok_s": statistics.median(x["forward_tok_s"] for x in rs),
                     "ms_step": statistics.median(x["ms_step"] for x in rs),
                     "pool_wait_ms_per_step": statistics.median(
-                        x["pool_wait_ms_per_step"] for x in rs),
+                        x["decode_pool"]["pool_wait_ms_per_step"] for x in rs),
+                    "prefill_s": statistics.median(x["prefill_s"] for x in rs),
+                    "prefill_pool_wait_ms": statistics.median(
+                        x["prefill_pool"]["pool_wait_ms_per_step"] for x in rs),
                     "kernel_threads": rs[-1]["kernel_threads"],
                     "thread_switches": sum(x["thread_switches"] for x in rs), "runs": rs})
 
     headers = ["batch", "mode", "neighbour", "decode tok/s", "vs quiet", "ms/step",
-               "pool wait ms/step", "kernel threads (last run)"]
+               "pool wait ms/step", "prefill s", "prefill pool wait ms",
+               "kernel threads (last run)"]
     rows = [[r["batch"], r["mode"], r["neighbour"], r["decode_tok_s"], r["ratio_to_quiet"],
-             r["ms_step"], r["pool_wait_ms_per_step"],
+             r["ms_step"], r["pool_wait_ms_per_step"], r["prefill_s"], r["prefill_pool_wait_ms"],
              ", ".join(f"{k}: {v}" for k, v in r["kernel_threads"].items())]
             for r in results]
     table = markdown_table(headers, rows)
