@@ -4,10 +4,12 @@ more, keep the faster.
 Why: with as many threads as cores, a decode step's kernels split every layer between the
 caller and the pool's helpers (``csrc/pool.h``) and wait for the chunks the helpers claimed.
 When another process keeps a core busy, a helper is regularly descheduled in the middle of a
-chunk and the step waits for the scheduler to give it a core back (a time slice, milliseconds,
-many times per step); one thread fewer then runs faster. On a quiet machine the full count is
-faster. Neither can be known in advance, and it changes while the engine runs (a trainer
-starting beside it), so ``ThreadTuner`` measures it.
+chunk and the step waits for the scheduler to give it a core back (a time slice, milliseconds);
+each of the ~150 pool jobs of a batch-1 step also wakes a sleeping helper that then competes
+with the caller for a core. One thread fewer may then run faster; on a quiet machine the full
+count is faster. (``LLM.get_metrics()["kernel_pool"]`` counts the caller's waits.) Neither
+can be known in advance, and it changes while the engine runs (a trainer starting beside it),
+so ``ThreadTuner`` measures it.
 
 How: steps are grouped by forward size (bucket: ``rows.bit_length()``, i.e. powers of two of
 the forward's tokens). Each bucket runs at its current count and, at a bounded rate, runs a
@@ -17,9 +19,8 @@ step time beats the current one's by ``margin`` it becomes current. A probe star
 ``probe_every`` steps of the bucket, or earlier (never within ``min_gap`` steps of the last)
 when the current count's recent median step time moved by more than ``drift`` from the one
 the last probe measured: a neighbour came or went. A new bucket starts from the count of the
-nearest bucket that has one. A bandit-style measure-and-keep in the spirit of ATLAS-like
-auto-tuners (e.g. OpenMP runtimes that pick team sizes from measured loop times); the
-details here are specengine's.
+nearest bucket that has one. Cost: at most ``samples`` steps at a worse count per
+``probe_every`` (defaults: 4 per 128 steps, about 1-3% when the other count is 1.5-2x slower).
 
 Results do not depend on the count: the kernels split work over output features, rows and
 heads only (``csrc/pool.h``: disjoint outputs), so the engine applies the tuner only to steps
