@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from tqdm.auto import tqdm
 
+from specengine._ext import ext
 from specengine.config import EngineConfig, parse_dtype
 from specengine.engine import Engine
 from specengine.kv import kv_bytes_per_block
@@ -185,11 +186,19 @@ class LLM:
         evicted on demand); migration (``specengine.migration.Migrator``):
         ``migration_stage1_seconds`` / ``_bytes``, ``migration_stage2_seconds`` / ``_bytes``,
         ``migration_import_seconds`` / ``_bytes``, ``migrated_out`` / ``migrated_in`` (with
-        K/V), ``reprefilled_out`` / ``reprefilled_in`` (as tokens)."""
+        K/V), ``reprefilled_out`` / ``reprefilled_in`` (as tokens); threads
+        (``specengine.threads.ThreadTuner.stats``): ``kernel_threads`` (forward-size bucket ->
+        the kernels' thread count chosen), ``kernel_threads_max``, ``thread_probes``,
+        ``thread_switches``, ``adaptive_threads``, and ``kernel_pool``, the process's kernel
+        pool counters (jobs, helper_chunks, waits and sleeps of the caller for a helper's
+        chunk, wait_ns, late_helpers; see ``csrc/pool.h``)."""
         d = self.engine.metrics.as_dict()
         d.update(kv_blocks_total=self.engine.blocks.num_blocks,
                  kv_blocks_free=self.engine.blocks.num_free, generate_time=self._wall_time,
                  sleep_level=self.memory.level, **self.weights.stats())
+        d.update(self.engine.threads.stats())
+        if hasattr(ext(), "pool_stats"):  # (an extension built before it has none)
+            d["kernel_pool"] = ext().pool_stats()
         d.update(self.engine.blocks.prefix_cache_stats())
         drafter = self.engine.drafter
         if drafter is not None:

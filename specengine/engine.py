@@ -10,6 +10,7 @@ its token tree plus the bonus token) and admits waiting requests; finished reque
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -37,6 +38,7 @@ from specengine.speculative.drafters.base import Drafter, prune_tree
 from specengine.speculative.policy import StaticPolicy
 from specengine.speculative.strategy import Strategy
 from specengine.step import Commit, ForwardLayout
+from specengine.threads import ThreadTuner, adaptive_from_env
 
 
 class Engine:
@@ -54,12 +56,15 @@ class Engine:
         drafter: drafter for speculative decoding (None: plain decoding).
         policy: picks the strategy per step (default: the drafter's strategy, always).
         attention_backend: ``"auto"``, ``"torch"``, ``"cpu"``, ``"cuda"`` or ``"triton"``.
+        adaptive_threads: let ``self.threads`` (``specengine.threads.ThreadTuner``) pick the
+            kernels' thread count of steps run in them from measured step times (None: the
+            environment variable ``SPECENGINE_ADAPTIVE_THREADS``, default on).
     """
 
     def __init__(self, model, tokenizer, config: EngineConfig, seed: int = 0,
                  logprobs_mode: str = "raw_logprobs", eos_token_ids: set[int] | None = None,
                  drafter: Drafter | None = None, policy=None,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", adaptive_threads: bool | None = None):
         self.config = config
         self.tokenizer = tokenizer
         if eos_token_ids is None:
@@ -77,6 +82,9 @@ class Engine:
         self.seed_rng = torch.Generator().manual_seed(seed)
         self.requests: dict[str, Request] = {}
         self.metrics = EngineMetrics()
+        self.threads = ThreadTuner(
+            torch.get_num_threads(),
+            enabled=adaptive_from_env() if adaptive_threads is None else adaptive_threads)
         self.drafter = drafter
         self.policy = policy or StaticPolicy(drafter.strategy if drafter else None)
         self._next_id = 0
@@ -256,7 +264,10 @@ class Engine:
             return ready
         strategy, entries = self._schedule()
         rows = self._max_forward_tokens(entries, strategy)
-        with kernels.kernel_threads(kernels.packed_covers(rows)):
+        covered = kernels.packed_covers(rows)  # every layer in the kernels: adapt their threads
+        threads = self.threads.choose(rows) if covered else None
+        timed = self.threads.timed(rows, threads) if covered else contextlib.nullcontext()
+        with kernels.kernel_threads(covered, threads), timed:
             times = StepTimes()
             num_proposed = self._draft(entries, strategy)
             times.mark("drafted")
