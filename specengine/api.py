@@ -213,6 +213,45 @@ class LLM:
                 d["source_stats"][src]["calibration"] = cal
         return d
 
+    # ---- rollout traces (specengine.trace) ---------------------------------------------------
+    def start_trace(self) -> None:
+        """Start recording a rollout trace: per step the sequences decoded, tokens in the
+        forward, draft nodes per sequence and source, accepted and committed tokens, the
+        strategy and the step's seconds (``specengine.trace``). Off by default; costs one
+        attribute check per step when off.
+
+        Raises:
+            RuntimeError: a trace is already being recorded.
+        """
+        from specengine.trace import TraceRecorder
+
+        if self.engine.trace is not None:
+            raise RuntimeError("a rollout trace is already being recorded; stop_trace() first")
+        drafter = self.engine.drafter
+        if isinstance(drafter, Harvester):
+            drafter = drafter.inner
+        cfg = self.engine_config
+        meta = {"model": self.model_name, "dtype": str(self.engine.runner.dtype).split(".")[-1],
+                "device": str(self.engine.runner.device),
+                "drafter": drafter.name if drafter is not None else None,
+                "policy": self.engine.policy.name if drafter is not None else None,
+                "max_num_seqs": cfg.max_num_seqs,
+                "max_num_batched_tokens": cfg.max_num_batched_tokens}
+        self.engine.trace = TraceRecorder(meta, meta["drafter"])
+        self._trace_preemptions = self.engine.scheduler.num_preemptions
+
+    def stop_trace(self):
+        """Stop recording; returns the ``RolloutTrace`` (``save(path)`` writes it).
+
+        Raises:
+            RuntimeError: no trace is being recorded.
+        """
+        rec = self.engine.trace
+        if rec is None:
+            raise RuntimeError("no rollout trace is being recorded; call start_trace() first")
+        self.engine.trace = None
+        return rec.finish(self.engine.scheduler.num_preemptions - self._trace_preemptions)
+
     # ---- weight sync (specengine.weights) ----------------------------------------------------
     @property
     def weight_version(self) -> int:

@@ -91,6 +91,7 @@ class Engine:
         self._weight_version = 0
         self.weight_version = 0  # stamped on outputs; weights.WeightUpdater advances it
         self.ready_check = None  # callable raising when requests cannot run (memory.py)
+        self.trace = None  # specengine.trace.TraceRecorder while a rollout trace is recorded
         # finished requests not returned by a step yet: the last unfinished sample of a request
         # left the engine (``detach``), the others had finished; the next ``step`` returns them
         self.outputs_ready: list[RequestOutput] = []
@@ -263,6 +264,8 @@ class Engine:
         if not self.scheduler.has_work():
             return ready
         strategy, entries = self._schedule()
+        if self.trace is not None:
+            self.trace.begin_step(entries)
         rows = self._max_forward_tokens(entries, strategy)
         covered = kernels.packed_covers(rows)  # every layer in the kernels: adapt their threads
         threads = self.threads.choose(rows) if covered else None
@@ -439,13 +442,16 @@ class Engine:
 
     def _account(self, layout: ForwardLayout, commits: list[Commit], strategy: Strategy | None,
                  times: StepTimes, num_proposed: int | None, num_appended: int) -> None:
-        """Count the step on the sequences and the engine (``EngineMetrics``), and hand the
-        policy its ``StepRecord`` (with speculation)."""
+        """Count the step on the sequences and the engine (``EngineMetrics``), hand the
+        policy its ``StepRecord`` (with speculation) and the trace recorder the step (when
+        tracing, ``specengine.trace``)."""
         record_sequences(layout, commits)
         self.metrics.record_step(layout, commits, times, num_appended,
                                  self.scheduler.num_preemptions)
         if self.drafter is not None:
             self.policy.record(step_record(layout, commits, strategy, times, num_proposed))
+        if self.trace is not None:
+            self.trace.record(layout, commits, strategy, times, num_proposed)
 
     def _request_output(self, req: Request, now: float) -> RequestOutput:
         """The finished ``req``'s output (dropped from the engine's requests)."""
