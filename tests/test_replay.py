@@ -1,0 +1,273 @@
+"""Rollout traces (``specengine.trace``), step-cost tables (``specengine.cost_table``) and the
+replay projection (``specengine.replay``): hand-computed answers on a synthetic trace, a trace
+recorded on a tiny random model checked against its outputs, and bad inputs."""
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import rand_prompts
+
+from specengine import LLM, SamplingParams
+from specengine.cost_table import CostTable, StepShape, model_sizes, roofline_table
+from specengine.models.config import ModelConfig
+from specengine.replay import AcceptanceStats, logged_shape, parse_policy, replay
+from specengine.speculative.strategy import Strategy
+from specengine.trace import RolloutTrace
+
+# forward(T, C) = 0.01 + 0.001 T + 1e-6 C: linear, so bilinear interpolation is exact
+TABLE = {
+    "format": "specengine-step-costs", "version": 1, "kind": "measured", "label": "synthetic",
+    "forward": {"tokens": [1, 101], "context": [1, 10001],
+                "seconds": [[0.01 + 0.001 + 1e-6, 0.01 + 0.001 + 1e-6 * 10001],
+                            [0.01 + 0.101 + 1e-6, 0.01 + 0.101 + 1e-6 * 10001]]},
+    "pair_s": 1e-7, "step_s": 0.002, "sequence_s": 1e-4, "node_s": 5e-5,
+    "draft": {"d": {"step_s": 0.001, "depth_s": 5e-4, "sequence_depth_s": 1e-4, "node_s": 0.0}}}
+
+
+def fwd(t, c, pairs):
+    return 0.01 + 0.001 * t + 1e-6 * c + 1e-7 * (pairs - c)
+
+
+def synthetic_trace() -> RolloutTrace:
+    """Two 10-token prompts, outputs of 3 and 5 tokens, chain depth 2 from drafter "d"."""
+    seq = {"prompt_tokens": 10, "max_tokens": 8, "first_step": 0, "finish_reason": "stop"}
+    doc = {"format": "specengine-rollout-trace", "version": 1,
+           "meta": {"drafter": "d", "policy": "static", "max_num_seqs": 8,
+                    "max_num_batched_tokens": 100, "wall_s": 0.08},
+           "sequences": {"0": dict(seq, output_tokens=3, group="a"),
+                         "1": dict(seq, output_tokens=5, group="b")},
+           "steps": [
+               {"start": 0.0, "end": 0.03, "draft_s": 0, "forward_s": 0.03, "sample_s": 0,
+                "strategy": "chain(d=2)", "depth": 2, "topk": 1, "proposed": 0,
+                "forward_tokens": 20, "decode": [],
+                "prefill": [{"seqs": [0], "new": 10, "cached": 0, "commit": [1]},
+                            {"seqs": [1], "new": 10, "cached": 0, "commit": [1]}]},
+               {"start": 0.03, "end": 0.05, "draft_s": 0, "forward_s": 0.02, "sample_s": 0,
+                "strategy": "chain(d=2)", "depth": 2, "topk": 1, "proposed": 4,
+                "forward_tokens": 6, "prefill": [], "decode": [
+                    {"seq": 0, "ctx": 10, "commit": 2, "nodes": {"d": [1, 1]}, "accepted": 1,
+                     "path": ["d"]},
+                    {"seq": 1, "ctx": 10, "commit": 3, "nodes": {"d": [1, 1]}, "accepted": 2,
+                     "path": ["d", "d"]}]},
+               {"start": 0.05, "end": 0.07, "draft_s": 0, "forward_s": 0.02, "sample_s": 0,
+                "strategy": "chain(d=2)", "depth": 2, "topk": 1, "proposed": 2,
+                "forward_tokens": 3, "prefill": [], "decode": [
+                    {"seq": 1, "ctx": 13, "commit": 1, "nodes": {"d": [1, 1]}, "accepted": 0,
+                     "path": []}]}]}
+    return RolloutTrace.from_dict(doc)
+
+
+PREFILL = fwd(20, 20, 110) + 0.002 + 2e-4  # two 10-token prompts: 55 pairs each
+
+
+def test_as_logged_matches_hand_computation():
+    r = replay(synthetic_trace(), CostTable(TABLE), "as-logged")
+    # step 1: two rows of length 11 with 2 nodes (depths 1, 2): 11 + 2*11 + 3 = 36 pairs each
+    step1 = fwd(6, 22, 72) + (0.001 + 5e-4 * 2 + 1e-4 * 2 * 2) + (0.002 + 2e-4 + 5e-5 * 4)
+    step2 = fwd(3, 14, 45) + (0.001 + 5e-4 * 2 + 1e-4 * 2) + (0.002 + 1e-4 + 5e-5 * 2)
+    assert r.steps == 3
+    assert r.seconds == pytest.approx(PREFILL + step1 + step2, rel=1e-12)
+    assert r.measured_s == 0.08 and r.tokens == 8
+
+
+def test_off_matches_hand_computation():
+    r = replay(synthetic_trace(), CostTable(TABLE), "off")
+    decode = [fwd(2, 22, 22) + 0.0022, fwd(2, 24, 24) + 0.0022,  # both running
+              fwd(1, 13, 13) + 0.0021, fwd(1, 14, 14) + 0.0021]  # the 5-token one alone
+    assert r.steps == 5 and r.draft_s == 0
+    assert r.seconds == pytest.approx(PREFILL + sum(decode), rel=1e-12)
+
+
+def test_static_matches_hand_computation():
+    trace = synthetic_trace()
+    stats = AcceptanceStats(trace)
+    p, n = stats.per_depth("d", 1)
+    assert p == pytest.approx([2 / 3, 1 / 3]) and n == pytest.approx([1.0, 1.0])
+    acc, nod = stats.expected("d", Strategy(3))  # depth 3 extrapolated: p3 = p2 * (p2 / p1)
+    assert acc == pytest.approx([0, 2 / 3, 1, 1 + 1 / 6]) and nod == pytest.approx([0, 1, 2, 3])
+    r = replay(trace, CostTable(TABLE), "static:d=2")
+    # each sequence commits 1 + 1 tokens a step: the 3-token one is done after one decode step
+    step1 = fwd(6, 22, 72) + (0.001 + 5e-4 * 2 + 1e-4 * 4) + (0.002 + 2e-4 + 5e-5 * 4)
+    step2 = fwd(3, 13, 13 * 3 + 3) + (0.001 + 5e-4 * 2 + 1e-4 * 2) + (0.002 + 1e-4 + 5e-5 * 2)
+    assert r.steps == 3
+    assert r.seconds == pytest.approx(PREFILL + step1 + step2, rel=1e-12)
+    assert replay(trace, CostTable(TABLE), "static:d=2,source=d").seconds == r.seconds
+
+
+def test_interpolation_and_extrapolation():
+    t = CostTable(TABLE)
+    for tok, ctx in [(1, 1), (50, 5000), (101, 10001), (300, 40000)]:  # last one: outside
+        assert t.forward_seconds(tok, ctx) == pytest.approx(0.01 + 0.001 * tok + 1e-6 * ctx)
+    shape = StepShape(tokens=10, context=100, pairs=150, rows=2, nodes=3,
+                      drafts={"d": (2, 3, 3), "unpriced": (2, 3, 3)})
+    s = t.step_seconds(shape)
+    assert s["draft"] == pytest.approx(0.001 + 5e-4 * 3 + 1e-4 * 6)
+    assert s["other"] == pytest.approx(0.002 + 2e-4 + 1.5e-4)
+    assert s["forward"] == pytest.approx(fwd(10, 100, 150))
+
+
+def test_roofline_by_hand():
+    cfg = ModelConfig("LlamaForCausalLM", "llama", vocab_size=100, hidden_size=8,
+                      intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=4, tie_word_embeddings=True)
+    sizes = model_sizes(cfg)
+    # per layer: q 8*8 + k, v 2*8*4 + o 8*8 + mlp 3*8*16 = 576; head 800
+    assert sizes["linear_params"] == 2 * 576 + 800
+    assert sizes["kv_values_per_token"] == 2 * 2 * 4 and sizes["attention_flops_per_pair"] == 64
+    doc = roofline_table(cfg, model="tiny", bytes_per_s=1e9, flops_per_s=1e10,
+                         tokens=[1, 1000], context=[16, 4096])
+    t = CostTable(doc)
+    assert t.kind == "projection" and "NOT a measurement" in t.label
+    w = (2 * 576 + 800 + 5 * 8) * 2
+    assert t.forward_seconds(1, 16) == pytest.approx(
+        max((w + 32 * 17) / 1e9, (2 * 1952 + 64 * 16) / 1e10))
+    assert t.forward_seconds(1000, 16) == pytest.approx(
+        max((w + 32 * 1016) / 1e9, (2 * 1952 * 1000 + 64 * 16) / 1e10))
+    assert t.pair_s == pytest.approx(64 / 1e10)
+
+
+def test_shipped_h200_table_is_a_labelled_projection():
+    path = Path(__file__).parent.parent / "bench" / "cost_tables" / "h200_roofline.json"
+    t = CostTable.load(path)
+    assert t.kind == "projection"
+    assert "NOT a measurement" in t.label and "PROJECTION" in t.doc["notes"]
+    # weights of the default model (bf16) over 4.8 TB/s: ~56 us for a batch-1 decode
+    assert 5e-5 < t.forward_seconds(1, 100) < 6e-5
+
+
+@pytest.fixture(scope="module")
+def traced(tiny_llama_dir):
+    """A seeded T = 1 rollout on the tiny model with n-gram chains of depth 3, the trees'
+    nodes labelled with two sources in turn; its outputs and trace."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory_bytes=8 << 20, block_size=8,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                   "policy": "static", "prompt_lookup_min": 1})
+    drafter = llm.engine.drafter
+    propose = drafter.propose
+
+    def labelled(seqs, strategy):
+        trees = propose(seqs, strategy)
+        for t in trees:
+            if t is not None:
+                t.sources = ["a" if i % 2 == 0 else "b" for i in range(t.num_nodes)]
+        return trees
+
+    drafter.propose = labelled
+    prompts = [p * 4 for p in rand_prompts(3, lo=3, hi=6, vocab=20, seed=3)]
+    params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=24)
+    llm.start_trace()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return outs, llm.stop_trace(), llm
+
+
+def test_trace_consistent_with_outputs(traced):
+    outs, trace, _ = traced
+    lengths = sorted(len(o.token_ids) for r in outs for o in r.outputs)
+    assert sorted(s["output_tokens"] for s in trace.sequences.values()) == lengths
+    committed = {i: 0 for i in trace.sequences}
+    verified = 0
+    for st in trace.steps:
+        nodes = 0
+        for r in st["decode"]:
+            committed[r["seq"]] += r["commit"]
+            if "nodes" in r:
+                verified += 1
+                assert set(r["nodes"]) <= {"a", "b"}
+                n = sum(sum(c) for c in r["nodes"].values())
+                nodes += n
+                assert len(r["path"]) == r["accepted"] <= n
+                assert r["commit"] <= r["accepted"] + 1
+            else:
+                assert r["commit"] == 1
+        for p in st["prefill"]:
+            for i, c in zip(p["seqs"], p["commit"]):
+                committed[i] += c
+        # the forward holds the prompts, one root per decode and every verified node
+        assert st["forward_tokens"] == sum(p["new"] for p in st["prefill"]) + len(
+            st["decode"]) + nodes
+        assert logged_shape(st).nodes == nodes
+    assert sorted(committed.values()) == lengths
+    assert sum(committed.values()) == trace.output_tokens == sum(lengths)
+    assert verified > 0  # the repeated prompts give the n-gram drafter matches
+    assert trace.wall_s >= trace.step_seconds() > 0
+    # every sequence is admitted in the first step, so plain decoding needs as many steps as
+    # the longest output (the prefill samples the first token)
+    r = replay(trace, CostTable(TABLE), "off")
+    assert r.steps == max(lengths)
+    assert replay(trace, CostTable(TABLE), "as-logged").steps == len(trace.steps)
+
+
+def test_trace_round_trip(traced, tmp_path):
+    _, trace, _ = traced
+    path = tmp_path / "t.json"
+    trace.save(path)
+    back = RolloutTrace.load(path)
+    assert back.to_dict() == json.loads(json.dumps(trace.to_dict()))
+    assert not (tmp_path / "t.json.tmp").exists()
+    t = CostTable(TABLE)
+    assert replay(back, t, "as-logged").seconds == replay(trace, t, "as-logged").seconds
+
+
+def test_trace_start_stop_errors(traced):
+    _, _, llm = traced
+    with pytest.raises(RuntimeError, match="start_trace"):
+        llm.stop_trace()
+    llm.start_trace()
+    with pytest.raises(RuntimeError, match="already"):
+        llm.start_trace()
+    assert llm.stop_trace().steps == []
+    assert llm.engine.trace is None
+
+
+def test_bad_tables():
+    def broken(**kw):
+        doc = json.loads(json.dumps(TABLE))
+        for k, v in kw.items():
+            if k.startswith("forward_"):
+                doc["forward"][k[8:]] = v
+            else:
+                doc[k] = v
+        return doc
+
+    cases = [(broken(format="x"), "not a step-cost table"), (broken(version=9), "version 9"),
+             (broken(kind="guess"), "kind='guess'"),
+             (broken(forward_tokens=[5, 1]), "forward.tokens must be strictly ascending"),
+             (broken(forward_context=[0, 2]), "forward.context must be a non-empty list"),
+             (broken(forward_seconds=[[1.0, 2.0]]), "must be 2 rows"),
+             (broken(forward_seconds=[[1.0, -2.0], [1.0, 1.0]]), "finite and >= 0"),
+             (broken(step_s=-1), "step_s=-1"),
+             (broken(draft={"d": {"speed": 1}}), "draft.d must be an object")]
+    for doc, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            CostTable(doc, "t")
+
+
+def test_bad_traces_and_policies(tmp_path):
+    doc = synthetic_trace().to_dict()
+    with pytest.raises(ValueError, match="not a rollout trace"):
+        RolloutTrace.from_dict({"steps": []})
+    with pytest.raises(ValueError, match="version 2"):
+        RolloutTrace.from_dict(dict(doc, version=2))
+    bad = json.loads(json.dumps(doc))
+    del bad["steps"][1]["forward_tokens"]
+    with pytest.raises(ValueError, match=r"step 1 lacks \['forward_tokens'\]"):
+        RolloutTrace.from_dict(bad)
+    bad = json.loads(json.dumps(doc))
+    bad["steps"][2]["decode"][0]["seq"] = 9
+    with pytest.raises(ValueError, match=r"unknown sequences \[9\]"):
+        RolloutTrace.from_dict(bad)
+    path = tmp_path / "x.json"
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not JSON"):
+        RolloutTrace.load(path)
+    with pytest.raises(ValueError, match="not JSON"):
+        CostTable.load(path)
+    for policy in ["fast", "static:4", "static:d=0", "static:d=2,q=1"]:
+        with pytest.raises(ValueError, match="policy"):
+            parse_policy(policy)
+    trace, table = synthetic_trace(), CostTable(TABLE)
+    with pytest.raises(ValueError, match="no draft nodes from source 'eagle'"):
+        replay(trace, table, "static:d=2,source=eagle")
+    with pytest.raises(ValueError, match="branching k=2"):
+        replay(trace, table, "static:d=2,k=2")
