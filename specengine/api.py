@@ -237,7 +237,7 @@ class LLM:
                 "policy": self.engine.policy.name if drafter is not None else None,
                 "max_num_seqs": cfg.max_num_seqs,
                 "max_num_batched_tokens": cfg.max_num_batched_tokens}
-        self.engine.trace = TraceRecorder(meta, meta["drafter"])
+        self.engine.trace = TraceRecorder(meta, meta["drafter"], self.engine.policy.decision_time)
         self._trace_preemptions = self.engine.scheduler.num_preemptions
 
     def stop_trace(self):

@@ -23,8 +23,12 @@ A table is JSON (``"format": "specengine-step-costs"``, ``"version": 1``):
 - ``draft``: per drafter source name, ``{"step_s", "depth_s", "sequence_depth_s", "node_s"}``:
   drafting ``nodes`` nodes ``depth`` deep for ``B`` sequences costs ``step_s + depth_s * depth +
   sequence_depth_s * B * depth + node_s * nodes``. A source missing here drafts for free.
+- ``policy`` (optional): per policy name, ``{"step_s", "sequence_s"}``: the policy's own
+  deciding and learning per step (``AutoPolicy``: choose, select, refine, record) for ``rows``
+  sequences sampled: ``step_s + sequence_s * rows``. A policy missing here decides for free
+  (``static``).
 
-So one step costs ``forward(T, C) + pair_s * (A - C) + other + draft`` seconds.
+So one step costs ``forward(T, C) + pair_s * (A - C) + other + draft + policy`` seconds.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ TABLE_FORMAT = "specengine-step-costs"
 TABLE_VERSION = 1
 KINDS = ("measured", "projection")
 DRAFT_KEYS = ("step_s", "depth_s", "sequence_depth_s", "node_s")
+POLICY_KEYS = ("step_s", "sequence_s")
 
 
 @dataclass
@@ -51,6 +56,7 @@ class StepShape:
         rows: sequences sampled (decode sequences and prefill samples).
         nodes: draft nodes verified.
         drafts: per source, ``(sequences drafted for, depth, nodes)``.
+        policy: the policy deciding the step (priced by the table's ``policy``; None: free).
     """
 
     tokens: int
@@ -59,6 +65,7 @@ class StepShape:
     rows: int
     nodes: int = 0
     drafts: dict = field(default_factory=dict)
+    policy: str | None = None
 
 
 def _interp_index(axis: list[float], x: float) -> tuple[int, float]:
@@ -135,6 +142,15 @@ class CostTable:
                 raise bad(f"draft.{src} must be an object with keys among {DRAFT_KEYS}")
             self.draft[src] = {k: self._coefficient(c.get(k, 0.0), f"draft.{src}.{k}", bad)
                                for k in DRAFT_KEYS}
+        policy = doc.get("policy", {})
+        if not isinstance(policy, dict):
+            raise bad("'policy' must map policy names to coefficient objects")
+        self.policy = {}
+        for name, c in policy.items():
+            if not isinstance(c, dict) or set(c) - set(POLICY_KEYS):
+                raise bad(f"policy.{name} must be an object with keys among {POLICY_KEYS}")
+            self.policy[name] = {k: self._coefficient(c.get(k, 0.0), f"policy.{name}.{k}", bad)
+                                 for k in POLICY_KEYS}
 
     @staticmethod
     def _coefficient(v, key: str, bad) -> float:
@@ -198,11 +214,15 @@ class CostTable:
                 + c["node_s"] * nodes)
 
     def step_seconds(self, shape: StepShape) -> dict:
-        """Seconds of one step of ``shape``: ``{"forward", "draft", "other", "total"}``."""
+        """Seconds of one step of ``shape``: ``{"forward", "draft", "other", "policy",
+        "total"}``."""
         fwd = self.forward_seconds(shape.tokens, shape.context, shape.pairs)
         draft = sum(self.draft_seconds(src, b, d, n) for src, (b, d, n) in shape.drafts.items())
         other = self.step_s + self.sequence_s * shape.rows + self.node_s * shape.nodes
-        return {"forward": fwd, "draft": draft, "other": other, "total": fwd + draft + other}
+        pol = self.policy.get(shape.policy) if shape.policy else None
+        policy = pol["step_s"] + pol["sequence_s"] * shape.rows if pol else 0.0
+        return {"forward": fwd, "draft": draft, "other": other, "policy": policy,
+                "total": fwd + draft + other + policy}
 
 
 def model_sizes(cfg) -> dict:
@@ -261,7 +281,8 @@ def roofline_table(cfg, *, model: str, device: str = "H200-class GPU",
                   f"{sizes['attention_flops_per_pair']} per (query, position) pair. Assumed, "
                   f"not derived: step_s = {step_s:g} s fixed launch + host overhead per step "
                   f"(CUDA graphs), sequence_s = {sequence_s:g} s per sampled sequence, node_s "
-                  f"= {node_s:g} s per verified node, draft costs per source as given."),
+                  f"= {node_s:g} s per verified node, draft costs per source as given; a "
+                  f"policy's own deciding (host-side) is not priced."),
         "roofline": {"bytes_per_s": bytes_per_s, "flops_per_s": flops_per_s,
                      "dtype_bytes": dtype_bytes, **sizes},
         "forward": {"tokens": tokens, "context": context, "seconds": grid},

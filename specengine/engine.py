@@ -451,7 +451,8 @@ class Engine:
         if self.drafter is not None:
             self.policy.record(step_record(layout, commits, strategy, times, num_proposed))
         if self.trace is not None:
-            self.trace.record(layout, commits, strategy, times, num_proposed)
+            self.trace.record(layout, commits, strategy, times, num_proposed,
+                              self.policy.decision_time)
 
     def _request_output(self, req: Request, now: float) -> RequestOutput:
         """The finished ``req``'s output (dropped from the engine's requests)."""

@@ -6,7 +6,8 @@ Policies:
 
 - ``"as-logged"`` (alias ``"auto"``: replaying a trace recorded under the ``auto`` policy): the
   logged steps as they ran (tokens in each forward, contexts, draft nodes per source, rows
-  sampled), each priced by the table.
+  sampled), each priced by the table, with the trace's policy's own cost where the table
+  prices it.
 - ``"off"``: no speculation. Every sequence advances one token per step until it reaches its
   logged output length (seeded sampling is lossless, so the outputs, and their lengths, are the
   same under every policy); the batch shrinks as sequences finish.
@@ -42,7 +43,7 @@ class ReplayResult:
     Attributes:
         policy: the policy replayed. table: the cost table's label.
         seconds: predicted wall seconds. steps: predicted engine steps.
-        forward_s, draft_s, other_s: the split of ``seconds``.
+        forward_s, draft_s, other_s, policy_s: the split of ``seconds``.
         tokens: tokens committed (the trace's output tokens).
         measured_s: the trace's measured wall seconds (None if not recorded).
         warnings: what the prediction could not model.
@@ -55,6 +56,7 @@ class ReplayResult:
     forward_s: float
     draft_s: float
     other_s: float
+    policy_s: float
     tokens: int
     measured_s: float | None = None
     warnings: list[str] = field(default_factory=list)
@@ -63,8 +65,10 @@ class ReplayResult:
         return dict(self.__dict__)
 
 
-def logged_shape(step: dict, default_source: str = "draft") -> StepShape:
-    """The ``StepShape`` of one logged trace step (see ``specengine.trace`` for the fields).
+def logged_shape(step: dict, default_source: str = "draft",
+                 policy: str | None = None) -> StepShape:
+    """The ``StepShape`` of one logged trace step (see ``specengine.trace`` for the fields),
+    decided by ``policy``.
 
     The drafting cost is charged per source for every decode sequence of a speculative step,
     ``depth`` deep, with the nodes built (``proposed``; split over sources by their verified
@@ -96,7 +100,7 @@ def logged_shape(step: dict, default_source: str = "draft") -> StepShape:
         for src, n in per_source.items():
             share = n / total if total else 1.0 / len(per_source)
             drafts[src] = (len(step["decode"]), depth, proposed * share)
-    return StepShape(step["forward_tokens"], context, pairs, rows, nodes, drafts)
+    return StepShape(step["forward_tokens"], context, pairs, rows, nodes, drafts, policy)
 
 
 class AcceptanceStats:
@@ -219,7 +223,8 @@ def replay(trace: RolloutTrace, table: CostTable, policy: str,
             warnings.append(f"'auto' replays the logged steps, but the trace ran policy "
                             f"{trace.meta.get('policy')!r}")
         default = trace.meta.get("drafter") or "draft"
-        parts = [table.step_seconds(logged_shape(st, default)) for st in trace.steps]
+        pol = trace.meta.get("policy")
+        parts = [table.step_seconds(logged_shape(st, default, pol)) for st in trace.steps]
         steps = len(parts)
     else:
         acc = nod = None
@@ -232,10 +237,11 @@ def replay(trace: RolloutTrace, table: CostTable, policy: str,
             acc, nod = stats.expected(source, strategy)
         parts = _simulate(trace, table, strategy, source, acc, nod)
         steps = len(parts)
-    total = {k: sum(p[k] for p in parts) for k in ("forward", "draft", "other", "total")}
+    total = {k: sum(p[k] for p in parts)
+             for k in ("forward", "draft", "other", "policy", "total")}
     return ReplayResult(policy, table.label, total["total"], steps, total["forward"],
-                        total["draft"], total["other"], trace.output_tokens, trace.wall_s,
-                        warnings)
+                        total["draft"], total["other"], total["policy"], trace.output_tokens,
+                        trace.wall_s, warnings)
 
 
 def _admission_units(trace: RolloutTrace) -> list[tuple[list[int], int, int]]:

@@ -17,7 +17,8 @@ JSON layout (``"format": "specengine-rollout-trace"``, ``"version": 1``), times 
   samples of one prompt and separate requests with the same prompt share it), "prompt_tokens",
   "max_tokens", "output_tokens" (committed while traced), "finish_reason", "first_step"}}``.
 - ``steps``: per step ``{"start", "end" (when it was accounted), "draft_s", "forward_s",
-  "sample_s" (``StepTimes``' split), "strategy" ("off" or ``str(Strategy)``), "depth",
+  "sample_s" (``StepTimes``' split), "policy_s" (the policy deciding and learning: inside
+  the others and the gaps between steps), "strategy" ("off" or ``str(Strategy)``), "depth",
   "topk" (0, 0 when off), "proposed" (draft nodes built, before the policy's cuts),
   "forward_tokens", "prefill": [{"seqs": [ids], "new", "cached", "commit": [per sample]}],
   "decode": [{"seq", "ctx" (tokens cached before the step: the root is not), "commit" (tokens
@@ -149,26 +150,34 @@ class TraceRecorder:
     Args:
         meta: facts stored with the trace (model, dtype, drafter, policy, limits).
         drafter_name: the source name of trees without ``DraftTree.sources``.
+        decision_time: the policy's ``decision_time`` now (seconds).
         clock: seconds (``time.perf_counter``); tests pass a fake one.
     """
 
-    def __init__(self, meta: dict, drafter_name: str | None,
+    def __init__(self, meta: dict, drafter_name: str | None, decision_time: float = 0.0,
                  clock=time.perf_counter):
         self.meta, self.drafter_name, self.clock = dict(meta), drafter_name or "draft", clock
         self.origin = clock()
         self.sequences: dict[int, dict] = {}
         self.steps: list[dict] = []
         self._before: dict[int, int] = {}  # seq id -> length before this step
+        self._decision = decision_time  # the policy's decision_time at the last step
 
     def begin_step(self, entries) -> None:
         """Note the length of every scheduled sequence (``BatchEntry`` list) before the step."""
         self._before = {s.seq_id: len(s) for e in entries for s in e.samplers}
 
-    def record(self, layout, commits, strategy, times, num_proposed: int | None = None) -> None:
+    def record(self, layout, commits, strategy, times, num_proposed: int | None = None,
+               decision_time: float | None = None) -> None:
         """Add the step just run: ``layout`` (``ForwardLayout``), ``commits`` (``Commit``s, the
         tokens already appended), ``strategy`` (``Strategy`` or None), ``times``
-        (``StepTimes``) and ``num_proposed`` (draft nodes built before the policy's cuts)."""
+        (``StepTimes``), ``num_proposed`` (draft nodes built before the policy's cuts) and
+        ``decision_time`` (the policy's ``decision_time`` so far, seconds; the step's share is
+        the increase since the last step)."""
         step_index = len(self.steps)
+        policy_s = 0.0
+        if decision_time is not None:
+            policy_s, self._decision = decision_time - self._decision, decision_time
         before = self._before
         prefill: dict[int, dict] = {}
         for e in layout.entries:
@@ -213,7 +222,8 @@ class TraceRecorder:
         self.steps.append({
             "start": times.start - self.origin, "end": self.clock() - self.origin,
             "draft_s": times.draft_time, "forward_s": times.forward_time,
-            "sample_s": times.sample_time, "strategy": strategy_name(strategy),
+            "sample_s": times.sample_time, "policy_s": policy_s,
+            "strategy": strategy_name(strategy),
             "depth": strategy.depth if strategy else 0, "topk": strategy.topk if strategy else 0,
             "proposed": num_proposed or 0,
             "forward_tokens": layout.num_tokens, "prefill": list(prefill.values()),

@@ -69,6 +69,12 @@ def test_as_logged_matches_hand_computation():
     assert r.steps == 3
     assert r.seconds == pytest.approx(PREFILL + step1 + step2, rel=1e-12)
     assert r.measured_s == 0.08 and r.tokens == 8
+    # the policy the trace ran ("static") priced per step and decode row, when the table does
+    priced = CostTable(dict(TABLE, policy={"static": {"step_s": 1e-3, "sequence_s": 1e-4}}))
+    r2 = replay(synthetic_trace(), priced, "as-logged")
+    assert r2.policy_s == pytest.approx(3e-3 + (2 + 2 + 1) * 1e-4)  # rows sampled
+    assert r2.seconds == pytest.approx(r.seconds + r2.policy_s, rel=1e-12)
+    assert replay(synthetic_trace(), priced, "off").policy_s == 0  # simulated: no policy
 
 
 def test_off_matches_hand_computation():
@@ -237,7 +243,8 @@ def test_bad_tables():
              (broken(forward_seconds=[[1.0, 2.0]]), "must be 2 rows"),
              (broken(forward_seconds=[[1.0, -2.0], [1.0, 1.0]]), "finite and >= 0"),
              (broken(step_s=-1), "step_s=-1"),
-             (broken(draft={"d": {"speed": 1}}), "draft.d must be an object")]
+             (broken(draft={"d": {"speed": 1}}), "draft.d must be an object"),
+             (broken(policy={"auto": {"step_s": -1}}), "policy.auto.step_s=-1")]
     for doc, msg in cases:
         with pytest.raises(ValueError, match=msg):
             CostTable(doc, "t")
