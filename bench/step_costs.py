@@ -3,7 +3,9 @@
 Measured (the default): on this machine, for ``--model`` in ``--dtype``,
 
 1. the forward grid: dummy decode forwards of ``T`` sequences, one token each, each reading
-   ``C / T`` KV positions (at least one), timed ``--repeats`` times after a warm-up, median kept;
+   ``C / T`` KV positions (at least one), threaded as the engine threads such a step, timed
+   ``--repeats`` times after a warm-up, the fewest seconds kept; then made non-decreasing
+   along both axes;
 2. ``pair_s``: chains of 3-8 tokens per sequence, the seconds beyond the grid's fitted per
    extra (query, position) pair (least squares through 0);
 3. ``step_s``, ``sequence_s``, ``node_s``: a short traced rollout of ShareGPT chat prompts
@@ -35,7 +37,7 @@ import numpy as np
 import torch
 from common import machine_info, quiet_transformers
 
-from specengine import LLM, SamplingParams
+from specengine import LLM, SamplingParams, kernels
 from specengine.batch import BatchEntry
 from specengine.cost_table import TABLE_FORMAT, TABLE_VERSION, CostTable, roofline_table
 from specengine.models.registry import DEFAULT_MODEL
@@ -54,8 +56,10 @@ CHAINS = [(1, 5, 512), (4, 5, 256), (16, 5, 256), (4, 8, 1024), (16, 3, 512), (3
 
 
 def _forward(llm: LLM, batch: int, per_seq: int, ctx: int, repeats: int) -> float:
-    """Median seconds of a dummy forward: ``batch`` sequences of ``ctx`` cached tokens, each
-    feeding its root and a chain of ``per_seq - 1`` nodes."""
+    """Fewest seconds of ``repeats`` dummy forwards (other jobs on the machine only add
+    time): ``batch`` sequences of ``ctx`` cached tokens, each feeding its root and a chain of
+    ``per_seq - 1`` nodes, threaded as the engine threads a step of that many tokens
+    (``kernels.kernel_threads``)."""
     runner, blocks = llm.engine.runner, llm.engine.blocks
     params = SamplingParams(temperature=0.0)
     seqs, entries = [], []
@@ -68,21 +72,33 @@ def _forward(llm: LLM, batch: int, per_seq: int, ctx: int, repeats: int) -> floa
             seqs.append(s)
             entries.append(BatchEntry(s, 1, [s], tree=DraftTree([1] * m, list(
                 range(-1, m - 1))) if m else None))
-        runner.run(entries, blocks)[0].cpu()  # warm-up
         times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            runner.run(entries, blocks)[0].cpu()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        with kernels.kernel_threads(kernels.packed_covers(batch * per_seq)):
+            runner.run(entries, blocks)[0].cpu()  # warm-up
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                runner.run(entries, blocks)[0].cpu()
+                times.append(time.perf_counter() - t0)
+        return min(times)
     finally:
         for s in seqs:
             blocks.free(s)
 
 
+def monotone(grid: list[list[float]]) -> list[list[float]]:
+    """``grid`` made non-decreasing along both axes (a running maximum over rows, then over
+    columns): more tokens or more context never take less time, so a dip is noise."""
+    out = [list(r) for r in grid]
+    for i in range(len(out)):
+        for j in range(len(out[i])):
+            out[i][j] = max(out[i][j], out[i - 1][j] if i else 0.0, out[i][j - 1] if j else 0.0)
+    return out
+
+
 def measure_forward(llm: LLM, tokens: list[int], context: list[int], repeats: int,
                     log) -> tuple[list[list[float]], list]:
-    """The forward grid (seconds ``[len(tokens)][len(context)]``) and the shapes measured."""
+    """The forward grid (seconds ``[len(tokens)][len(context)]``, made ``monotone``) and the
+    shapes measured."""
     grid, shapes = [], []
     limit = llm.engine_config.max_model_len
     for t in tokens:
@@ -93,7 +109,7 @@ def measure_forward(llm: LLM, tokens: list[int], context: list[int], repeats: in
             shapes.append([t, t * (ctx + 1)])
         grid.append(row)
         log(f"forward T={t}: " + " ".join(f"{s * 1e3:.1f}" for s in row) + " ms")
-    return grid, shapes
+    return monotone(grid), shapes
 
 
 def measure_pairs(llm: LLM, table: CostTable, repeats: int) -> float:

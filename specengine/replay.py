@@ -15,10 +15,11 @@ Policies:
   tree. Each sequence commits, per step, the expected ``1 + sum_j p_j`` tokens with ``p_j`` the
   probability that the accepted path reaches depth ``j``, and sends the expected ``sum_j n_j``
   nodes to the verifier, both from the per-depth, per-source statistics of a trace
-  (``AcceptanceStats``; rows of steps with the same branching ``k``). Past the deepest logged
-  depth ``p_j`` decays geometrically with the last logged ratio and ``n_j`` stays at the last
-  logged value. Depth is cut where a sequence's ``max_tokens`` leaves no room, as the engine
-  does.
+  (``AcceptanceStats``; rows of steps with the same branching ``k``; the sequence's own rows
+  when the statistics' trace ran the same prompt and sample, else the whole trace's). Past
+  the deepest logged depth ``p_j`` decays geometrically with the last logged ratio and ``n_j``
+  stays at the last logged value. Depth is cut where a sequence's ``max_tokens`` leaves no
+  room, as the engine does.
 
 ``off`` and ``static`` are fluid simulations: sequences are admitted in the trace's order as
 soon as ``max_num_seqs`` and ``max_num_batched_tokens`` allow (an offline rollout: every request
@@ -103,63 +104,99 @@ def logged_shape(step: dict, default_source: str = "draft",
     return StepShape(step["forward_tokens"], context, pairs, rows, nodes, drafts, policy)
 
 
+class _Counts:
+    """Per-depth tallies of verified rows: ``eligible[k][j-1]`` rows of steps with branching
+    ``k`` and depth ``>= j``; ``reach[(source, k)][j-1]`` rows whose accepted path reached depth
+    ``j`` through a node of ``source``; ``nodes[(source, k)][j-1]`` nodes of ``source`` at depth
+    ``j``."""
+
+    def __init__(self) -> None:
+        self.eligible: dict[int, list[int]] = {}
+        self.reach: dict[tuple[str, int], list[int]] = {}
+        self.nodes: dict[tuple[str, int], list[int]] = {}
+
+    def add(self, row: dict, depth: int, k: int) -> None:
+        el = self.eligible.setdefault(k, [])
+        el += [0] * (depth - len(el))
+        for j in range(depth):
+            el[j] += 1
+        for src, counts in row.get("nodes", {}).items():
+            acc = self.nodes.setdefault((src, k), [])
+            acc += [0] * (len(counts) - len(acc))
+            for j, c in enumerate(counts):
+                acc[j] += c
+        for j, src in enumerate(row.get("path", [])):
+            acc = self.reach.setdefault((src, k), [])
+            acc += [0] * (j + 1 - len(acc))
+            acc[j] += 1
+
+
 class AcceptanceStats:
-    """Per-depth, per-source acceptance of a trace's verified trees, by branching ``k``.
+    """Per-depth, per-source acceptance of a trace's verified trees, by branching ``k``, over
+    the whole trace and per sequence.
 
     For the decode rows of speculative steps with branching ``k`` and depth ``>= j``:
     ``p(source, k, j)`` = fraction whose accepted path reached depth ``j`` through a node of
-    ``source``; ``n(source, k, j)`` = mean nodes of ``source`` at depth ``j``.
+    ``source``; ``n(source, k, j)`` = mean nodes of ``source`` at depth ``j``. A sequence is
+    known by ``(group, index)`` (its prompt's hash and sample index), so a trace of the same
+    prompts under another policy finds its statistics; with at least ``min_rows`` rows of its
+    own a sequence uses them (acceptance differs a lot between sequences, and the slowest ones
+    make the rollout's tail), else the whole trace's.
+
+    Args:
+        trace: the trace (its speculative steps) to count.
+        min_rows: rows a sequence needs for its own statistics.
 
     Raises:
-        ValueError: ``expected`` for a source or branching the trace has no rows for.
+        ValueError: ``per_depth``/``expected`` for a source or branching the trace has no
+            rows for.
     """
 
-    def __init__(self, trace: RolloutTrace):
-        self.eligible: dict[int, list[int]] = {}  # k -> rows with depth >= j (index j-1)
-        self.reach: dict[tuple[str, int], list[int]] = {}
-        self.nodes: dict[tuple[str, int], list[int]] = {}
+    def __init__(self, trace: RolloutTrace, min_rows: int = 4):
+        self.min_rows = min_rows
+        self.overall = _Counts()
+        self.per_seq: dict[tuple, _Counts] = {}
         for st in trace.steps:
             d, k = st.get("depth", 0), st.get("topk", 0)
             if not d:
                 continue
-            el = self.eligible.setdefault(k, [])
-            el += [0] * (d - len(el))
             for r in st["decode"]:
-                for j in range(d):
-                    el[j] += 1
-                for src, counts in r.get("nodes", {}).items():
-                    acc = self.nodes.setdefault((src, k), [])
-                    acc += [0] * (len(counts) - len(acc))
-                    for j, c in enumerate(counts):
-                        acc[j] += c
-                for j, src in enumerate(r.get("path", [])):
-                    acc = self.reach.setdefault((src, k), [])
-                    acc += [0] * (j + 1 - len(acc))
-                    acc[j] += 1
+                self.overall.add(r, d, k)
+                info = trace.sequences[r["seq"]]
+                key = (info.get("group"), info.get("index"))
+                self.per_seq.setdefault(key, _Counts()).add(r, d, k)
 
     def sources(self) -> list[tuple[str, int]]:
         """``(source, k)`` pairs with nodes in the trace."""
-        return sorted(self.nodes)
+        return sorted(self.overall.nodes)
 
-    def per_depth(self, source: str, k: int) -> tuple[list[float], list[float]]:
+    def per_depth(self, source: str, k: int, seq: tuple | None = None
+                  ) -> tuple[list[float], list[float]]:
         """``(p, n)``: per depth ``j = 1..D`` (the deepest logged), the probability of reaching
-        depth ``j`` and the mean nodes at depth ``j``, for ``source`` at branching ``k``."""
-        if (source, k) not in self.nodes:
+        depth ``j`` and the mean nodes at depth ``j``, for ``source`` at branching ``k``; of
+        sequence ``seq`` (``(group, index)``) when it has ``min_rows`` rows of its own."""
+        if (source, k) not in self.overall.nodes:
             have = ", ".join(f"{s} k={kk}" for s, kk in self.sources()) or "none"
             raise ValueError(f"the acceptance trace has no draft nodes from source {source!r} "
                              f"with branching k={k} (it has: {have})")
-        el, nodes = self.eligible[k], self.nodes[(source, k)]
-        reach = self.reach.get((source, k), [])
+        c = self.per_seq.get(seq)
+        if (c is None or (source, k) not in c.nodes
+                or c.eligible.get(k, [0])[0] < self.min_rows):
+            c = self.overall
+        el, nodes = c.eligible[k], c.nodes[(source, k)]
+        reach = c.reach.get((source, k), [])
         depth = len(nodes)
         p = [reach[j] / el[j] if j < len(reach) and el[j] else 0.0 for j in range(depth)]
         n = [nodes[j] / el[j] if el[j] else 0.0 for j in range(depth)]
         return p, n
 
-    def expected(self, source: str, strategy: Strategy) -> tuple[list[float], list[float]]:
+    def expected(self, source: str, strategy: Strategy, seq: tuple | None = None
+                 ) -> tuple[list[float], list[float]]:
         """Cumulative ``(accepted, nodes)`` expected per sequence-step for ``strategy`` cut at
         depth ``0..strategy.depth``: ``accepted[d] = sum_{j<=d} p_j``, ``nodes[d] = sum_{j<=d}
-        n_j`` (index 0 is 0, 0), extrapolated past the logged depth as the module says."""
-        p, n = self.per_depth(source, strategy.topk)
+        n_j`` (index 0 is 0, 0), extrapolated past the logged depth as the module says; of
+        sequence ``seq`` as ``per_depth`` says."""
+        p, n = self.per_depth(source, strategy.topk, seq)
         depth = len(p)
         ratio = 0.0
         if depth >= 2 and p[-2] > 0:
@@ -227,15 +264,21 @@ def replay(trace: RolloutTrace, table: CostTable, policy: str,
         parts = [table.step_seconds(logged_shape(st, default, pol)) for st in trace.steps]
         steps = len(parts)
     else:
-        acc = nod = None
+        expect = None
         if kind == "static":
             stats = stats or AcceptanceStats(trace)
             source = source or trace.meta.get("drafter")
             if source is None:
                 raise ValueError(f"policy {policy!r}: the trace has no drafter; name a source "
                                  "(',source=NAME') and give statistics from a speculative trace")
-            acc, nod = stats.expected(source, strategy)
-        parts = _simulate(trace, table, strategy, source, acc, nod)
+            stats.expected(source, strategy)  # raises for a source the statistics lack
+            cache: dict = {}
+
+            def expect(key):
+                if key not in cache:
+                    cache[key] = stats.expected(source, strategy, key)
+                return cache[key]
+        parts = _simulate(trace, table, strategy, source, expect)
         steps = len(parts)
     total = {k: sum(p[k] for p in parts)
              for k in ("forward", "draft", "other", "policy", "total")}
@@ -264,19 +307,21 @@ def _admission_units(trace: RolloutTrace) -> list[tuple[list[int], int, int]]:
 
 
 def _simulate(trace: RolloutTrace, table: CostTable, strategy: Strategy | None,
-              source: str | None, acc: list[float] | None, nod: list[float] | None) -> list[dict]:
-    """The fluid simulation behind ``off`` and ``static``: one cost dict per step."""
+              source: str | None, expect) -> list[dict]:
+    """The fluid simulation behind ``off`` and ``static``: one cost dict per step.
+    ``expect((group, index))`` gives a sequence's cumulative ``(accepted, nodes)`` per depth
+    (``AcceptanceStats.expected``; None for ``off``)."""
     seqs = trace.sequences
     max_seqs = trace.meta.get("max_num_seqs") or math.inf
     max_tokens = trace.meta.get("max_num_batched_tokens") or math.inf
     waiting = _admission_units(trace)
-    running: list[list] = []  # [length now, tokens produced, output length, max_tokens]
+    running: list[list] = []  # [length, produced, output length, max_tokens, acc, nodes]
     parts = []
     while waiting or running:
         tokens = context = pairs = rows = 0
         nodes = 0.0
         for r in running:
-            length, produced, out, cap = r
+            length, produced, out, cap, acc, nod = r
             depth = 0
             if strategy is not None:
                 depth = max(min(strategy.depth, int(cap - produced) - 1), 0)
@@ -307,11 +352,11 @@ def _simulate(trace: RolloutTrace, table: CostTable, strategy: Strategy | None,
                 out = s["output_tokens"]
                 if out <= 0:
                     continue
-                if new:  # the prefill samples each sequence's first token
-                    rows += 1
-                    running.append([s["prompt_tokens"] + 1, 1, out, s.get("max_tokens") or out])
-                else:
-                    running.append([s["prompt_tokens"], 0, out, s.get("max_tokens") or out])
+                acc, nod = expect((s.get("group"), s.get("index"))) if expect else (None, None)
+                first = 1 if new else 0  # the prefill samples each sequence's first token
+                rows += first
+                running.append([s["prompt_tokens"] + first, first, out,
+                                s.get("max_tokens") or out, acc, nod])
         if tokens == 0 and not running:
             if waiting:
                 raise ValueError("a sequence group of the trace cannot be admitted within its "

@@ -90,6 +90,11 @@ def test_static_matches_hand_computation():
     stats = AcceptanceStats(trace)
     p, n = stats.per_depth("d", 1)
     assert p == pytest.approx([2 / 3, 1 / 3]) and n == pytest.approx([1.0, 1.0])
+    # per sequence (prompt group, sample index) once it has min_rows rows of its own
+    assert stats.per_depth("d", 1, ("b", None)) == (p, n)  # 2 rows < 4: the whole trace's
+    own = AcceptanceStats(trace, min_rows=2)
+    assert own.per_depth("d", 1, ("b", None)) == ([0.5, 0.5], [1.0, 1.0])
+    assert own.per_depth("d", 1, ("a", None)) == (p, n)  # 1 row
     acc, nod = stats.expected("d", Strategy(3))  # depth 3 extrapolated: p3 = p2 * (p2 / p1)
     assert acc == pytest.approx([0, 2 / 3, 1, 1 + 1 / 6]) and nod == pytest.approx([0, 1, 2, 3])
     r = replay(trace, CostTable(TABLE), "static:d=2")
