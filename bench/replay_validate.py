@@ -21,8 +21,9 @@ and the H200-class roofline PROJECTION of the same policies (not a measurement).
         --max-tokens 128 --drafter eagle --depth 4] [--out bench/results/replay_validate.json]
 
 Without ``--table`` a quick table is measured first (``bench/step_costs.py --quick``) and
-saved next to the output. Traces go to ``<out stem>_traces/``. On a busy machine the measured
-times move by more than the target; rerun it alone.
+saved next to the output. Traces go to ``<out stem>_traces/``. ``--repeats N`` runs each policy
+N times, interleaved, and compares the median run. On a busy machine the measured times move by
+more than the target; rerun it alone.
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--drafter", default="eagle", help="ngram | eagle")
     ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of each policy, interleaved; the median run is compared")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" /
                                          "replay_validate.json"))
     args = ap.parse_args(argv)
@@ -108,11 +111,14 @@ def main(argv=None) -> int:
     specs = {"off": None,
              "static": {"method": args.drafter, "num_speculative_tokens": d, "policy": "static"},
              "auto": {"method": args.drafter, "num_speculative_tokens": d, "policy": "auto"}}
-    runs = {}
-    for name, spec in specs.items():
-        runs[name] = rollout(args.model, args.dtype, spec, cfg, traces / f"{name}.json")
-        log(f"{name}: {runs[name]['seconds']:.2f} s, {runs[name]['trace'].output_tokens} tokens,"
-            f" {len(runs[name]['trace'].steps)} steps")
+    all_runs: dict[str, list] = {k: [] for k in specs}
+    for rep in range(args.repeats):  # interleaved, so a change of load hits every policy
+        for name, spec in specs.items():
+            r = rollout(args.model, args.dtype, spec, cfg, traces / f"{name}_{rep}.json")
+            all_runs[name].append(r)
+            log(f"{name}: {r['seconds']:.2f} s, {r['trace'].output_tokens} tokens, "
+                f"{len(r['trace'].steps)} steps")
+    runs = {k: sorted(v, key=lambda r: r["seconds"])[len(v) // 2] for k, v in all_runs.items()}
     off_t, static_t, auto_t = (runs[k]["trace"] for k in ("off", "static", "auto"))
     accept = AcceptanceStats(static_t)
     static_policy = f"static:d={d},source={args.drafter}"
@@ -145,6 +151,7 @@ def main(argv=None) -> int:
                           depth=d, temperature=1.0, table=table.label, gpu_table=gpu.label),
            "machine": machine_info(), "outputs_identical": same,
            "measured_s": {k: r["seconds"] for k, r in runs.items()},
+           "measured_s_all_runs": {k: [r["seconds"] for r in v] for k, v in all_runs.items()},
            "measured_speedup_vs_off": {k: runs["off"]["seconds"] / r["seconds"]
                                        for k, r in runs.items()},
            "predictions": predictions, "extra_predictions": extra,

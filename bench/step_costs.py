@@ -28,7 +28,6 @@ file says so in ``kind``, ``label`` and ``notes``).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -129,8 +128,8 @@ def measure_pairs(llm: LLM, table: CostTable, repeats: int) -> float:
 def measure_draft(llm: LLM, grid=((1, 1), (1, 4), (4, 2), (4, 6), (16, 1), (16, 4), (1, 6),
                                    (16, 6)), repeats: int = 3) -> dict:
     """Draft coefficients of ``llm``'s drafter from dummy sequences (48 cached tokens, zero
-    features for a drafter that reads them), fitted non-negatively to
-    ``[1, depth, batch x depth, nodes]``."""
+    features for a drafter that reads them; threaded as the engine threads the step), fitted
+    non-negatively to ``[1, depth, batch x depth, nodes]`` on relative error."""
     drafter = llm.engine.drafter
     hidden = llm.engine.runner.model.config.hidden_size
     feature = torch.zeros(1, hidden, dtype=llm.engine.runner.dtype,
@@ -146,15 +145,16 @@ def measure_draft(llm: LLM, grid=((1, 1), (1, 4), (4, 2), (4, 6), (16, 1), (16, 
                 s.num_cached = ctx
                 if drafter.wants_hidden:
                     drafter.observe(s, 0, feature.expand(ctx + 1, -1))
-            drafter.propose(seqs, strategy)
             times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                trees = drafter.propose(seqs, strategy)
-                times.append(time.perf_counter() - t0)
+            with kernels.kernel_threads(kernels.packed_covers(b * (1 + strategy.budget))):
+                drafter.propose(seqs, strategy)
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    trees = drafter.propose(seqs, strategy)
+                    times.append(time.perf_counter() - t0)
             nodes = sum(t.num_nodes for t in trees if t is not None)
             rows.append([1.0, d, b * d, nodes])
-            ys.append(statistics.median(times))
+            ys.append(min(times))
         finally:
             for s in seqs:
                 drafter.release(s)
