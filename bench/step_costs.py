@@ -13,7 +13,9 @@ Measured (the default): on this machine, for ``--model`` in ``--dtype``,
    ``--drafters`` drafter (static chain of depth 4): step period minus logged forward and
    draft seconds, fitted to ``[1, rows, nodes]`` (non-negative least squares);
 4. ``draft``: each drafter timed on dummy sequences (batch 1-16, depth 1-6), fitted to
-   ``[1, depth, batch x depth, nodes]``;
+   ``[1, depth, batch x depth, nodes]``; then ``sequence_s`` from its traced rollout: the
+   logged draft seconds beyond that fit, per sequence drafted for (what a real step adds:
+   an EAGLE head catching up on the tokens committed since its last draft);
 5. ``policy.auto``: the ``auto`` policy's own seconds per step (logged ``policy_s``) in a
    traced rollout with the first drafter, fitted to ``[1, rows]``.
 
@@ -176,6 +178,25 @@ def rollout_trace(llm: LLM, prompts: int, max_tokens: int):
     return llm.stop_trace()
 
 
+def fit_draft_sequence(trace, coef: dict, source: str) -> float:
+    """``sequence_s`` of ``source``: the trace's logged draft seconds beyond ``coef``'s
+    prediction, per sequence drafted for (least squares through 0, non-negative)."""
+    from specengine.replay import logged_shape
+
+    doc = {"format": TABLE_FORMAT, "version": TABLE_VERSION, "kind": "measured",
+           "forward": {"tokens": [1], "context": [1], "seconds": [[0.0]]},
+           "draft": {source: coef}}
+    table = CostTable(doc)
+    xs, ys = [], []
+    for st in trace.steps:
+        shape = logged_shape(st, source)
+        for src, (b, d, n) in shape.drafts.items():
+            xs.append(b)
+            ys.append(st["draft_s"] - table.draft_seconds(src, b, d, n))
+    xs, ys = np.array(xs, dtype=float), np.array(ys, dtype=float)
+    return max(float(xs @ ys / (xs @ xs)), 0.0) if len(xs) and xs @ xs > 0 else 0.0
+
+
 def fit_policy(trace) -> dict:
     """``{"step_s", "sequence_s"}`` of the trace's policy: its logged ``policy_s`` per step
     fitted non-negatively to ``[1, rows sampled]``."""
@@ -226,9 +247,11 @@ def measure_table(model: str, dtype: str, cfg: dict, drafters: list[str], log) -
     for name in drafters:
         spec = LLM(model, dtype=dtype, speculative_config={
             "method": name, "num_speculative_tokens": 4, "policy": "static"})
-        doc["draft"][name] = measure_draft(spec)
-        log(f"draft {name}: {doc['draft'][name]}")
+        coef = measure_draft(spec)
         traces.append(rollout_trace(spec, 12, 32))
+        coef["sequence_s"] = fit_draft_sequence(traces[-1], coef, name)
+        doc["draft"][name] = coef
+        log(f"draft {name}: {coef}")
         del spec
     doc.update(fit_overheads(traces))
     if drafters:

@@ -25,6 +25,7 @@ from specengine.speculative.drafters import make_drafter
 from specengine.speculative.drafters.merged import share_calibration
 from specengine.speculative.policy import make_policy
 from specengine.speculative.training.harvest import Harvester
+from specengine.trace import RolloutTrace, TraceRecorder
 from specengine.weights import WeightUpdater
 
 DEFAULT_KV_BYTES = 1 << 30
@@ -223,8 +224,6 @@ class LLM:
         Raises:
             RuntimeError: a trace is already being recorded.
         """
-        from specengine.trace import TraceRecorder
-
         if self.engine.trace is not None:
             raise RuntimeError("a rollout trace is already being recorded; stop_trace() first")
         drafter = self.engine.drafter
@@ -240,7 +239,7 @@ class LLM:
         self.engine.trace = TraceRecorder(meta, meta["drafter"], self.engine.policy.decision_time)
         self._trace_preemptions = self.engine.scheduler.num_preemptions
 
-    def stop_trace(self):
+    def stop_trace(self) -> RolloutTrace:
         """Stop recording; returns the ``RolloutTrace`` (``save(path)`` writes it).
 
         Raises:

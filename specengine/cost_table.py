@@ -20,9 +20,11 @@ A table is JSON (``"format": "specengine-step-costs"``, ``"version": 1``):
   appending and stop checks, Python): ``step_s + sequence_s * rows + node_s * nodes`` with
   ``rows`` the sequences sampled (decode sequences and prefill samples) and ``nodes`` the draft
   nodes verified.
-- ``draft``: per drafter source name, ``{"step_s", "depth_s", "sequence_depth_s", "node_s"}``:
-  drafting ``nodes`` nodes ``depth`` deep for ``B`` sequences costs ``step_s + depth_s * depth +
-  sequence_depth_s * B * depth + node_s * nodes``. A source missing here drafts for free.
+- ``draft``: per drafter source name, ``{"step_s", "depth_s", "sequence_depth_s", "node_s",
+  "sequence_s"}``: drafting ``nodes`` nodes ``depth`` deep for ``B`` sequences costs ``step_s +
+  depth_s * depth + sequence_depth_s * B * depth + node_s * nodes + sequence_s * B``
+  (``sequence_s``: per sequence whatever does not grow with depth, e.g. an EAGLE head catching
+  up on the tokens committed since its last draft). A source missing here drafts for free.
 - ``policy`` (optional): per policy name, ``{"step_s", "sequence_s"}``: the policy's own
   deciding and learning per step (``AutoPolicy``: choose, select, refine, record) for ``rows``
   sequences sampled: ``step_s + sequence_s * rows``. A policy missing here decides for free
@@ -41,7 +43,7 @@ from dataclasses import dataclass, field
 TABLE_FORMAT = "specengine-step-costs"
 TABLE_VERSION = 1
 KINDS = ("measured", "projection")
-DRAFT_KEYS = ("step_s", "depth_s", "sequence_depth_s", "node_s")
+DRAFT_KEYS = ("step_s", "depth_s", "sequence_depth_s", "node_s", "sequence_s")
 POLICY_KEYS = ("step_s", "sequence_s")
 
 
@@ -211,7 +213,7 @@ class CostTable:
         if c is None or sequences <= 0 or nodes <= 0:
             return 0.0
         return (c["step_s"] + c["depth_s"] * depth + c["sequence_depth_s"] * sequences * depth
-                + c["node_s"] * nodes)
+                + c["node_s"] * nodes + c["sequence_s"] * sequences)
 
     def step_seconds(self, shape: StepShape) -> dict:
         """Seconds of one step of ``shape``: ``{"forward", "draft", "other", "policy",

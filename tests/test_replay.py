@@ -116,6 +116,9 @@ def test_interpolation_and_extrapolation():
     assert s["draft"] == pytest.approx(0.001 + 5e-4 * 3 + 1e-4 * 6)
     assert s["other"] == pytest.approx(0.002 + 2e-4 + 1.5e-4)
     assert s["forward"] == pytest.approx(fwd(10, 100, 150))
+    doc = json.loads(json.dumps(TABLE))
+    doc["draft"]["d"]["sequence_s"] = 2e-4  # per sequence drafted for, whatever the depth
+    assert CostTable(doc).draft_seconds("d", 2, 3, 3) == pytest.approx(s["draft"] + 4e-4)
 
 
 def test_roofline_by_hand():
