@@ -22,13 +22,14 @@ and the H200-class roofline PROJECTION of the same policies (not a measurement).
 
 Without ``--table`` a quick table is measured first (``bench/step_costs.py --quick``) and
 saved next to the output. Traces go to ``<out stem>_traces/``. ``--repeats N`` runs each policy
-N times, interleaved, and compares the median run. On a busy machine the measured times move by
-more than the target; rerun it alone.
+N times, interleaved, and compares the median run (the others' traces are deleted). On a busy
+machine the measured times move by more than the target; rerun it alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -84,7 +85,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--drafter", default="eagle", help="ngram | eagle")
     ap.add_argument("--depth", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=1,
+    ap.add_argument("--repeats", type=int, default=3,
                     help="runs of each policy, interleaved; the median run is compared")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" /
                                          "replay_validate.json"))
@@ -118,7 +119,13 @@ def main(argv=None) -> int:
             all_runs[name].append(r)
             log(f"{name}: {r['seconds']:.2f} s, {r['trace'].output_tokens} tokens, "
                 f"{len(r['trace'].steps)} steps")
-    runs = {k: sorted(v, key=lambda r: r["seconds"])[len(v) // 2] for k, v in all_runs.items()}
+    # the median run (the faster of the middle two for an even count)
+    runs = {k: sorted(v, key=lambda r: r["seconds"])[(len(v) - 1) // 2]
+            for k, v in all_runs.items()}
+    for k, v in all_runs.items():  # keep only the compared runs' traces
+        for r in v:
+            if r is not runs[k]:
+                Path(r["path"]).unlink()
     off_t, static_t, auto_t = (runs[k]["trace"] for k in ("off", "static", "auto"))
     accept = AcceptanceStats(static_t)
     static_policy = f"static:d={d},source={args.drafter}"
@@ -158,7 +165,7 @@ def main(argv=None) -> int:
            "within_10pct": {k: abs(v["rel_error"]) <= 0.10 for k, v in predictions.items()},
            "gpu_projection": {"note": "H200-class roofline PROJECTION, not a measurement",
                               **projection},
-           "traces": {k: r["path"] for k, r in runs.items()}}
+           "traces": {k: os.path.relpath(r["path"], out.parent) for k, r in runs.items()}}
     write_json(str(out), doc)
     print("| policy | measured s | predicted s | abs error s | rel error | "
           "H200 projection s (speedup) |")
