@@ -286,3 +286,30 @@ def test_bad_traces_and_policies(tmp_path):
         replay(trace, table, "static:d=2,source=eagle")
     with pytest.raises(ValueError, match="branching k=2"):
         replay(trace, table, "static:d=2,k=2")
+
+
+def test_replay_cli(tmp_path):
+    """bench/replay.py: a table row per policy with the speedup over off; bad input exits 2."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).parent.parent
+    trace, table = tmp_path / "trace.json", tmp_path / "table.json"
+    synthetic_trace().save(trace)
+    table.write_text(json.dumps(TABLE))
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, str(root / "bench" / "replay.py"), "--trace", str(trace),
+           "--table", str(table), "--out", str(out)]
+    env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["policy"] for r in rows] == ["off", "as-logged", "static:d=2"]
+    t = CostTable(TABLE)
+    off = replay(synthetic_trace(), t, "off").seconds
+    assert rows[1]["speedup_vs_off"] == pytest.approx(
+        off / replay(synthetic_trace(), t, "as-logged").seconds)
+    assert "| synthetic | measured | as-logged |" in res.stdout and "0.080" in res.stdout
+    table.write_text(json.dumps(dict(TABLE, kind="guess")))
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 2 and "kind='guess'" in res.stderr
