@@ -121,8 +121,13 @@ class RolloutTrace:
             missing = [f for f in _STEP_KEYS if not isinstance(st, dict) or f not in st]
             if missing:
                 raise ValueError(f"{what}: step {i} lacks {missing}")
-            ids = [r.get("seq") for r in st["decode"]] + [
-                j for p in st["prefill"] for j in p.get("seqs", [])]
+            for part, keys in (("decode", ("seq", "ctx", "commit")),
+                               ("prefill", ("seqs", "new", "cached"))):
+                for j, row in enumerate(st[part]):
+                    missing = [f for f in keys if not isinstance(row, dict) or f not in row]
+                    if missing:
+                        raise ValueError(f"{what}: step {i} {part} row {j} lacks {missing}")
+            ids = [r["seq"] for r in st["decode"]] + [j for p in st["prefill"] for j in p["seqs"]]
             unknown = [j for j in ids if j not in seqs]
             if unknown:
                 raise ValueError(f"{what}: step {i} names unknown sequences {unknown[:5]}")

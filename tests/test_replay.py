@@ -269,6 +269,10 @@ def test_bad_traces_and_policies(tmp_path):
     with pytest.raises(ValueError, match=r"step 1 lacks \['forward_tokens'\]"):
         RolloutTrace.from_dict(bad)
     bad = json.loads(json.dumps(doc))
+    del bad["steps"][2]["decode"][0]["ctx"]
+    with pytest.raises(ValueError, match=r"step 2 decode row 0 lacks \['ctx'\]"):
+        RolloutTrace.from_dict(bad)
+    bad = json.loads(json.dumps(doc))
     bad["steps"][2]["decode"][0]["seq"] = 9
     with pytest.raises(ValueError, match=r"unknown sequences \[9\]"):
         RolloutTrace.from_dict(bad)
