@@ -6,8 +6,9 @@ Measured (the default): on this machine, for ``--model`` in ``--dtype``,
    ``C / T`` KV positions (at least one), threaded as the engine threads such a step, timed
    ``--repeats`` times after a warm-up, the fewest seconds kept; then made non-decreasing
    along both axes;
-2. ``pair_s``: chains of 3-8 tokens per sequence, the seconds beyond the grid's fitted per
-   extra (query, position) pair (least squares through 0);
+2. ``pair_s``: chains of 3-8 tokens per sequence, each timed beside a one-token-per-sequence
+   forward of the same tokens and context; the seconds beyond it fitted per extra (query,
+   position) pair (least squares through 0);
 3. ``step_s``, ``sequence_s``, ``node_s``: a short traced rollout of ShareGPT chat prompts
    (not the GSM prompts ``bench/replay_validate.py`` checks against), plain and with each
    ``--drafters`` drafter (static chain of depth 4): step period minus logged forward and
@@ -53,7 +54,10 @@ QUICK = {"tokens": [1, 2, 4, 8, 16, 32, 64, 128, 256], "context": [64, 512, 2048
          "repeats": 3}
 FULL = {"tokens": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
         "context": [64, 256, 1024, 4096, 16384, 32768], "repeats": 5}
-CHAINS = [(1, 5, 512), (4, 5, 256), (16, 5, 256), (4, 8, 1024), (16, 3, 512), (32, 5, 128)]
+# (sequences, tokens per sequence, cached context): the shapes of chains d = 1..7 at the batch
+# sizes and contexts of RL rollouts on this CPU
+CHAINS = [(1, 5, 512), (4, 3, 256), (4, 5, 512), (8, 5, 128), (16, 2, 256), (16, 3, 128),
+          (16, 5, 256), (32, 5, 128), (4, 8, 1024)]
 
 
 def _forward(llm: LLM, batch: int, per_seq: int, ctx: int, repeats: int) -> float:
@@ -114,15 +118,23 @@ def measure_forward(llm: LLM, tokens: list[int], context: list[int], repeats: in
 
 
 def measure_pairs(llm: LLM, table: CostTable, repeats: int) -> float:
-    """``pair_s``: least squares through 0 of (measured - grid) on the extra pairs of
-    ``CHAINS``."""
+    """``pair_s``: least squares through 0 of the seconds a chain forward of ``CHAINS`` takes
+    beyond a one-token-per-sequence forward of the same tokens and context, on the extra
+    pairs. Each chain is timed right beside its reference (fewest seconds of each), so a change
+    of load between the grid and this step does not land in the difference; the reference's
+    context, rounded to whole tokens per sequence, is corrected along the grid."""
     xs, ys = [], []
     for b, q, ctx in CHAINS:
-        y = _forward(llm, b, q, ctx, repeats)
         t, c = b * q, b * (ctx + 1)
+        per = max(round(c / t), 1)
+        chain, ref = [], []
+        for _ in range(repeats):
+            chain.append(_forward(llm, b, q, ctx, 1))
+            ref.append(_forward(llm, t, 1, per - 1, 1))
+        ref_s = min(ref) + table.forward_seconds(t, c) - table.forward_seconds(t, t * per)
         pairs = b * (q * (ctx + 1) + q * (q - 1) // 2)
         xs.append(pairs - c)
-        ys.append(y - table.forward_seconds(t, c))
+        ys.append(min(chain) - ref_s)
     xs, ys = np.array(xs, dtype=float), np.array(ys, dtype=float)
     return max(float(xs @ ys / (xs @ xs)), 0.0)
 
