@@ -4,8 +4,8 @@ Measured (the default): on this machine, for ``--model`` in ``--dtype``,
 
 1. the forward grid: dummy decode forwards of ``T`` sequences, one token each, each reading
    ``C / T`` KV positions (at least one), threaded as the engine threads such a step, timed
-   ``--repeats`` times after a warm-up, the fewest seconds kept; then made non-decreasing
-   along both axes;
+   once after a warm-up in each of ``repeats`` passes over the grid, the fewest seconds kept;
+   then made non-decreasing along both axes;
 2. ``pair_s``: chains of 3-8 tokens per sequence, each timed beside a one-token-per-sequence
    forward of the same tokens and context; the seconds beyond it fitted per extra (query,
    position) pair (least squares through 0);
@@ -103,18 +103,20 @@ def monotone(grid: list[list[float]]) -> list[list[float]]:
 def measure_forward(llm: LLM, tokens: list[int], context: list[int], repeats: int,
                     log) -> tuple[list[list[float]], list]:
     """The forward grid (seconds ``[len(tokens)][len(context)]``, made ``monotone``) and the
-    shapes measured."""
-    grid, shapes = [], []
+    shapes measured. ``repeats`` passes over the whole grid, each timing every cell once after
+    a warm-up, the fewest seconds kept per cell: a burst of load from other jobs, which lasts
+    seconds, then spoils one pass of a cell, not all its timings."""
     limit = llm.engine_config.max_model_len
-    for t in tokens:
-        row = []
-        for c in context:
-            ctx = min(max(c // t, 1), limit - 1) - 1  # cached tokens; + the root = C / T
-            row.append(_forward(llm, t, 1, ctx, repeats))
-            shapes.append([t, t * (ctx + 1)])
-        grid.append(row)
+    shapes = [[(t, min(max(c // t, 1), limit - 1) - 1) for c in context] for t in tokens]
+    grid = [[float("inf")] * len(context) for _ in tokens]
+    for p in range(repeats):
+        for i, row in enumerate(shapes):
+            for j, (t, ctx) in enumerate(row):  # ctx cached tokens; + the root = C / T
+                grid[i][j] = min(grid[i][j], _forward(llm, t, 1, ctx, 1))
+        log(f"forward grid pass {p + 1}/{repeats}")
+    for t, row in zip(tokens, grid):
         log(f"forward T={t}: " + " ".join(f"{s * 1e3:.1f}" for s in row) + " ms")
-    return monotone(grid), shapes
+    return monotone(grid), [[t, t * (ctx + 1)] for row in shapes for t, ctx in row]
 
 
 def measure_pairs(llm: LLM, table: CostTable, repeats: int) -> float:
