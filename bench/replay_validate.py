@@ -23,7 +23,10 @@ and the H200-class roofline PROJECTION of the same policies (not a measurement).
 Without ``--table`` a quick table is measured first (``bench/step_costs.py --quick``) and
 saved next to the output. Traces go to ``<out stem>_traces/``. ``--repeats N`` runs each policy
 N times, interleaved, and compares the median run (the others' traces are deleted). On a busy
-machine the measured times move by more than the target; rerun it alone.
+machine the measured times move by more than the target; rerun it alone. The table is timed at
+the kernels' full thread count; the engine's adaptive thread count
+(``SPECENGINE_ADAPTIVE_THREADS``, default on) may pick fewer threads for some steps, which the
+table does not model: on a quiet machine it keeps the full count, else set it to 0.
 """
 
 from __future__ import annotations
