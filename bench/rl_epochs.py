@@ -21,14 +21,17 @@ Per epoch and row: wall seconds of the rollout; tau (tokens committed per verify
 per draft source, accepted draft tokens per verify step; speedup over ``off`` for the whole
 rollout and for its tail (from the step at which at most ``--tail-batch`` samples are still
 running to the end); per running-batch bucket the committed tokens/s ratio against ``off`` and
-the slowest bucket's; the rollout memory's bytes; and, with ``--trace``, the replay projection
-of the trace under a GPU cost table (``bench/replay.py``).
+the slowest bucket's; the rollout memory's bytes; and the replay projection of the row's trace
+under a GPU cost table (``--gpu-table``, default the H200-class roofline: a projection, not a
+measurement; ``bench/replay.py``): predicted speedup over ``off`` of the steps as logged and of
+the row's most used strategy run statically. ``--trace DIR`` keeps the traces.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 from common import machine_info, markdown_table, quiet_transformers, write_json
@@ -167,6 +170,26 @@ def epoch_row(name: str, run: dict, before: dict, after: dict, base: dict | None
     return row
 
 
+def projection(trace, table) -> dict:
+    """The replay projection of one row's trace on ``table``: predicted seconds of ``off``,
+    ``as-logged`` (the steps this row ran) and ``static`` with its most used strategy, and
+    their speedups over ``off`` (``bench/replay.py``)."""
+    from replay import default_policies
+
+    from specengine.replay import replay
+
+    out = {"table": table.label}
+    base = replay(trace, table, "off").seconds
+    for pol in default_policies(trace):
+        try:
+            secs = replay(trace, table, pol).seconds
+        except ValueError as e:  # a static policy without statistics for its source
+            out[pol] = {"error": str(e)}
+            continue
+        out[pol] = {"seconds": secs, "speedup": base / secs if secs else None}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epochs", type=int, default=3)
@@ -180,8 +203,15 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="off,suffix,eagle,suffix+eagle")
     ap.add_argument("--quick", action="store_true", help="4 prompts x 4 samples, 256 tokens")
     ap.add_argument("--trace", help="directory for per-epoch rollout traces (replay input)")
+    ap.add_argument("--gpu-table", default=str(Path(__file__).parent / "cost_tables" /
+                                               "h200_roofline.json"),
+                    help="cost table of the replay projection (default: the H200-class "
+                         "roofline, a projection, not a measurement)")
     ap.add_argument("--out", help="write results as JSON here")
     a = ap.parse_args(argv)
+    from specengine.cost_table import CostTable
+
+    gpu = CostTable.load(a.gpu_table)
     if a.quick:
         a.prompts, a.n, a.max_tokens = 4, 4, 256
     quiet_transformers()
@@ -210,14 +240,14 @@ def main(argv=None) -> int:
         runs, rows_out = {}, []
         for name, llm in llms.items():
             before = counters(llm)
-            tracing = a.trace and hasattr(llm, "start_trace")
-            if tracing:
-                llm.start_trace()
+            llm.start_trace()
             runs[name] = rollout(llm, prompts, params)
-            if tracing:
-                llm.stop_trace().save(f"{a.trace}/epoch{epoch}_{name}.json")
+            trace = llm.stop_trace()
+            if a.trace:
+                trace.save(f"{a.trace}/epoch{epoch}_{name}.json")
             rows_out.append(epoch_row(name, runs[name], before, counters(llm),
                                       None if name == "off" else runs["off"], a.tail_batch))
+            rows_out[-1]["gpu_projection"] = projection(trace, gpu)
             print(f"epoch {epoch} {name}: {runs[name]['wall_s']:.1f} s, "
                   f"tau {rows_out[-1]['tau']:.2f}", flush=True)
         lengths = [len(s) for r in runs["off"]["outputs"] for s in r]
@@ -235,10 +265,11 @@ def main(argv=None) -> int:
                           f"{row['tail_speedup']:.2f}" if row.get("tail_speedup") else "-",
                           f"{sb[1]:.2f} (b<={sb[0]})" if sb else "-",
                           row.get("mismatch", 0),
-                          f"{row['memory_bytes'] / 2**20:.1f}" if row["memory_bytes"] else "-"])
+                          f"{row['memory_bytes'] / 2**20:.1f}" if row["memory_bytes"] else "-",
+                          f"{row['gpu_projection'].get('as-logged', {}).get('speedup', 0):.2f}"])
     print(markdown_table(["epoch", "row", "wall s", "tau", "accepted/step by source",
                           "speedup", "tail speedup", "slowest bucket", "mismatch",
-                          "memory MiB"], table))
+                          "memory MiB", "GPU projection (as logged)"], table))
     if a.out:
         write_json(a.out, {"bench": "rl_epochs", "machine": machine_info(), "args": vars(a),
                            "epochs": results})
