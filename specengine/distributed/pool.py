@@ -33,16 +33,17 @@ from __future__ import annotations
 
 import itertools
 import queue
-import threading
+import time
 from collections.abc import Iterable, Mapping
 
 import ray
 import torch
 from ray.exceptions import RayActorError
 
-from specengine.distributed.balance import WorkModel, assign, group_requests
+from specengine.distributed.balance import WorkModel, group_requests
 from specengine.distributed.controller import PoolController
 from specengine.distributed.requests import PoolRequest, SeedSource, prepare
+from specengine.distributed.rollout import Rollout
 from specengine.distributed.worker import RolloutWorker
 from specengine.outputs import RequestOutput
 
@@ -82,8 +83,9 @@ class RolloutPool:
         self.seeds = SeedSource(seed)
         self.work = WorkModel()
         self.controller = controller or PoolController()
-        cls = ray.remote(RolloutWorker).options(
-            num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_actor, **(actor_options or {}))
+        cls = ray.remote(RolloutWorker).options(  # threaded: migration calls between steps
+            num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_actor,
+            **{"max_concurrency": 8, **(actor_options or {})})
         threads = max(1, int(num_cpus_per_actor))
         self.actors = {i: cls.remote(dict(llm_kwargs, model=model, seed=seed,
                                           speculative_config=spec), threads)
@@ -94,6 +96,7 @@ class RolloutPool:
         self.num_requests_rerun = 0  # requests re-run after their actor died
         self.dead: dict[int, str] = {}  # actor id -> why
         self._next_id = 0
+        self._runs = itertools.count()  # generate calls (actor-side request ids "<run>.<index>")
 
     # ---- generation -----------------------------------------------------------------------
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = False
@@ -124,55 +127,37 @@ class RolloutPool:
         return results
 
     def _run(self, reqs: list[PoolRequest], results: list) -> None:
-        """Dispatch ``reqs`` and collect their outputs into ``results`` (by index), re-placing
-        the unfinished requests of actors that die."""
-        events: queue.Queue = queue.Queue()
-        calls: dict[int, tuple[int, dict[int, PoolRequest]]] = {}  # call -> (actor, unfinished)
-        ids = itertools.count()
-
-        def launch(plan: dict[int, list[PoolRequest]]) -> None:
-            for actor_id, rs in plan.items():
-                cid = next(ids)
-                calls[cid] = (actor_id, {r.index: r for r in rs})
-                threading.Thread(target=self._consume, args=(cid, actor_id, rs, events),
-                                 daemon=True).start()
-                self.controller.on_dispatch(self, actor_id, [r.index for r in rs])
-
+        """Dispatch ``reqs`` and collect their outputs into ``results`` (by index): parts of
+        requests split by migration are joined, the unfinished requests of actors that die are
+        placed again; the controller's ``on_tick`` runs every ``controller.interval`` seconds."""
+        run = Rollout(self, reqs, results, next(self._runs))
+        ctl = self.controller
         self._require_alive()
-        launch(assign(group_requests(reqs), self.alive, self.work))
-        while calls:
-            kind, cid, payload = events.get()
-            actor_id, todo = calls[cid]
-            if kind == "out":
-                index, out = payload
-                if todo.pop(index, None) is not None and results[index] is None:
-                    results[index] = out
-                    self.work.observe(out)
-                    self.controller.on_output(self, actor_id, index, len(todo))
-                continue
-            del calls[cid]
-            if kind == "error":
-                raise payload
-            if kind == "done" and todo:
-                raise RuntimeError(f"actor {actor_id} ended its rollout without requests "
-                                   f"{sorted(todo)}")
-            if kind == "dead":
-                self._mark_dead(actor_id, payload)
-                rerun = sorted(todo)
-                self.num_requests_rerun += len(rerun)
-                self.controller.on_actor_dead(self, actor_id, payload, rerun)
-                if rerun:
-                    self._require_alive(len(rerun))
-                    load = {a: sum(self.work.work([r]) for r in t.values())
-                            for a, t in calls.values()}
-                    launch(assign(group_requests([todo[i] for i in rerun]), self.alive,
-                                  self.work, load))
+        try:
+            run.launch(ctl.place(self, group_requests(reqs), list(self.alive), self.work))
+            last = time.perf_counter()
+            while not run.complete():
+                if not run.calls:
+                    raise RuntimeError(f"RolloutPool: every actor call ended with requests "
+                                       f"{run.missing()} unfinished")
+                wait = None if ctl.interval is None else max(
+                    0.0, ctl.interval - (time.perf_counter() - last))
+                try:
+                    run.handle(*run.events.get(timeout=wait))
+                except queue.Empty:
+                    pass
+                if ctl.interval is not None and (ctl.due or time.perf_counter() - last
+                                                 >= ctl.interval) and not run.complete():
+                    ctl.due = False
+                    ctl.on_tick(self, run)
+                    last = time.perf_counter()
+        except BaseException:
+            run.abort()
+            raise
 
-    def _consume(self, cid: int, actor_id: int, rs: list[PoolRequest],
-                 events: queue.Queue) -> None:
+    def _consume(self, cid: int, actor_id: int, items: list, events: queue.Queue) -> None:
         """Thread body: stream one actor call's outputs into ``events``."""
         try:
-            items = [(r.index, r.prompt, r.params) for r in rs]
             stream = self.actors[actor_id].rollout.options(num_returns="streaming").remote(items)
             for ref in stream:
                 events.put(("out", cid, ray.get(ref)))
@@ -267,11 +252,12 @@ class RolloutPool:
 
     def get_metrics(self) -> dict:
         """``actors``: actor id -> its ``LLM.get_metrics()`` (live actors); ``num_actors``,
-        ``num_actors_dead``, ``num_requests_rerun``, ``num_objects_put``."""
+        ``num_actors_dead``, ``num_requests_rerun``, ``num_objects_put``; and the controller's
+        ``metrics()`` (a ``MigrationController``'s ``migration_*`` keys)."""
         return {"actors": self._broadcast_by_actor("get_metrics"),
                 "num_actors": len(self.alive), "num_actors_dead": len(self.dead),
                 "num_requests_rerun": self.num_requests_rerun,
-                "num_objects_put": self.num_objects_put}
+                "num_objects_put": self.num_objects_put, **self.controller.metrics()}
 
     def shutdown(self) -> None:
         """Kill every actor (the pool is unusable afterwards)."""

@@ -5,17 +5,31 @@ It holds one ``LLM`` (own speculative config, own KV cache) and exposes its call
 as a Ray ``ObjectRef`` inside a list (so Ray hands the actor the reference, not a copy made per
 call) and are fetched from the object store here. Every call holds ``self.lock``: a threaded
 actor (``max_concurrency > 1``) never runs two engine calls at once.
+
+Rollout streams and migration: ``rollout`` steps the engine one step per lock hold, so a threaded
+actor serves ``migration_status`` / ``export_prefixes`` / ``export_sequences`` /
+``import_sequences`` between two steps of a running rollout (those calls announce themselves
+and the stepping loop waits for them before its next step). Several streams may run on one actor
+(a re-run after a fault, samples imported while none ran): whichever holds the lock steps the
+engine for all; each finished ``RequestOutput`` goes to the stream owning its request id. A
+stream owns the requests it added and adopts requests nobody owns (samples imported here);
+it ends when none of its requests is left on this engine (finished, or every sample moved away).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import os
 import threading
+import time
+from contextlib import contextmanager
 
 import ray
 import torch
 
 from specengine.api import LLM
+from specengine.migration import KVChunk, MigratedSequence
 from specengine.sampling import SamplingParams
 
 
@@ -36,6 +50,12 @@ class RolloutWorker:
             torch.set_num_threads(max(1, int(num_threads)))
         self.lock = threading.RLock()
         self.llm = LLM(**llm_kwargs)
+        self._turn = threading.Condition()  # callers waiting for the lock between steps
+        self._callers = 0
+        self._stream_ids = itertools.count()
+        self._owner: dict[str, int] = {}  # request id -> the stream that returns it
+        self._live: set[int] = set()  # streams running
+        self._outbox: dict[str, list] = {}  # finished outputs not yet taken by their stream
         self.objects_received: list[str] = []  # hex ids of the ObjectRefs fetched here
 
     def info(self) -> dict:
@@ -43,20 +63,168 @@ class RolloutWorker:
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                 "num_threads": torch.get_num_threads()}
 
-    def rollout(self, items: list[tuple[int, object, SamplingParams]]):
-        """Generate ``items`` (``(index, prompt, params)``) in one batch; yields
-        ``(index, RequestOutput)`` as each request finishes (a Ray streaming generator, so the
-        pool keeps what finished if this actor dies later).
+    def rollout(self, items: list[tuple[str, object, SamplingParams]]):
+        """Generate ``items`` (``(request_id, prompt, params)``), one engine step per lock
+        hold; yields each finished ``RequestOutput`` of the requests this stream owns (its
+        items, and requests imported here that no stream owned) as a Ray streaming generator,
+        so the pool keeps what finished if this actor dies later. A request some of whose
+        samples moved to another engine comes back in parts (each engine returns the samples
+        that finished there; ``migration.merge_outputs`` joins them). Ends when none of its
+        requests is left here.
 
         Raises:
-            ValueError: a bad prompt or params (from ``LLM.generate_iter``); nothing runs then.
+            ValueError: a bad prompt or params, a request id in use; nothing is added then.
+            RuntimeError: an engine step failed (every request of this engine is dropped).
         """
+        eng = self.llm.engine
         with self.lock:
-            index = [i for i, _, _ in items]
-            it = self.llm.generate_iter([p for _, p, _ in items], [s for _, _, s in items],
-                                        use_tqdm=False)
-            for k, out in it:
-                yield index[k], out
+            sid = next(self._stream_ids)
+            added = []
+            try:
+                for rid, prompt, params in items:
+                    added.append(self.llm.add_request(prompt, params, request_id=rid))
+            except BaseException:
+                for rid in added:
+                    eng.abort_request(rid)
+                raise
+            for rid in added:
+                self._owner[rid] = sid
+            self._live.add(sid)
+        while True:
+            self._wait_for_callers()
+            with self.lock:
+                if eng.has_unfinished():
+                    try:
+                        outs = self.llm.step()
+                    except BaseException:
+                        eng.abort_all()
+                        self._outbox.clear()
+                        raise
+                    for out in outs:
+                        self._outbox.setdefault(out.request_id, []).append(out)
+                for rid in self._unowned():  # samples imported while no stream ran
+                    self._owner[rid] = sid
+                mine = [r for r, s in self._owner.items() if s == sid]
+                ready = [o for r in mine for o in self._outbox.pop(r, [])]
+                ready_now = {o.request_id for o in eng.outputs_ready}
+                left = [r for r in mine if r in eng.requests or r in ready_now]
+                for r in set(mine) - set(left):
+                    del self._owner[r]
+                if not left:
+                    self._live.discard(sid)
+            for out in ready:
+                yield out
+            if not left:
+                return
+
+    def _unowned(self) -> list[str]:
+        eng = self.llm.engine
+        held = set(eng.requests) | {o.request_id for o in eng.outputs_ready} | set(self._outbox)
+        return [r for r in held if r not in self._owner]
+
+    def _wait_for_callers(self) -> None:
+        """Before a step: let calls waiting for the lock (status, export, import) go first."""
+        with self._turn:
+            self._turn.wait_for(lambda: self._callers == 0, timeout=1.0)
+
+    @contextmanager
+    def _between_steps(self):
+        """Hold the engine between two steps of any running rollout."""
+        with self._turn:
+            self._callers += 1
+        try:
+            with self.lock:
+                yield
+        finally:
+            with self._turn:
+                self._callers -= 1
+                self._turn.notify_all()
+
+    def abort_requests(self, request_ids: list[str]) -> int:
+        """Drop these requests here (unknown ids are skipped) and any output of them not yet
+        returned; the streams owning them end. Returns how many were dropped."""
+        with self._between_steps():
+            eng = self.llm.engine
+            n = sum(bool(eng.abort_request(r)) for r in request_ids)
+            drop = set(request_ids)
+            eng.outputs_ready[:] = [o for o in eng.outputs_ready if o.request_id not in drop]
+            for r in request_ids:
+                self._outbox.pop(r, None)
+            return n
+
+    # ---- migration (specengine.migration; RolloutPool's MigrationController) ----------------
+    def migration_status(self) -> dict:
+        """``sequences``: ``LLM.running_sequences()`` (unfinished samples, predicted remaining
+        tokens, KV bytes); ``prefill_seconds_per_token``: this engine's predicted prefill
+        seconds per token (``LLM.prefill_seconds(1024) / 1024``); ``seconds``: time spent
+        here."""
+        t0 = time.perf_counter()
+        with self._between_steps():
+            seqs = self.llm.running_sequences()
+            rate = self.llm.prefill_seconds(1024) / 1024
+        return {"sequences": seqs, "prefill_seconds_per_token": rate,
+                "seconds": time.perf_counter() - t0}
+
+    def export_prefixes(self, keys: list[tuple[str, int]]) -> list[KVChunk | None]:
+        """Stage one for each ``(request_id, sample index)``: ``LLM.export_prefix`` (the sample
+        keeps decoding here); None for a sample that finished or is not running."""
+        out = []
+        with self._between_steps():
+            for rid, i in keys:
+                try:
+                    out.append(self.llm.export_prefix(rid, i))
+                except ValueError:
+                    out.append(None)
+        return out
+
+    def export_sequences(self, keys: list[tuple[str, int]], with_kv: list[bool]
+                         ) -> list[MigratedSequence | None]:
+        """Stage two for each ``(request_id, sample index)``, all between the same two steps:
+        ``LLM.export_sequence`` (the sample leaves this engine); None for a sample that
+        finished meanwhile (it comes back from here)."""
+        out = []
+        with self._between_steps():
+            for (rid, i), kv in zip(keys, with_kv):
+                try:
+                    out.append(self.llm.export_sequence(rid, i, with_kv=kv))
+                except ValueError:
+                    self.llm.migration.cancel_export(rid, i)
+                    out.append(None)
+        return out
+
+    def import_sequences(self, states: list[MigratedSequence | None],
+                         prefixes: list[KVChunk | None]) -> dict:
+        """``LLM.import_sequence`` for each exported sample (None entries skipped; the K/V
+        travels straight from the source through the object store when the pool passes the
+        export calls' ObjectRefs). A sample whose K/V finds no room (RuntimeError) is queued
+        for a re-prefill instead. Imported requests go to a running stream of this actor, or
+        to the next ``rollout`` started here.
+
+        Returns:
+            ``kv`` / ``reprefill``: samples continuing each way; ``bytes``: payload bytes
+            received; ``adopted``: whether a running stream owns them (else the caller starts
+            ``rollout([])`` here); ``keys``: ``(request_id, index, how)`` imported.
+
+        Raises:
+            ValueError: a payload this engine refuses (another weight version, ...).
+        """
+        got = {"kv": 0, "reprefill": 0, "bytes": 0, "keys": []}
+        with self._between_steps():
+            for state, prefix in zip(states, prefixes):
+                if state is None:
+                    continue
+                try:
+                    how = self.llm.import_sequence(state, prefix)
+                except RuntimeError:  # no KV room: recompute it when there is
+                    how = self.llm.import_sequence(
+                        dataclasses.replace(state, tail=None, num_cached=0), None)
+                got[how] += 1
+                got["bytes"] += state.nbytes + (prefix.nbytes if prefix is not None and
+                                                state.tail is not None and state.tail.start
+                                                else 0)
+                got["keys"].append((state.request_id, state.index, how))
+            got["adopted"] = bool(self._live)
+        return got
 
     def _fetch(self, refs: list):
         self.objects_received.append(refs[0].hex())
