@@ -55,6 +55,10 @@ class MigrationController(PoolController):
         cost: the rule choosing K/V transfer or re-prefill (default ``MigrationCost()``).
         clock: seconds (``time.perf_counter``), for the metrics.
 
+    Attributes:
+        moves: the latest ``generate``'s moves, ``(input index, sample index, source actor,
+            destination actor, "kv" | "reprefill")``.
+
     Raises:
         ValueError: a value out of range.
     """
@@ -79,6 +83,7 @@ class MigrationController(PoolController):
              "migration_seconds", "controller_seconds", "status_seconds", "migration_ticks"), 0)
         self._run = None
         self._done: set[tuple[str, int]] = set()
+        self.moves: list = []  # the last generate's moves (``Rollout.moved``)
 
     def metrics(self) -> dict:
         return dict(self.stats)
@@ -97,7 +102,7 @@ class MigrationController(PoolController):
 
     def _tick(self, pool, run) -> None:
         if run is not self._run:
-            self._run, self._done = run, set()
+            self._run, self._done, self.moves = run, set(), run.moved
         actors = list(pool.alive)
         if len(actors) < 2:
             return
