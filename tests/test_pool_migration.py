@@ -96,6 +96,7 @@ def test_skewed_rollout_migrates_exactly(local_ray, model_dir, path):
 
 def test_controller_arguments():
     for kw, msg in (({"interval": 0}, "interval"), ({"ratio": 1.0}, "ratio"),
-                    ({"min_samples": 1}, "min_samples"), ({"max_moves": 0}, "max_moves")):
+                    ({"min_samples": 1}, "min_samples"), ({"max_moves": 0}, "max_moves"),
+                    ({"min_remaining": -1}, "min_remaining")):
         with pytest.raises(ValueError, match=msg):
             MigrationController(**kw)

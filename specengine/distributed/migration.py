@@ -9,19 +9,22 @@ is the sum of its samples' predicted remaining tokens divided by their acceptanc
 (remaining engine steps per sample). When the least loaded actor holds at most ``ratio`` of the
 busiest one's work and the busiest holds at least ``min_samples`` samples, samples move from the
 busiest to it, longest predicted first, while a move narrows the gap between the two (a sample
-of work ``w`` moves while ``w`` is below the gap; one sample always stays), at most
-``max_moves`` per round; a sample moves at most once per ``generate``.
+of work ``w`` moves while ``w`` is below the gap; one sample always stays; samples with fewer
+than ``min_remaining`` predicted steps stay), at most ``max_moves`` per round; a sample moves
+at most once per ``generate``.
 
 One round, source ``S`` and destination ``D``:
 
 1. per sample, ``MigrationCost.choose(kv_bytes, D's prefill seconds for its tokens)`` picks
    moving its K/V or re-prefilling it at ``D`` (a sample not running has no K/V: tokens);
-2. stage one, ``S.export_prefixes`` (the K/V samples' full blocks; ``S`` keeps decoding them);
+2. stage one, ``S.export_prefixes`` (the K/V samples' full blocks), received by
+   ``D.stage_prefixes`` while ``S`` keeps decoding them;
 3. stage two, ``S.export_sequences`` between two of ``S``'s steps (the samples leave ``S`` with
    the K/V written since stage one, or as tokens);
-4. ``D.import_sequences(stage two, stage one)``: the payloads go from ``S`` to ``D`` through
-   Ray's object store (the controller passes their references, never the bytes); ``D``'s
-   running rollout stream adopts them, else the pool starts one there (``Rollout.stream``).
+4. ``D.import_sequences(stage two)`` with the staged stage one: the payloads go from ``S`` to
+   ``D`` through Ray's object store (the controller passes their references, never the
+   bytes); ``D``'s running rollout stream adopts them, else the pool starts one there
+   (``Rollout.stream``).
 
 Both paths give token for token the output of an unmoved run (``specengine.migration``); the
 pool joins a split request's parts. Metrics (``metrics()``, in ``RolloutPool.get_metrics()``):
@@ -52,6 +55,8 @@ class MigrationController(PoolController):
             times the busiest one's, in ``[0, 1)``.
         min_samples: the busiest actor must hold at least this many unfinished samples (>= 2).
         max_moves: samples moved per round at most (>= 1).
+        min_remaining: a sample moves only with at least this many predicted remaining engine
+            steps (>= 0; a move costs about a step at each end).
         cost: the rule choosing K/V transfer or re-prefill (default ``MigrationCost()``).
         clock: seconds (``time.perf_counter``), for the metrics.
 
@@ -64,8 +69,8 @@ class MigrationController(PoolController):
     """
 
     def __init__(self, interval: float = 0.5, ratio: float = 0.5, min_samples: int = 2,
-                 max_moves: int = 64, cost: MigrationCost | None = None,
-                 clock=time.perf_counter):
+                 max_moves: int = 64, min_remaining: float = 16,
+                 cost: MigrationCost | None = None, clock=time.perf_counter):
         if not interval > 0:
             raise ValueError(f"interval={interval}: must be > 0 seconds")
         if not 0 <= ratio < 1:
@@ -74,8 +79,11 @@ class MigrationController(PoolController):
             raise ValueError(f"min_samples={min_samples}: must be >= 2")
         if max_moves < 1:
             raise ValueError(f"max_moves={max_moves}: must be >= 1")
+        if not min_remaining >= 0:
+            raise ValueError(f"min_remaining={min_remaining}: must be >= 0 steps")
         self.interval, self.ratio = float(interval), float(ratio)
         self.min_samples, self.max_moves = int(min_samples), int(max_moves)
+        self.min_remaining = float(min_remaining)
         self.cost = cost or MigrationCost()
         self.clock = clock
         self.stats = dict.fromkeys(
@@ -123,7 +131,8 @@ class MigrationController(PoolController):
             key = (q.request_id, q.index)
             if len(picks) >= min(self.max_moves, len(seqs) - 1):
                 break
-            if key in self._done or key[0] not in run.index_of or not _steps(q) < gap:
+            if key in self._done or key[0] not in run.index_of or not _steps(q) < gap \
+                    or _steps(q) < self.min_remaining:
                 continue
             picks.append(q)
             gap -= 2 * _steps(q)
@@ -141,14 +150,15 @@ class MigrationController(PoolController):
         s, d = pool.actors[src], pool.actors[dst]
         try:
             staged = [k if kv else ("", -1) for k, kv in zip(keys, with_kv)]
-            prefixes = s.export_prefixes.remote(staged)  # stage one; S keeps decoding
-            ray.wait([prefixes])
+            prefixes = s.export_prefixes.remote(staged)  # stage one
+            ray.get(d.stage_prefixes.remote(staged, prefixes))  # S decodes meanwhile
             states = s.export_sequences.remote(keys, with_kv)  # stage two, between steps
             ray.wait([states])
         except (RayActorError, RayTaskError):
-            return  # S died: its stream reports it and its samples are re-run
+            s.cancel_exports.remote(keys)
+            return  # S died (its stream reports it), or D could not take stage one
         try:
-            got = ray.get(d.import_sequences.remote(states, prefixes))
+            got = ray.get(d.import_sequences.remote(states))
         except RayActorError as e:  # D died with the samples: re-run their requests
             run.relocate([(*k, "lost") for k in keys], dst, src)
             run.dead(dst, e)

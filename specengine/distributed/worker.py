@@ -56,6 +56,7 @@ class RolloutWorker:
         self._owner: dict[str, int] = {}  # request id -> the stream that returns it
         self._live: set[int] = set()  # streams running
         self._outbox: dict[str, list] = {}  # finished outputs not yet taken by their stream
+        self._staged_in: dict[tuple[str, int], KVChunk] = {}  # stage-one chunks received
         self.objects_received: list[str] = []  # hex ids of the ObjectRefs fetched here
 
     def info(self) -> dict:
@@ -192,13 +193,28 @@ class RolloutWorker:
                     out.append(None)
         return out
 
+    def stage_prefixes(self, keys: list[tuple[str, int]], chunks: list[KVChunk | None]) -> int:
+        """Receive stage one's chunks ahead of stage two (the pool passes the export call's
+        ObjectRef, so they travel from the source while it keeps decoding); kept for the next
+        ``import_sequences`` without ``prefixes``. Does not hold the engine. Returns how many."""
+        staged = {tuple(k): c for k, c in zip(keys, chunks) if c is not None}
+        with self._turn:
+            self._staged_in.update(staged)
+        return len(staged)
+
+    def cancel_exports(self, keys: list[tuple[str, int]]) -> None:
+        """Forget stage ones whose stage two will not come (``Migrator.cancel_export``)."""
+        with self._between_steps():
+            for rid, i in keys:
+                self.llm.migration.cancel_export(rid, i)
+
     def import_sequences(self, states: list[MigratedSequence | None],
-                         prefixes: list[KVChunk | None]) -> dict:
-        """``LLM.import_sequence`` for each exported sample (None entries skipped; the K/V
-        travels straight from the source through the object store when the pool passes the
-        export calls' ObjectRefs). A sample whose K/V finds no room (RuntimeError) is queued
-        for a re-prefill instead. Imported requests go to a running stream of this actor, or
-        to the next ``rollout`` started here.
+                         prefixes: list[KVChunk | None] | None = None) -> dict:
+        """``LLM.import_sequence`` for each exported sample (None entries skipped), with its
+        stage-one chunk from ``prefixes`` or, when None, from ``stage_prefixes`` (every staged
+        chunk is dropped afterwards). A sample whose K/V finds no room (RuntimeError) is
+        queued for a re-prefill instead. Imported requests go to a running stream of this
+        actor, or to the next ``rollout`` started here.
 
         Returns:
             ``kv`` / ``reprefill``: samples continuing each way; ``bytes``: payload bytes
@@ -208,6 +224,11 @@ class RolloutWorker:
         Raises:
             ValueError: a payload this engine refuses (another weight version, ...).
         """
+        with self._turn:
+            staged, self._staged_in = self._staged_in, {}
+        if prefixes is None:
+            prefixes = [staged.get((s.request_id, s.index)) if s is not None else None
+                        for s in states]
         got = {"kv": 0, "reprefill": 0, "bytes": 0, "keys": []}
         with self._between_steps():
             for state, prefix in zip(states, prefixes):
