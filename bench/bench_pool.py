@@ -19,10 +19,11 @@ bfloat16. Modes, on the same pool (prefix cache reset before each, a short warm-
 Per mode: wall seconds of ``generate``; per actor, when it ran dry (seconds after the start:
 its last request came back with none left; an actor that receives samples later runs again) and
 when it returned its last output; migration rounds, samples moved with K/V and re-prefilled,
-bytes; overhead as a share of the rollout's wall time: ``controller`` (the driver's seconds in
-the controller: status polls, decisions, rounds; the driver runs beside the actors) and
-``actor`` (seconds the actors' engines stood still for the controller: status polls and the
-export / import calls). The samples of every mode must be the same (asserted: every sample's
+bytes; overhead as a share of the rollout's wall time: ``controller`` (the driver thread's CPU
+seconds in the controller: status polls, decisions, rounds; the driver runs beside the actors;
+its wall seconds, waits for steps in progress included, are in the JSON) and ``actor`` (seconds
+the actors' engines stood still for the controller: status polls and the export / import
+calls). The samples of every mode must be the same (asserted: every sample's
 token ids). JSON goes to ``--out`` (written atomically), a markdown table to stdout.
 Measured on a shared machine the numbers are noise; the targets (migration >= 1.25x faster than
 none, overhead < 2%) are for a quiet machine.
@@ -119,8 +120,9 @@ def run_mode(pool: RolloutPool, mode: str, prompts, params, interval: float, log
            "migration_bytes": stats.get("migration_bytes", 0),
            "migration_seconds": stats.get("migration_seconds", 0.0),
            "controller_seconds": stats.get("controller_seconds", 0.0),
+           "controller_cpu_seconds": stats.get("controller_cpu_seconds", 0.0),
            "actor_overhead_seconds": act,
-           "controller_share": stats.get("controller_seconds", 0.0) / wall,
+           "controller_share": stats.get("controller_cpu_seconds", 0.0) / wall,
            "actor_overhead_share": act / wall}
     log(f"{mode}: {wall:.1f}s, {sum(lens)} tokens, moved {row['migrated_samples']} + "
         f"re-prefilled {row['reprefilled_samples']}")

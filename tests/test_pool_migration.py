@@ -11,7 +11,7 @@ ray = pytest.importorskip("ray")
 from specengine import LLM, SamplingParams  # noqa: E402
 from specengine.distributed import RolloutPool  # noqa: E402
 from specengine.distributed.migration import MigrationController  # noqa: E402
-from specengine.migration import MigrationCost  # noqa: E402
+from specengine.migration import MigrationCost, SequenceInfo  # noqa: E402
 from specengine.models.loader import save_random_model  # noqa: E402
 
 KW = {"dtype": "float32", "block_size": 8, "kv_cache_memory_bytes": 8 << 20}
@@ -100,3 +100,30 @@ def test_controller_arguments():
                     ({"min_remaining": -1}, "min_remaining")):
         with pytest.raises(ValueError, match=msg):
             MigrationController(**kw)
+
+
+def info(rid, index, remaining, tau=1.0):
+    return SequenceInfo(rid, index, True, 10, 5, 200, 14, 1000, float(remaining), tau)
+
+
+def test_plan_moves_the_longest_samples_while_the_gap_narrows():
+    ctl = MigrationController(min_remaining=4)
+    busy = [info("a", 0, 100), info("a", 1, 90), info("b", 0, 80), info("b", 1, 3),
+            info("c", 0, 60, tau=2.0)]  # c: 30 steps
+    # work 100 + 90 + 80 + 3 + 30 = 303 against 10: move 100 (gap 293 -> 93), then 90 < 93
+    # (gap -> -87); the rest would widen the gap again
+    src, dst, picks = ctl.plan({0: busy, 1: [info("d", 0, 10)]})
+    assert (src, dst) == (0, 1)
+    assert [(q.request_id, q.index) for q in picks] == [("a", 0), ("a", 1)]
+    # the idle actor is not idle enough, or too few samples are left: no round
+    assert ctl.plan({0: busy, 1: [info("d", 0, 200)]}) is None
+    assert ctl.plan({0: busy[:1], 1: []}) is None
+    # samples moved before (or not movable) stay; short ones stay; one always stays
+    ctl._done = {("a", 0)}
+    _, _, picks = ctl.plan({0: busy, 1: []}, movable=lambda q: q.request_id != "a")
+    assert [(q.request_id, q.index) for q in picks] == [("b", 0), ("c", 0)]
+    ctl._done = set()
+    _, _, picks = ctl.plan({0: [info("a", 0, 50), info("a", 1, 50)], 1: []})
+    assert len(picks) == 1
+    _, _, picks = MigrationController(max_moves=1).plan({0: busy, 1: []})
+    assert len(picks) == 1

@@ -30,9 +30,12 @@ Both paths give token for token the output of an unmoved run (``specengine.migra
 pool joins a split request's parts. Metrics (``metrics()``, in ``RolloutPool.get_metrics()``):
 ``migration_rounds``, ``migrated_samples`` (with K/V), ``reprefilled_samples``,
 ``migration_bytes`` (payload bytes received by destinations), ``migration_seconds`` (wall
-seconds of the rounds' export/import calls), ``controller_seconds`` (all seconds spent in
-``on_tick``: status polls, decisions and rounds), ``status_seconds`` (seconds the actors spent
-answering status polls, engine held), ``migration_ticks``.
+seconds of the rounds' export/import calls), ``controller_seconds`` (wall seconds in
+``on_tick``: status polls, decisions and rounds, waits for the actors' steps in progress
+included; the driver's thread, beside the actors), ``controller_cpu_seconds`` (CPU seconds of
+that thread: the controller's own work), ``status_seconds`` (seconds the actors' engines were
+held answering status polls), ``migration_ticks``. The actors' engines record their side of
+each move (``migration_stage1_seconds`` ... in ``LLM.get_metrics()``).
 """
 
 from __future__ import annotations
@@ -88,7 +91,8 @@ class MigrationController(PoolController):
         self.clock = clock
         self.stats = dict.fromkeys(
             ("migration_rounds", "migrated_samples", "reprefilled_samples", "migration_bytes",
-             "migration_seconds", "controller_seconds", "status_seconds", "migration_ticks"), 0)
+             "migration_seconds", "controller_seconds", "controller_cpu_seconds",
+             "status_seconds", "migration_ticks"), 0)
         self._run = None
         self._done: set[tuple[str, int]] = set()
         self.moves: list = []  # the last generate's moves (``Rollout.moved``)
@@ -101,12 +105,13 @@ class MigrationController(PoolController):
             self.due = True  # an actor ran dry: look now
 
     def on_tick(self, pool, run) -> None:
-        t0 = self.clock()
+        t0, c0 = self.clock(), time.thread_time()
         try:
             self._tick(pool, run)
         finally:
             self.stats["migration_ticks"] += 1
             self.stats["controller_seconds"] += self.clock() - t0
+            self.stats["controller_cpu_seconds"] += time.thread_time() - c0
 
     def _tick(self, pool, run) -> None:
         if run is not self._run:
@@ -120,24 +125,36 @@ class MigrationController(PoolController):
         except (RayActorError, RayTaskError):
             return  # the pool learns of the death from the actor's stream
         self.stats["status_seconds"] += sum(s["seconds"] for s in status.values())
-        work = {a: sum(_steps(q) for q in s["sequences"]) for a, s in status.items()}
+        plan = self.plan({a: s["sequences"] for a, s in status.items()},
+                         lambda q: q.request_id in run.index_of)
+        if plan is not None:
+            src, dst, picks = plan
+            self._move(pool, run, src, dst, picks, status[dst]["prefill_seconds_per_token"])
+
+    def plan(self, sequences: dict[int, list], movable=lambda q: True):
+        """The next round from each actor's unfinished samples (``SequenceInfo``s): ``(source,
+        destination, samples to move)`` by the rule of the module docstring, or None. Samples
+        moved before in this ``generate``, or for which ``movable`` is False, stay."""
+        work = {a: sum(_steps(q) for q in seqs) for a, seqs in sequences.items()}
+        actors = sorted(work)
+        if len(actors) < 2:
+            return None
         src = max(actors, key=lambda a: (work[a], -a))
         dst = min(actors, key=lambda a: (work[a], a))
-        seqs = status[src]["sequences"]
+        seqs = sequences[src]
         if src == dst or len(seqs) < self.min_samples or work[dst] > self.ratio * work[src]:
-            return
+            return None
         picks, gap = [], work[src] - work[dst]
         for q in sorted(seqs, key=lambda q: (-_steps(q), q.request_id, q.index)):
-            key = (q.request_id, q.index)
             if len(picks) >= min(self.max_moves, len(seqs) - 1):
                 break
-            if key in self._done or key[0] not in run.index_of or not _steps(q) < gap \
-                    or _steps(q) < self.min_remaining:
+            w = _steps(q)
+            if (q.request_id, q.index) in self._done or not movable(q) or not w < gap \
+                    or w < self.min_remaining:
                 continue
             picks.append(q)
-            gap -= 2 * _steps(q)
-        if picks:
-            self._move(pool, run, src, dst, picks, status[dst]["prefill_seconds_per_token"])
+            gap -= 2 * w
+        return (src, dst, picks) if picks else None
 
     def _move(self, pool, run, src: int, dst: int, picks: list, prefill_rate: float) -> None:
         """One round: ``picks`` (``SequenceInfo``s) from actor ``src`` to ``dst``."""

@@ -157,14 +157,14 @@ class RolloutWorker:
     def migration_status(self) -> dict:
         """``sequences``: ``LLM.running_sequences()`` (unfinished samples, predicted remaining
         tokens, KV bytes); ``prefill_seconds_per_token``: this engine's predicted prefill
-        seconds per token (``LLM.prefill_seconds(1024) / 1024``); ``seconds``: time spent
-        here."""
-        t0 = time.perf_counter()
+        seconds per token (``LLM.prefill_seconds(1024) / 1024``); ``seconds``: time the engine
+        was held for it (not the wait for the step in progress)."""
         with self._between_steps():
+            t0 = time.perf_counter()
             seqs = self.llm.running_sequences()
             rate = self.llm.prefill_seconds(1024) / 1024
-        return {"sequences": seqs, "prefill_seconds_per_token": rate,
-                "seconds": time.perf_counter() - t0}
+            seconds = time.perf_counter() - t0
+        return {"sequences": seqs, "prefill_seconds_per_token": rate, "seconds": seconds}
 
     def export_prefixes(self, keys: list[tuple[str, int]]) -> list[KVChunk | None]:
         """Stage one for each ``(request_id, sample index)``: ``LLM.export_prefix`` (the sample
