@@ -20,6 +20,13 @@ returned are placed again on the actors left (same params, so the same seeds and
 it returned is kept, so nothing is lost or returned twice. A dead actor is not replaced. With no
 actor left the call raises RuntimeError.
 
+Migration: with ``controller=MigrationController()`` (``distributed/migration.py``) samples move
+from a busy actor to an idle one during the rollout (two-stage K/V transfer or re-prefill);
+actors are threaded (``max_concurrency`` 8) and step their engine one step per lock hold, so the
+controller's status, export and import calls run between steps. A request split that way comes
+back in parts; the pool joins them (``rollout.Rollout``), so ``generate`` still returns one output
+per request, in input order, with the samples one engine would give.
+
 Weights: ``update_weights`` / ``load_weights`` put the tensors into Ray's object store once
 (``ray.put``) and send every actor the same reference.
 
