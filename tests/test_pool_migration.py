@@ -127,3 +127,34 @@ def test_plan_moves_the_longest_samples_while_the_gap_narrows():
     assert len(picks) == 1
     _, _, picks = MigrationController(max_moves=1).plan({0: busy, 1: []})
     assert len(picks) == 1
+
+
+class KillDestination(Skewed):
+    """Kills the destination right after the first round moved samples there."""
+
+    killed = None
+
+    def _move(self, pool, run, src, dst, picks, prefill_rate):
+        super()._move(pool, run, src, dst, picks, prefill_rate)
+        if self.killed is None and self.moves:
+            self.killed = dst
+            ray.kill(pool.actors[dst], no_restart=True)
+
+
+def test_destination_dying_after_a_move_loses_nothing(local_ray, model_dir):
+    ctl = KillDestination(interval=0.05, cost=MigrationCost(bandwidth=1e15, latency=0))
+    pool = RolloutPool(str(model_dir), 2, seed=5, controller=ctl, **KW)
+    try:
+        prompts, params = workload()
+        want = LLM(str(model_dir), seed=5, **KW).generate(prompts, params, use_tqdm=False)
+        got = pool.generate(prompts, params)  # the moved samples' requests run again on 0
+        assert samples(got) == samples(want)
+        assert ctl.killed == 1 and ctl.moves
+        m = pool.get_metrics()
+        assert m["num_actors_dead"] == 1
+        moved = {i for i, *_ in ctl.moves}
+        assert m["num_requests_rerun"] >= 1 and m["num_requests_rerun"] <= len(moved) + 1
+        a = m["actors"][0]
+        assert a["kv_blocks_free"] == a["kv_blocks_total"]
+    finally:
+        pool.shutdown()
