@@ -31,11 +31,24 @@ def model_dir(tmp_path_factory):
 
 
 class Skewed(MigrationController):
-    """Places the shortest request on actor 1 and every other one on actor 0."""
+    """Places the shortest request on actor 1 and every other one on actor 0; moves only
+    running samples (waiting ones would always move as tokens), once actor 1 ran dry."""
+
+    dry = False
 
     def place(self, pool, groups, actors, model):
+        self.dry = False
         groups = sorted(groups, key=lambda g: model.work(g))
         return {1: groups[0], 0: [r for g in groups[1:] for r in g]}
+
+    def on_output(self, pool, actor_id, index, num_left):
+        self.dry = self.dry or (actor_id == 1 and num_left == 0)
+        super().on_output(pool, actor_id, index, num_left)
+
+    def plan(self, sequences, movable=lambda q: True):
+        if not self.dry:
+            return None
+        return super().plan(sequences, lambda q: q.running and movable(q))
 
 
 def workload():

@@ -91,32 +91,45 @@ class RolloutWorker:
             for rid in added:
                 self._owner[rid] = sid
             self._live.add(sid)
-        while True:
-            self._wait_for_callers()
-            with self.lock:
-                if eng.has_unfinished():
-                    try:
-                        outs = self.llm.step()
-                    except BaseException:
-                        eng.abort_all()
-                        self._outbox.clear()
-                        raise
-                    for out in outs:
-                        self._outbox.setdefault(out.request_id, []).append(out)
-                for rid in self._unowned():  # samples imported while no stream ran
-                    self._owner[rid] = sid
-                mine = [r for r, s in self._owner.items() if s == sid]
-                ready = [o for r in mine for o in self._outbox.pop(r, [])]
-                ready_now = {o.request_id for o in eng.outputs_ready}
-                left = [r for r in mine if r in eng.requests or r in ready_now]
-                for r in set(mine) - set(left):
-                    del self._owner[r]
+        try:
+            while True:
+                self._wait_for_callers()
+                with self.lock:
+                    ready, left = self._step_for(sid)
+                for out in ready:  # noqa: UP028 - Ray's streaming send()s into the generator
+                    yield out
                 if not left:
-                    self._live.discard(sid)
-            for out in ready:
-                yield out
-            if not left:
-                return
+                    return
+        finally:  # ended, failed or closed: what it still owned may be adopted by another
+            with self.lock:
+                for r in [r for r, s in self._owner.items() if s == sid]:
+                    del self._owner[r]
+                self._live.discard(sid)
+
+    def _step_for(self, sid: int) -> tuple[list, list]:
+        """One engine step (lock held) for every stream; returns stream ``sid``'s finished
+        outputs and its request ids still here."""
+        eng = self.llm.engine
+        if eng.has_unfinished():
+            try:
+                outs = self.llm.step()
+            except BaseException:
+                eng.abort_all()
+                self._outbox.clear()
+                raise
+            for out in outs:
+                self._outbox.setdefault(out.request_id, []).append(out)
+        for rid in self._unowned():  # samples imported while no stream ran
+            self._owner[rid] = sid
+        mine = [r for r, s in self._owner.items() if s == sid]
+        ready = [o for r in mine for o in self._outbox.pop(r, [])]
+        ready_now = {o.request_id for o in eng.outputs_ready}
+        left = [r for r in mine if r in eng.requests or r in ready_now]
+        for r in set(mine) - set(left):
+            del self._owner[r]
+        if not left:
+            self._live.discard(sid)
+        return ready, left
 
     def _unowned(self) -> list[str]:
         eng = self.llm.engine
