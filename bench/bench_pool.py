@@ -1,7 +1,7 @@
 """RolloutPool on Ray: the long-tail RL rollout without and with sample migration.
 
     python bench/bench_pool.py                # 8 GSM prompts x n=8, T=1, up to 768 tokens
-    python bench/bench_pool.py --quick        # 2 prompts x n=4, 48 tokens (a smoke run)
+    python bench/bench_pool.py --quick        # 2 prompts x n=4, 96 tokens (a smoke run)
 
 Workload: held-out-style GSM questions (``specengine.rewards.gsm_task``, seed 1234, the
 question plus the answer-format instruction as one user message) through the model's chat
@@ -140,11 +140,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=768)
     ap.add_argument("--interval", type=float, default=0.5, help="controller poll seconds")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="2 prompts x n=4, 48 tokens")
+    ap.add_argument("--quick", action="store_true", help="2 prompts x n=4, 96 tokens")
     ap.add_argument("--out", default="bench/results/pool.json")
     args = ap.parse_args()
     if args.quick:
-        args.prompts, args.n, args.max_tokens = 2, 4, 48
+        args.prompts, args.n, args.max_tokens = 2, 4, 96
     quiet_transformers()
     log = stderr_logger(time.perf_counter())
     prompts = build_prompts(args.model, args.prompts)
