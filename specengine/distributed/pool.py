@@ -158,9 +158,9 @@ class RolloutPool:
                     ctl.due = False
                     ctl.on_tick(self, run)
                     last = time.perf_counter()
-        except BaseException:
-            run.abort()
-            raise
+        finally:  # after an error, or samples still running twice after a re-run
+            if not run.complete() or run.reran:
+                run.abort()
 
     def _consume(self, cid: int, actor_id: int, items: list, events: queue.Queue) -> None:
         """Thread body: stream one actor call's outputs into ``events``."""

@@ -57,6 +57,7 @@ class Rollout:
         self.got: dict[int, set[int]] = {i: set() for i in self.reqs}
         self._ids = itertools.count()
         self._reruns = itertools.count(1)
+        self.reran = False  # requests were re-run (copies of their samples may still run)
         self._left = len(reqs)
 
     # ---- calls ------------------------------------------------------------------------------
@@ -67,6 +68,7 @@ class Rollout:
             for r in rs:
                 rid = self.rids[r.index]
                 if rerun:
+                    self.reran = True
                     rid = f"{rid}.r{next(self._reruns)}"
                     self.index_of[rid] = r.index
                 items.append((rid, r.prompt, r.params))
@@ -96,7 +98,8 @@ class Rollout:
                 self.moved.append((i, s, src, actor_id, how))
 
     def abort(self) -> None:
-        """Drop this call's requests on every live actor (after an error)."""
+        """Drop this call's requests on every live actor (after an error, or after re-runs
+        left a second copy of some samples running)."""
         rids = list(self.index_of)
         refs = [self.pool.actors[a].abort_requests.remote(rids) for a in self.pool.alive]
         for ref in refs:
