@@ -110,7 +110,8 @@ def test_skewed_rollout_migrates_exactly(local_ray, model_dir, path):
 def test_controller_arguments():
     for kw, msg in (({"interval": 0}, "interval"), ({"ratio": 1.0}, "ratio"),
                     ({"min_samples": 1}, "min_samples"), ({"max_moves": 0}, "max_moves"),
-                    ({"min_remaining": -1}, "min_remaining")):
+                    ({"min_remaining": -1}, "min_remaining"),
+                    ({"step_fixed_cost": -1}, "step_fixed_cost")):
         with pytest.raises(ValueError, match=msg):
             MigrationController(**kw)
 
@@ -120,7 +121,7 @@ def info(rid, index, remaining, tau=1.0):
 
 
 def test_plan_moves_the_longest_samples_while_the_gap_narrows():
-    ctl = MigrationController(min_remaining=4)
+    ctl = MigrationController(min_remaining=4, step_fixed_cost=0)
     busy = [info("a", 0, 100), info("a", 1, 90), info("b", 0, 80), info("b", 1, 3),
             info("c", 0, 60, tau=2.0)]  # c: 30 steps
     # work 100 + 90 + 80 + 3 + 30 = 303 against 10: move 100 (gap 293 -> 93), then 90 < 93
@@ -140,6 +141,13 @@ def test_plan_moves_the_longest_samples_while_the_gap_narrows():
     assert len(picks) == 1
     _, _, picks = MigrationController(max_moves=1).plan({0: busy, 1: []})
     assert len(picks) == 1
+    # with a step's fixed cost, one long sample among short ones moves alone: 8 * 300 + 480
+    # against 0 -> 8 * 20 + 180 and 8 * 300 + 300; a short one more would raise the second
+    fixed = MigrationController(step_fixed_cost=8, min_remaining=4)
+    tail = [info("a", 0, 300)] + [info("b", i, 20) for i in range(9)]
+    assert fixed.work([300] + [20] * 9) == 8 * 300 + 480
+    _, _, picks = fixed.plan({0: tail, 1: []})
+    assert [(q.request_id, q.index) for q in picks] == [("a", 0)]
 
 
 class KillDestination(Skewed):

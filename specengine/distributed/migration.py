@@ -4,14 +4,14 @@
 Every ``interval`` seconds while a ``RolloutPool.generate`` runs (and at once when an actor's
 last request came back), it asks each live actor for its unfinished samples and their predicted
 remaining output tokens (``RolloutWorker.migration_status``: ``LLM.running_sequences``, from the
-group's finished siblings and the history, see ``Migrator.predict_remaining``). An actor's work
-is the sum of its samples' predicted remaining tokens divided by their acceptance length tau
-(remaining engine steps per sample). When the least loaded actor holds at most ``ratio`` of the
-busiest one's work and the busiest holds at least ``min_samples`` samples, samples move from the
-busiest to it, longest predicted first, while a move narrows the gap between the two (a sample
-of work ``w`` moves while ``w`` is below the gap; one sample always stays; samples with fewer
-than ``min_remaining`` predicted steps stay), at most ``max_moves`` per round; a sample moves
-at most once per ``generate``.
+group's finished siblings and the history, see ``Migrator.predict_remaining``), divided by their
+acceptance length tau: remaining engine steps per sample. An actor's predicted work is
+``step_fixed_cost * max(steps) + sum(steps)`` (a decode step costs a fixed part, reading the
+weights, plus a part per sample). When the least loaded actor's work is at most ``ratio`` of the
+busiest one's and the busiest holds at least ``min_samples`` samples, samples move from the
+busiest to it, longest first, each while the move lowers the larger of the two actors' work
+(one sample always stays; samples with fewer than ``min_remaining`` predicted steps stay), at
+most ``max_moves`` per round; a sample moves at most once per ``generate``.
 
 One round, source ``S`` and destination ``D``:
 
@@ -60,6 +60,11 @@ class MigrationController(PoolController):
         max_moves: samples moved per round at most (>= 1).
         min_remaining: a sample moves only with at least this many predicted remaining engine
             steps (>= 0; a move costs about a step at each end).
+        step_fixed_cost: a decode step's cost that does not grow with the batch, in units of
+            one sample's share (>= 0): a step of ``b`` samples costs ``step_fixed_cost + b``.
+            On CPU most of a small batch's step is reading the weights (``bench_decode``,
+            bfloat16, 2 threads: 8.3 ms at batch 1, 44.6 ms at 64, so about 13); 0 balances
+            the sum of remaining steps only.
         cost: the rule choosing K/V transfer or re-prefill (default ``MigrationCost()``).
         clock: seconds (``time.perf_counter``), for the metrics.
 
@@ -72,7 +77,7 @@ class MigrationController(PoolController):
     """
 
     def __init__(self, interval: float = 0.5, ratio: float = 0.5, min_samples: int = 2,
-                 max_moves: int = 64, min_remaining: float = 16,
+                 max_moves: int = 64, min_remaining: float = 16, step_fixed_cost: float = 8,
                  cost: MigrationCost | None = None, clock=time.perf_counter):
         if not interval > 0:
             raise ValueError(f"interval={interval}: must be > 0 seconds")
@@ -84,9 +89,12 @@ class MigrationController(PoolController):
             raise ValueError(f"max_moves={max_moves}: must be >= 1")
         if not min_remaining >= 0:
             raise ValueError(f"min_remaining={min_remaining}: must be >= 0 steps")
+        if not step_fixed_cost >= 0:
+            raise ValueError(f"step_fixed_cost={step_fixed_cost}: must be >= 0")
         self.interval, self.ratio = float(interval), float(ratio)
         self.min_samples, self.max_moves = int(min_samples), int(max_moves)
         self.min_remaining = float(min_remaining)
+        self.step_fixed_cost = float(step_fixed_cost)
         self.cost = cost or MigrationCost()
         self.clock = clock
         self.stats = dict.fromkeys(
@@ -135,7 +143,7 @@ class MigrationController(PoolController):
         """The next round from each actor's unfinished samples (``SequenceInfo``s): ``(source,
         destination, samples to move)`` by the rule of the module docstring, or None. Samples
         moved before in this ``generate``, or for which ``movable`` is False, stay."""
-        work = {a: sum(_steps(q) for q in seqs) for a, seqs in sequences.items()}
+        work = {a: self.work([_steps(q) for q in seqs]) for a, seqs in sequences.items()}
         actors = sorted(work)
         if len(actors) < 2:
             return None
@@ -144,17 +152,29 @@ class MigrationController(PoolController):
         seqs = sequences[src]
         if src == dst or len(seqs) < self.min_samples or work[dst] > self.ratio * work[src]:
             return None
-        picks, gap = [], work[src] - work[dst]
+        here = [_steps(q) for q in seqs]
+        there = [_steps(q) for q in sequences[dst]]
+        picks = []
         for q in sorted(seqs, key=lambda q: (-_steps(q), q.request_id, q.index)):
             if len(picks) >= min(self.max_moves, len(seqs) - 1):
                 break
             w = _steps(q)
-            if (q.request_id, q.index) in self._done or not movable(q) or not w < gap \
+            if (q.request_id, q.index) in self._done or not movable(q) \
                     or w < self.min_remaining:
                 continue
-            picks.append(q)
-            gap -= 2 * w
+            rest = list(here)
+            rest.remove(w)
+            if max(self.work(rest), self.work(there + [w])) < max(self.work(here),
+                                                                   self.work(there)):
+                picks.append(q)
+                here, there = rest, there + [w]
         return (src, dst, picks) if picks else None
+
+    def work(self, steps: list[float]) -> float:
+        """Predicted cost of an actor's samples with ``steps`` remaining engine steps each, in
+        per-sample steps: ``step_fixed_cost * max(steps) + sum(steps)`` (a step costs
+        ``fixed + batch`` units)."""
+        return self.step_fixed_cost * max(steps, default=0.0) + sum(steps)
 
     def _move(self, pool, run, src: int, dst: int, picks: list, prefill_rate: float) -> None:
         """One round: ``picks`` (``SequenceInfo``s) from actor ``src`` to ``dst``."""
