@@ -2,6 +2,7 @@
 
     python bench/bench_rl.py [--out bench/results/rl.json]   # 2 steps, 2 prompts x 4, 64 tokens
     python bench/bench_rl.py --steps 10 --prompts 8 --generations 8 --max-completion-length 256
+    python bench/bench_rl.py --rollout-epochs 3 [...]   # multi-epoch rollouts: bench/rl_epochs.py
 
 TRL's real ``GRPOTrainer`` (``trl==1.16.0``) trains ``smollm2-135m-instruct`` (transformers,
 float32, CPU) on GSM-style questions (``specengine.rewards.gsm_task``, seed 1234) with the
@@ -138,6 +139,13 @@ def mean(xs):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0].startswith("--rollout-epochs"):  # the multi-epoch rollout mode
+        import rl_epochs
+
+        first = argv.pop(0)
+        epochs = first.split("=", 1)[1] if "=" in first else argv.pop(0)
+        return rl_epochs.main(["--epochs", epochs, *argv])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=2, help="prompts per step")

@@ -87,6 +87,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_pool_threads", &specengine::set_pool_threads, py::arg("n"),
         "Threads of the kernels' pool (0: follow torch.get_num_threads()).");
   m.def("pool_threads", &specengine::pool_threads, "Threads the kernels' pool uses now.");
+  m.def(
+      "pool_stats",
+      [](bool reset) {
+        const auto s = specengine::pool_stats(reset);
+        py::dict d;
+        d["jobs"] = s.jobs;
+        d["helper_chunks"] = s.helper_chunks;
+        d["waits"] = s.waits;
+        d["sleeps"] = s.sleeps;
+        d["wait_ns"] = s.wait_ns;
+        d["late_helpers"] = s.late_helpers;
+        return d;
+      },
+      py::arg("reset") = false,
+      "The pool's counters (reset=True: and zero them): jobs, helper_chunks, waits (jobs whose "
+      "caller waited for a helper's chunk), sleeps (of those, slept through), wait_ns, "
+      "late_helpers (a spinning helper found its job done: it was not on a core).");
 #ifdef SPECENGINE_WITH_CUDA
   m.def("paged_attention_cuda", &specengine::paged_attention_cuda, py::arg("query"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("query_seq"),

@@ -3,7 +3,6 @@
 
 #include <ATen/Parallel.h>
 #include <pthread.h>
-#include <sched.h>
 
 #include <algorithm>
 #include <atomic>
@@ -50,10 +49,14 @@ struct Pool {
   std::atomic<int64_t> done{0};
   std::atomic<int> sleepers{0};
   std::atomic<int> active{0};  // helpers with index < active take part in the current job
+  std::atomic<int64_t> n_jobs{0}, n_helper_chunks{0}, n_waits{0}, n_sleeps{0}, n_wait_ns{0},
+      n_late{0};  // PoolStats (relaxed counters)
+  std::atomic<bool> caller_waits{false};  // the caller sleeps on done_cv for claimed chunks
   ChunkFn fn = nullptr;
   void* ctx = nullptr;
   std::mutex mu;
   std::condition_variable cv;
+  std::condition_variable done_cv;
   std::mutex call_mu;  // one job at a time (callers from several Python threads queue here)
   std::vector<std::thread> helpers;
 
@@ -67,7 +70,11 @@ struct Pool {
                                       std::memory_order_acquire))
         continue;
       fn(ctx, static_cast<int64_t>(w & kMask16));
-      done.fetch_add(1, std::memory_order_acq_rel);
+      done.fetch_add(1);  // seq_cst: pairs with caller_waits (no lost wake-up)
+      if (caller_waits.load()) {
+        { std::lock_guard<std::mutex> lock(mu); }
+        done_cv.notify_all();
+      }
       ++ran;
       w = word.load(std::memory_order_acquire);
     }
@@ -77,15 +84,22 @@ struct Pool {
   void helper_loop(int index) {
     in_pool_job = true;
     uint32_t seen = gen.load();
+    // Jobs in a row this helper saw while spinning yet joined too late to run a chunk of: a
+    // spinning helper that misses a job was not on a core (another process is busy), and its
+    // spinning then only takes time from the caller or that process, so after two such misses
+    // it sleeps at once after each job until it runs a chunk again. (A helper woken from sleep
+    // may miss a short job by the wake-up latency alone; that is not counted.)
+    int misses = 0;
     for (;;) {
       const auto t0 = std::chrono::steady_clock::now();
-      const auto limit = std::chrono::microseconds(spin_us());
+      const auto limit = std::chrono::microseconds(misses >= 2 ? 0 : spin_us());
       uint32_t g = gen.load(std::memory_order_acquire);
       for (int i = 0; g == seen; ++i) {
         spin_pause();
         if ((i & 63) == 63 && std::chrono::steady_clock::now() - t0 > limit) break;
         g = gen.load(std::memory_order_acquire);
       }
+      const bool spun = g != seen;
       if (g == seen) {
         std::unique_lock<std::mutex> lock(mu);
         sleepers.fetch_add(1);
@@ -94,7 +108,16 @@ struct Pool {
         g = gen.load();
       }
       seen = g;
-      if (index < active.load(std::memory_order_acquire)) work(g);
+      if (index < active.load(std::memory_order_acquire)) {
+        const int64_t ran = work(g);
+        n_helper_chunks.fetch_add(ran, std::memory_order_relaxed);
+        if (ran > 0) {
+          misses = 0;
+        } else if (spun) {
+          ++misses;
+          n_late.fetch_add(1, std::memory_order_relaxed);
+        }
+      }
     }
   }
 
@@ -123,11 +146,25 @@ struct Pool {
     in_pool_job = true;
     work(g);
     in_pool_job = false;
-    // Only chunks a running helper has claimed are left.
-    for (int i = 0; done.load(std::memory_order_acquire) < n; ++i) {
-      if (i < 4096) spin_pause();
-      else sched_yield();
+    // Only chunks a helper has claimed are left. Spin briefly (a running helper finishes in
+    // microseconds), then sleep: a helper that was descheduled mid-chunk needs a core, and a
+    // caller spinning or yielding would keep its own core busy (the idle core is what lets
+    // the kernel move the helper over).
+    n_jobs.fetch_add(1, std::memory_order_relaxed);
+    if (done.load(std::memory_order_acquire) >= n) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 4096 && done.load(std::memory_order_acquire) < n; ++i) spin_pause();
+    if (done.load(std::memory_order_acquire) < n) {
+      std::unique_lock<std::mutex> lock(mu);
+      caller_waits.store(true);  // seq_cst: pairs with the helpers' done.fetch_add
+      done_cv.wait(lock, [&] { return done.load() >= n; });
+      caller_waits.store(false);
+      n_sleeps.fetch_add(1, std::memory_order_relaxed);
     }
+    n_waits.fetch_add(1, std::memory_order_relaxed);
+    n_wait_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                            std::chrono::steady_clock::now() - t0).count(),
+                        std::memory_order_relaxed);
   }
 };
 
@@ -149,6 +186,15 @@ std::atomic<int> g_threads{0};
 int pool_threads() {
   const int n = g_threads.load(std::memory_order_relaxed);
   return std::max(1, n > 0 ? n : at::get_num_threads());
+}
+
+PoolStats pool_stats(bool reset) {
+  Pool& p = pool();
+  auto get = [reset](std::atomic<int64_t>& c) {
+    return reset ? c.exchange(0) : c.load(std::memory_order_relaxed);
+  };
+  return {get(p.n_jobs), get(p.n_helper_chunks), get(p.n_waits), get(p.n_sleeps),
+          get(p.n_wait_ns), get(p.n_late)};
 }
 
 void set_pool_threads(int n) { g_threads.store(std::max(0, n), std::memory_order_relaxed); }

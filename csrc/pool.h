@@ -6,7 +6,11 @@
 // the caller claims chunks itself from an atomic counter and only waits for chunks that a helper
 // has already claimed (and is running); a helper that wakes up late finds no work and goes back
 // to waiting. Helpers spin briefly (SPECENGINE_SPIN_US, default 200 us) before sleeping, so the
-// back-to-back kernel calls of a decode step do not pay for a wake-up each.
+// back-to-back kernel calls of a decode step do not pay for a wake-up each. On a shared machine:
+// a caller left waiting for a claimed chunk spins briefly and then sleeps (its idle core is
+// where the kernel can run the descheduled helper), and a helper that keeps missing jobs it saw
+// while spinning (it was not on a core) stops spinning until it runs a chunk again. Which
+// thread count is faster then is measured by the engine (specengine/threads.py).
 //
 // parallel_chunks(n, f) calls f(i) once for each i in [0, n), on the caller and up to
 // pool_threads() - 1 helpers; it returns when all calls are done. Which thread runs
@@ -31,6 +35,16 @@ int pool_threads();
 // with as many threads as cores they would take turns with these helpers (measured: a
 // memory-bound linear at 15 instead of 30 GB/s on 2 cores).
 void set_pool_threads(int n);
+
+// Counters since start (or the last reset), to see what a job waits for: jobs run on the pool,
+// chunks run by helpers, jobs whose caller had to wait for a helper's claimed chunk after its
+// own work (and how many of those it slept through), the caller's total wait in nanoseconds,
+// and helper wake-ups that found the job already done while spinning (a late helper: it was
+// not on a core).
+struct PoolStats {
+  int64_t jobs, helper_chunks, waits, sleeps, wait_ns, late_helpers;
+};
+PoolStats pool_stats(bool reset);
 
 template <class F>
 void parallel_chunks(int64_t n, F&& f) {

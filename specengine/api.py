@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from tqdm.auto import tqdm
 
+from specengine._ext import ext
 from specengine.config import EngineConfig, parse_dtype
 from specengine.engine import Engine
 from specengine.kv import kv_bytes_per_block
@@ -21,7 +22,7 @@ from specengine.outputs import RequestOutput
 from specengine.sampling import SamplingParams
 from specengine.speculative.config import SpeculativeConfig
 from specengine.speculative.drafters import make_drafter
-from specengine.speculative.drafters.eagle import EagleDrafter
+from specengine.speculative.drafters.merged import share_calibration
 from specengine.speculative.policy import make_policy
 from specengine.speculative.training.harvest import Harvester
 from specengine.weights import WeightUpdater
@@ -137,6 +138,7 @@ class LLM:
         drafter = make_drafter(self.speculative_config, loaded, num_blocks, block_size) \
             if self.speculative_config else None
         policy = make_policy(self.speculative_config, seed) if drafter else None
+        share_calibration(drafter, policy)  # a merged drafter fills its budget with them
         eos = None  # default: the model's and the tokenizer's
         if self.tokenizer is None and getattr(loaded.tokenizer, "eos_token_id", None) is not None:
             eos = {*cfg.eos_token_ids, loaded.tokenizer.eos_token_id}  # skip_tokenizer_init
@@ -164,21 +166,39 @@ class LLM:
         ``policy_remaining``, the remembered output lengths) and ``tau_per_weight_version``
         (target weight version -> tokens committed per verify step while it served: drift
         after a weight update shows here); with an EAGLE drafter (also inside a
-        ``Harvester``), ``drafter_version`` and ``tau_per_version`` (drafter version -> tokens
-        committed per verify step, see ``EagleDrafter.stats``). Always: ``weight_version``,
+        ``Harvester`` or merged with others), ``drafter_version`` and ``tau_per_version``
+        (drafter version -> tokens committed per verify step, see ``EagleDrafter.stats``); with
+        several drafters merged, ``merged_nodes_proposed`` / ``merged_nodes_kept`` per source
+        (``MergedDrafter.stats``); with speculation, ``source_stats``: per draft source, nodes
+        verified and accepted, overall and per depth (``sources.SourceStats``), and where the
+        policy calibrates per source (``auto``, or any policy with a merged drafter) its
+        ``calibration`` map (acceptance probability per confidence bin, also in
+        ``policy_calibration_per_source``); with the suffix drafter, ``rollout_memory_bytes`` /
+        ``_groups`` / ``_tokens`` / ... and the index update and lookup seconds
+        (``suffix_update_seconds``, ``suffix_lookup_seconds``, totals and per step; see
+        ``SuffixDrafter.stats``). Always: ``weight_version``,
         ``weight_updates``, ``weight_update_time`` / ``last_weight_update_time`` (seconds
         applying updates) and ``sleep_level`` (0 awake, else the deepest level slept); prefix
         caching: ``prefix_cache_hit_rate`` (hit / queried prompt tokens),
-        ``prefix_cache_hit_tokens``, ``prefix_cache_queried_tokens``, ``prefix_cache_blocks``
-        (cached now; those nobody uses count in ``kv_blocks_free``, evicted on demand);
-        migration (``specengine.migration.Migrator``): ``migration_stage1_seconds`` /
-        ``_bytes``, ``migration_stage2_seconds`` / ``_bytes``, ``migration_import_seconds`` /
-        ``_bytes``, ``migrated_out`` / ``migrated_in`` (with K/V), ``reprefilled_out`` /
-        ``reprefilled_in`` (as tokens)."""
+        ``prefix_cache_hit_tokens``, ``prefix_cache_queried_tokens``,
+        ``prefix_cache_rerun_tokens`` (hit tokens run again for their logits),
+        ``prefix_cache_blocks`` (cached now; those nobody uses count in ``kv_blocks_free``,
+        evicted on demand); migration (``specengine.migration.Migrator``):
+        ``migration_stage1_seconds`` / ``_bytes``, ``migration_stage2_seconds`` / ``_bytes``,
+        ``migration_import_seconds`` / ``_bytes``, ``migrated_out`` / ``migrated_in`` (with
+        K/V), ``reprefilled_out`` / ``reprefilled_in`` (as tokens); threads
+        (``specengine.threads.ThreadTuner.stats``): ``kernel_threads`` (forward-size bucket ->
+        the kernels' thread count chosen), ``kernel_threads_max``, ``thread_probes``,
+        ``thread_switches``, ``adaptive_threads``, and ``kernel_pool``, the process's kernel
+        pool counters (jobs, helper_chunks, waits and sleeps of the caller for a helper's
+        chunk, wait_ns, late_helpers; see ``csrc/pool.h``)."""
         d = self.engine.metrics.as_dict()
         d.update(kv_blocks_total=self.engine.blocks.num_blocks,
                  kv_blocks_free=self.engine.blocks.num_free, generate_time=self._wall_time,
                  sleep_level=self.memory.level, **self.weights.stats())
+        d.update(self.engine.threads.stats())
+        if hasattr(ext(), "pool_stats"):  # (an extension built before it has none)
+            d["kernel_pool"] = ext().pool_stats()
         d.update(self.engine.blocks.prefix_cache_stats())
         drafter = self.engine.drafter
         if drafter is not None:
@@ -186,8 +206,11 @@ class LLM:
             d["tau_per_weight_version"] = self.weights.tau_per_weight_version()
         if isinstance(drafter, Harvester):
             drafter = drafter.inner
-        if isinstance(drafter, EagleDrafter):
+        if drafter is not None:  # EAGLE: versions; suffix: rollout memory and its costs
             d.update(drafter.stats())
+        for src, cal in d.get("policy_calibration_per_source", {}).items():
+            if src in d.get("source_stats", {}):
+                d["source_stats"][src]["calibration"] = cal
         return d
 
     # ---- weight sync (specengine.weights) ----------------------------------------------------

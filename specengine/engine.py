@@ -10,6 +10,7 @@ its token tree plus the bonus token) and admits waiting requests; finished reque
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -37,6 +38,7 @@ from specengine.speculative.drafters.base import Drafter, prune_tree
 from specengine.speculative.policy import StaticPolicy
 from specengine.speculative.strategy import Strategy
 from specengine.step import Commit, ForwardLayout
+from specengine.threads import ThreadTuner, adaptive_from_env
 
 
 class Engine:
@@ -54,12 +56,15 @@ class Engine:
         drafter: drafter for speculative decoding (None: plain decoding).
         policy: picks the strategy per step (default: the drafter's strategy, always).
         attention_backend: ``"auto"``, ``"torch"``, ``"cpu"``, ``"cuda"`` or ``"triton"``.
+        adaptive_threads: let ``self.threads`` (``specengine.threads.ThreadTuner``) pick the
+            kernels' thread count of steps run in them from measured step times (None: the
+            environment variable ``SPECENGINE_ADAPTIVE_THREADS``, default on).
     """
 
     def __init__(self, model, tokenizer, config: EngineConfig, seed: int = 0,
                  logprobs_mode: str = "raw_logprobs", eos_token_ids: set[int] | None = None,
                  drafter: Drafter | None = None, policy=None,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", adaptive_threads: bool | None = None):
         self.config = config
         self.tokenizer = tokenizer
         if eos_token_ids is None:
@@ -77,14 +82,30 @@ class Engine:
         self.seed_rng = torch.Generator().manual_seed(seed)
         self.requests: dict[str, Request] = {}
         self.metrics = EngineMetrics()
+        self.threads = ThreadTuner(
+            torch.get_num_threads(),
+            enabled=adaptive_from_env() if adaptive_threads is None else adaptive_threads)
         self.drafter = drafter
         self.policy = policy or StaticPolicy(drafter.strategy if drafter else None)
         self._next_id = 0
+        self._weight_version = 0
         self.weight_version = 0  # stamped on outputs; weights.WeightUpdater advances it
         self.ready_check = None  # callable raising when requests cannot run (memory.py)
         # finished requests not returned by a step yet: the last unfinished sample of a request
         # left the engine (``detach``), the others had finished; the next ``step`` returns them
         self.outputs_ready: list[RequestOutput] = []
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the target's weights (``weights.WeightUpdater`` advances it); setting it
+        tells the drafter (``Drafter.set_weight_version``)."""
+        return self._weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        self._weight_version = version
+        if self.drafter is not None:
+            self.drafter.set_weight_version(version)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -243,7 +264,10 @@ class Engine:
             return ready
         strategy, entries = self._schedule()
         rows = self._max_forward_tokens(entries, strategy)
-        with kernels.kernel_threads(kernels.packed_covers(rows)):
+        covered = kernels.packed_covers(rows)  # every layer in the kernels: adapt their threads
+        threads = self.threads.choose(rows) if covered else None
+        timed = self.threads.timed(rows, threads) if covered else contextlib.nullcontext()
+        with kernels.kernel_threads(covered, threads), timed:
             times = StepTimes()
             num_proposed = self._draft(entries, strategy)
             times.mark("drafted")
@@ -254,7 +278,7 @@ class Engine:
             self._commit_kv(layout, commits)
             self._observe(layout, hidden, commits)
             times.mark("sampled")
-            num_appended, finished = self._append(layout, commits, now=times.sampled)
+            num_appended, finished = self._append(layout, commits, hidden, now=times.sampled)
             self._account(layout, commits, strategy, times, num_proposed, num_appended)
             return ready + [self._request_output(req, now=times.sampled) for req in finished]
 
@@ -371,26 +395,35 @@ class Engine:
             for s in e.samplers or [e.seq]:
                 self.drafter.observe(s, start, feats)
 
-    def _append(self, layout: ForwardLayout, commits: list[Commit],
+    def _append(self, layout: ForwardLayout, commits: list[Commit], hidden: torch.Tensor,
                 now: float) -> tuple[int, list[Request]]:
         """Append each commit's tokens one at a time with the stop rules (``OutputProcessor``);
-        a sequence that stops releases its KV blocks and drops the rest of its tokens. Then
-        the decodes still running give back their unused draft slots.
+        a sequence that stops releases its KV blocks and drops the rest of its tokens. A
+        sequence with ``return_hidden_states`` keeps the rows of ``hidden`` ``[T, H]`` that
+        produced the tokens it appended. Then the decodes still running give back their unused
+        draft slots.
 
         Returns:
             ``(tokens appended, requests whose samples have all finished)``.
         """
         num_appended, finished = 0, []
+        index = None
         for c in commits:
             req = self.requests[c.seq.request_id]
             req.first_token_time = req.first_token_time or now
+            n = 0
             for tok, lp in zip(c.tokens, c.logprobs):
                 num_appended += 1
+                n += 1
                 if self.output.append(c.seq, tok, lp):
                     self._release(c.seq)
                     if all(s.is_finished for s in req.seqs):
                         finished.append(req)
                     break
+            if c.seq.hidden_states is not None:
+                index = index or {id(e): i for i, e in enumerate(layout.entries)}
+                rows = layout.sampling_rows(index[id(c.entry)], c.accepted)[:n]
+                c.seq.hidden_states.append(hidden[rows].cpu())
         for e in layout.decodes:
             if not e.seq.is_finished:  # give back the draft slots
                 self.blocks.shrink(e.seq, e.seq.num_cached)

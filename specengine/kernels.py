@@ -317,9 +317,11 @@ def packed_covers(rows: int) -> bool:
 
 
 @contextlib.contextmanager
-def kernel_threads(active: bool = True):
+def kernel_threads(active: bool = True, threads: int | None = None):
     """Within the block, torch runs on one thread and the extension's kernels on the threads
-    torch had (its thread pool, ``csrc/pool.h``), when ``active`` and the extension is built.
+    torch had (its thread pool, ``csrc/pool.h``), or on ``threads`` (at most torch's count;
+    ``specengine.threads.ThreadTuner`` picks it), when ``active`` and the extension is built.
+    Results do not depend on the count (the kernels split work over disjoint outputs).
 
     Why: after each parallel op torch's OpenMP workers spin for milliseconds; with as many
     threads as cores they take turns with the kernels' own threads (measured on 2 cores: a
@@ -331,7 +333,7 @@ def kernel_threads(active: bool = True):
     if not active or mod is None or n <= 1:
         yield
         return
-    mod.set_pool_threads(n)
+    mod.set_pool_threads(n if threads is None else max(1, min(n, threads)))
     torch.set_num_threads(1)
     try:
         yield

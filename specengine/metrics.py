@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from specengine.sequence import Request
 from specengine.speculative.policy import StepRecord
+from specengine.speculative.sources import SourceStats
 from specengine.speculative.strategy import Strategy
 from specengine.step import Commit, ForwardLayout
 
@@ -59,12 +60,15 @@ class EngineMetrics:
     accepted_tokens: int = 0
     accepted_per_depth: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
+    sources: SourceStats = field(default_factory=SourceStats)
 
     def as_dict(self) -> dict:
         """Counters plus derived ``acceptance_length`` (tau: tokens committed per verify
-        forward, the bonus token included) and ``acceptance_rate_per_depth``."""
-        d = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        forward, the bonus token included), ``acceptance_rate_per_depth`` and
+        ``source_stats`` (per draft source: ``SourceStats.as_dict``)."""
+        d = {k: v for k, v in self.__dict__.items() if k not in ("extra", "sources")}
         if self.spec_steps:
+            d["source_stats"] = self.sources.as_dict()
             d["acceptance_length"] = (self.accepted_tokens + self.spec_steps) / self.spec_steps
             d["acceptance_rate_per_depth"] = [
                 self.accepted_per_depth.get(i, 0) / self.spec_steps
@@ -87,6 +91,7 @@ class EngineMetrics:
                 self.spec_steps += 1
                 self.drafted_tokens += c.entry.tree.num_nodes
                 self.accepted_tokens += len(c.accepted)
+                self.sources.record(c.entry.tree, c.accepted)
                 for d in range(len(c.accepted)):
                     self.accepted_per_depth[d] = self.accepted_per_depth.get(d, 0) + 1
         self.generated_tokens += num_appended

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from specengine.sequence import Logprob, Request
 
 
@@ -20,6 +22,11 @@ class CompletionOutput:
         cumulative_logprob: sum of the sampled tokens' log-probabilities (None without logprobs).
         finish_reason: ``"stop"`` (EOS, stop token or stop string) or ``"length"``.
         stop_reason: the stop string or stop token id that ended it; None for EOS or length.
+        hidden_states: with ``SamplingParams.return_hidden_states``, the target's last hidden
+            states (after the final norm, the model's dtype, CPU) ``[len(token_ids), H]``: row
+            j is the state at the position before token j, whose logits produced it (the last
+            prompt token's for j = 0); under speculation, the verify rows of the accepted
+            tree nodes. None otherwise.
     """
 
     index: int
@@ -29,6 +36,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    hidden_states: torch.Tensor | None = None
 
     @property
     def sampled_logprobs(self) -> list[float] | None:
@@ -64,6 +72,12 @@ def request_output(req: Request, metrics: dict, weight_version: int | None = Non
     outs = [CompletionOutput(
         index=s.index, text=s.text, token_ids=s.output_token_ids, logprobs=s.logprobs,
         cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
-        finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in req.seqs]
+        finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+        hidden_states=None if s.hidden_states is None else _stack(s.hidden_states))
+        for s in req.seqs]
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, True, metrics,
                          weight_version=weight_version)
+
+
+def _stack(chunks: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(chunks) if chunks else torch.empty(0, 0)

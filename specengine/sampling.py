@@ -55,6 +55,9 @@ class SamplingParams:
             that occurs in the output so far (OpenAI / vLLM; the prompt does not count).
         frequency_penalty: in [-2, 2] (0 disables): times a token's count in the output so
             far, subtracted from its logit.
+        return_hidden_states: also return, per sample, the target's last hidden state (after
+            the final norm) that produced each generated token (SGLang's name;
+            ``CompletionOutput.hidden_states``).
 
     Raises:
         ValueError: a value outside its range, naming the parameter.
@@ -77,6 +80,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    return_hidden_states: bool = False
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -117,6 +121,8 @@ class SamplingParams:
             raise bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}]")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise bad("logprobs", "must be None or an integer >= 0")
+        if not isinstance(self.return_hidden_states, bool):
+            raise bad("return_hidden_states", "must be True or False")
         if self.seed is not None and not is_int(self.seed):
             raise bad("seed", "must be an integer or None")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -6,8 +6,10 @@ prompt's blocks). When the KV pool cannot hold the next decode tokens, the most 
 admitted sequence is preempted: its blocks are freed and it is recomputed later from its
 tokens so far (vLLM's recompute preemption). Outputs do not change; nothing crashes.
 
-With prefix caching, an admitted prompt's leading full blocks found in the cache are attached,
-not recomputed: its prefill entry feeds only the tokens after them (always the last one).
+With prefix caching, an admitted prompt's leading blocks found in the cache are attached, not
+recomputed: its prefill entry feeds only the tokens after them (always the last one). Waiting
+requests with exactly the same tokens (verl and TRL send a prompt as ``n`` separate requests)
+are admitted together with it as one group: one prefill, every block shared.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class Scheduler:
                     f"but the pool has only {self.blocks.num_blocks}; raise kv_cache_memory_bytes")
             hit = self.blocks.match(leader)  # leading blocks found in the prefix cache
             need = self.blocks.admission_cost(leader, hit)
-            num_new = len(leader) - len(hit) * self.blocks.block_size
+            num_new = len(leader) - self.blocks.cached_tokens(leader, hit)
             # keep one free block per running sequence so admitted work can keep decoding
             if num_new > budget and entries:
                 break
@@ -64,6 +66,8 @@ class Scheduler:
             if self.blocks.num_free < need:
                 break
             self.waiting.popleft()
+            group = group + self._take_same(leader, self.config.max_num_seqs -
+                                            len(self.running) - len(group))
             self.blocks.allocate_shared(group, hit)
             for s in group:
                 s.status = SequenceStatus.RUNNING
@@ -75,6 +79,23 @@ class Scheduler:
             raise RuntimeError(f"request {leader.request_id} ({len(leader)} tokens) cannot be "
                                "scheduled: raise max_num_batched_tokens or kv_cache_memory_bytes")
         return entries
+
+    def _take_same(self, leader: Sequence, room: int) -> list[Sequence]:
+        """Remove from the waiting queue, and return, the groups whose tokens equal
+        ``leader``'s, as long as they fit in ``room`` more sequences (prefix caching only)."""
+        if self.blocks.cache is None or room <= 0:
+            return []
+        taken, keep = [], deque()
+        for g in self.waiting:
+            if len(g) <= room and len(g[0]) == len(leader) and g[0].token_ids == leader.token_ids:
+                taken += g
+                room -= len(g)
+            else:
+                keep.append(g)
+        if taken:
+            self.waiting.clear()
+            self.waiting.extend(keep)
+        return taken
 
     def _schedule_decodes(self, num_slots: int) -> list[BatchEntry]:
         """One decode token per running sequence, in admission order; preempts from the back

@@ -55,6 +55,8 @@ class Sequence:
         self.num_preemptions = 0  # times the scheduler freed its KV for recomputation
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
+        # target hidden states [r, H] per step that appended r tokens (return_hidden_states)
+        self.hidden_states: list | None = [] if params.return_hidden_states else None
         self.text = ""
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

@@ -67,6 +67,15 @@ class ForwardLayout:
             return list(range(off, off + e.num_new))
         return [off] + [off + 1 + a for a in accepted]
 
+    def sampling_rows(self, i: int, accepted: list[int] | None) -> list[int]:
+        """Indices among the ``T`` tokens whose logits produced what entry ``i`` commits, one per
+        committed token: its last token without a tree; with one, the root and the
+        ``accepted`` nodes (the last of them gives the bonus token)."""
+        off, e = self.token_offsets[i], self.entries[i]
+        if e.tree is None:
+            return [off + e.num_new - 1]
+        return [off] + [off + 1 + a for a in accepted]
+
 
 @dataclass
 class Commit:

@@ -337,6 +337,8 @@ class WeightUpdater:
         if self.memory is not None:
             self.memory.mark_loaded(names)
         m = self.engine.metrics
+        # the engine tells its drafter (Drafter.set_weight_version: the suffix drafter ages its
+        # rollout history by it)
         self.engine.weight_version = self.version + 1 if version is None else version
         self._marks.append((self.version, m.spec_steps, m.accepted_tokens))
         self.engine.reset_prefix_cache()

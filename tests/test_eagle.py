@@ -236,17 +236,6 @@ def test_no_shipped_drafter_is_a_clear_error(target_dir):
         make(target_dir, {"method": "eagle"})
 
 
-def test_the_default_models_drafter_is_found_in_the_package():
-    """``specengine/drafters/<model>/`` is where the shipped drafter lives (found by name)."""
-    from types import SimpleNamespace
-
-    from specengine.speculative.drafters.eagle import shipped_drafter
-
-    found = shipped_drafter(SimpleNamespace(model_dir="/any/cache/smollm2-135m-instruct"))
-    assert found is not None and (found / "model.safetensors").is_file()
-    assert found.parent.name == "drafters" and found.parent.parent.name == "specengine"
-
-
 def test_hot_swap_between_steps_keeps_output(target_dir, target, plain):
     llm = make(target_dir, eagle(3, 2, 6))
     drafter = llm.engine.drafter

@@ -16,7 +16,9 @@ def test_longest_suffix_match_gives_a_chain():
     # last 3 tokens [1, 2, 3] occurred at the start, followed by 4, 1, 2
     tree = NgramIndex().propose([1, 2, 3, 4, 1, 2, 3], Strategy(depth=3))
     assert shape(tree) == ([4, 1, 2], [-1, 0, 1])
-    assert tree.draft_logprobs == [0.0] * 3 and type(tree) is DraftTree  # deterministic
+    assert type(tree) is DraftTree and tree.sources == ["ngram"] * 3  # deterministic
+    # scored: one 3-token match (weight 3, one pseudo-match of weight 1) -> confidence 3/4
+    assert np.exp(np.cumsum(tree.draft_logprobs)) == pytest.approx([0.75] * 3)
     # depth caps the chain; the continuation may end at the sequence's end
     assert shape(NgramIndex().propose([1, 2, 3, 4, 1, 2, 3], Strategy(depth=2))) == (
         [4, 1], [-1, 0])
@@ -36,6 +38,10 @@ def test_common_prefixes_are_shared_and_budget_is_respected():
     tree = NgramIndex().propose(seq, Strategy(depth=3, topk=2))
     assert shape(tree) == ([3, 5, 1, 4, 1], [-1, 0, 1, 0, 3])
     assert tree.num_nodes == 5 and tree.max_depth == 3
+    # scored by the share of match weight through each node: matches [1, 2] (n = 2) at both
+    # earlier places plus one pseudo-match; both continue with 3, one each with 5 and 4
+    from specengine.speculative.policy.calibration import confidence_list
+    assert confidence_list(tree) == pytest.approx([4 / 5, 2 / 5, 2 / 5, 2 / 5, 2 / 5])
     for budget in (3, 4):
         tree = NgramIndex().propose(seq, Strategy(depth=3, topk=2, budget=budget))
         assert tree.num_nodes == budget

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from specengine import LLM, SamplingParams
 from specengine.batch import BatchEntry
 from specengine.kv.block_manager import BlockManager
-from specengine.kv.prefix_cache import PrefixCache, chain_hashes, hash_block
+from specengine.kv.prefix_cache import PrefixCache, chain_hashes, hash_block, hash_partial
 from specengine.model_runner import ModelRunner
 from specengine.models.loader import save_random_model
 from specengine.sampling import SampleNoise
@@ -117,31 +117,38 @@ def test_block_manager_keeps_cached_blocks_off_the_free_list_until_evicted():
     bm = BlockManager(6, 4, lambda s, d: copies.append((s, d)), enable_prefix_caching=True)
     s = Sequence("a", 0, list(range(10)), SamplingParams(), SampleNoise(0, 0))
     assert bm.match(s) == []
-    bm.allocate_shared([s])  # 3 blocks; the 2 full ones registered (K/V written this step)
+    bm.allocate_shared([s])  # 3 blocks: the 2 full ones and the partial one registered
     s.num_cached = 10  # the prefill ran
     bm.commit(s)
     first = list(s.block_table)
     bm.free(s)
-    assert (bm.allocator.num_free, bm.num_evictable, bm.num_free) == (4, 2, 6)
-    assert [bm.allocator.refcount(b) for b in first[:2]] == [1, 1]
-    # the same prompt again: both full blocks hit (10 tokens: the last one is recomputed)
+    assert (bm.allocator.num_free, bm.num_evictable, bm.num_free) == (3, 3, 6)
+    assert [bm.allocator.refcount(b) for b in first] == [1, 1, 1]
+    # the same prompt again: all 3 blocks hit; the last token runs again, into a copy
     t = Sequence("b", 0, list(range(10)), SamplingParams(), SampleNoise(0, 0))
     hit = bm.match(t)
-    assert hit == first[:2] and bm.admission_cost(t, hit) == 1 + 2  # 1 fresh, 2 revived
+    assert hit == first and bm.admission_cost(t, hit) == 3 + 1  # 3 revived, 1 copy
     bm.allocate_shared([t], hit)
-    assert t.num_cached == 8 and t.block_table[:2] == first[:2] and bm.num_evictable == 0
-    assert bm.cache.hit_tokens == 8 and bm.cache.queried_tokens == 20
+    assert t.num_cached == 9 and t.block_table[:2] == first[:2]
+    assert copies == [(first[2], t.block_table[2])] and t.block_table[2] not in first
+    assert bm.num_evictable == 1  # the cached partial block, copied, nobody uses it
+    assert (bm.cache.hit_tokens, bm.cache.queried_tokens, bm.cache.rerun_tokens) == (10, 20, 1)
+    # a longer prompt shares the full blocks only (the partial hash is of the exact tokens)
+    w = Sequence("w", 0, list(range(11)), SamplingParams(), SampleNoise(0, 0))
+    assert bm.match(w) == first[:2]
     t.num_cached = 10
     bm.free(t)
+    assert bm.num_cached_blocks == 3 and bm.allocator.num_free == 3
     # a new prompt needing all 6 blocks evicts the cached ones, tail block first
     u = Sequence("c", 0, list(range(100, 124)), SamplingParams(), SampleNoise(0, 0))
     assert bm.match(u) == [] and bm.admission_cost(u, []) == 6
     v = Sequence("d", 0, list(range(200, 217)), SamplingParams(), SampleNoise(0, 0))
-    bm.allocate_shared([v])  # 5 blocks: 4 free + the LRU cached one (block 1 of "a")
-    assert bm.num_cached_blocks == 1 + 4  # block 0 of "a" and v's 4 full blocks
+    bm.allocate_shared([v])  # 5 blocks: 3 free + the 2 LRU cached ones (blocks 2, 1 of "a")
+    assert bm.num_cached_blocks == 1 + 5  # block 0 of "a" and v's 4 full + 1 partial blocks
     assert cached_lookup(bm, list(range(10)), 0) == first[0]
     assert cached_lookup(bm, list(range(10)), 1) is None
-    assert not copies
+    assert bm.match(Sequence("e", 0, list(range(10)), SamplingParams(),
+                             SampleNoise(0, 0))) == first[:1]
 
 
 def cached_lookup(bm, tokens, i):
@@ -163,29 +170,46 @@ def test_unconfirmed_blocks_are_dropped_when_the_prefill_never_ran():
 
 
 # ---- in the engine -----------------------------------------------------------------------------
-def test_verl_style_repeated_prompts_hit_and_skip_prefill(tiny_dir, off):
-    n, k = 4, 5
-    prompts = rand_prompts(3, lo=k * BS + 1, hi=k * BS + 2, seed=21)  # 41 tokens: 5 full blocks
+@pytest.mark.parametrize("length", [41, 40, 45])  # partial last block of 1 / none / 5 tokens
+def test_verl_style_repeated_prompts_hit_and_skip_prefill(tiny_dir, off, length):
+    n = 4
+    prompts = rand_prompts(3, lo=length, hi=length + 1, seed=21)
     reqs = [p for p in prompts for _ in range(n)]  # each prompt sent as n separate requests
+    total = len(reqs) * length
     llm = make(tiny_dir)
-    m0 = llm.get_metrics()
-    first = llm.generate(reqs, greedy(), use_tqdm=False)
+    first = llm.generate(reqs, greedy(), use_tqdm=False)  # all at once
     m1 = llm.get_metrics()
-    full_tokens = len(reqs) * k * BS  # prompt tokens in full blocks
-    hit1 = m1["prefix_cache_hit_tokens"] - m0["prefix_cache_hit_tokens"]
-    assert hit1 == (n - 1) * len(prompts) * k * BS >= (n - 1) / n * full_tokens
-    assert m1["prefix_cache_queried_tokens"] == sum(map(len, reqs))
-    # only the first copy of each prompt pays its prefill; the others compute their last token
-    assert m1["prefill_tokens"] - m0["prefill_tokens"] == len(prompts) * (k * BS + 1 + n - 1)
+    # copies 2..n of a prompt are admitted with the first: one prefill, every block shared
+    assert m1["prefix_cache_queried_tokens"] == total
+    assert m1["prefix_cache_hit_tokens"] == (n - 1) * len(prompts) * length
+    assert m1["prefix_cache_hit_rate"] == pytest.approx((n - 1) / n)
+    assert m1["prefill_tokens"] == len(prompts) * length and m1["prefix_cache_rerun_tokens"] == 0
     assert_baseline(llm)
     second = llm.generate(reqs, greedy(), use_tqdm=False)  # a later call: every copy hits
     m2 = llm.get_metrics()
-    assert m2["prefix_cache_hit_tokens"] - hit1 == full_tokens
-    assert m2["prefill_tokens"] - m1["prefill_tokens"] == len(reqs)
+    assert m2["prefix_cache_hit_tokens"] - m1["prefix_cache_hit_tokens"] == total
+    # the first copy of each prompt runs its last token again (for its logits), no more
+    assert m2["prefill_tokens"] - m1["prefill_tokens"] == len(prompts)
+    assert m2["prefix_cache_rerun_tokens"] == len(prompts)
     assert m2["prefix_cache_hit_rate"] == pytest.approx(
         m2["prefix_cache_hit_tokens"] / m2["prefix_cache_queried_tokens"])
     want = ids(off.generate(reqs, greedy(), use_tqdm=False))
     assert ids(first) == ids(second) == want
+    assert_baseline(llm)
+
+
+@pytest.mark.parametrize("length", [41, 40])
+def test_repeated_prompts_one_after_another_hit_all_but_the_first(tiny_dir, off, length):
+    n = 5
+    prompt = rand_prompts(1, lo=length, hi=length + 1, seed=22)[0]
+    llm = make(tiny_dir)
+    sampled = [SamplingParams(temperature=1.0, seed=70 + i, max_tokens=12, ignore_eos=True)
+               for i in range(n)]
+    got = [ids(llm.generate([prompt], sp, use_tqdm=False))[0] for sp in sampled]
+    m = llm.get_metrics()
+    assert m["prefix_cache_hit_rate"] == pytest.approx((n - 1) / n)
+    assert m["prefill_tokens"] == length + (n - 1)  # then one rerun last token per request
+    assert got == [ids(off.generate([prompt], sp, use_tqdm=False))[0] for sp in sampled]
     assert_baseline(llm)
 
 
@@ -247,6 +271,13 @@ def test_cached_blocks_hold_exactly_their_tokens_kv_after_rejected_drafts(tiny_d
             torch.testing.assert_close(llm.engine.runner.kv_cache[:, :, b], ref[:, :, i],
                                        atol=1e-4, rtol=1e-4)
             checked += 1
+        # the prompt's partial last block, written past by its owner's decode (drafts too):
+        # cached as the prompt left it, so only the prompt's slots are compared
+        k = len(p) // BS
+        b = llm.engine.blocks.cache.lookup(hash_partial(chain_hashes(p, BS, k)[k - 1], p[k * BS:]))
+        assert b is not None and b != cached_block(llm, tokens, k)
+        torch.testing.assert_close(llm.engine.runner.kv_cache[:, :, b, :len(p) % BS],
+                                   ref[:, :, k, :len(p) % BS], atol=1e-4, rtol=1e-4)
     assert checked >= 2 * (len(prompts[1]) + 40 - 1) // BS
     # a follow-up turn (prompt + answer + more) hits the generated blocks too, same output
     follow = [tokens + [1, 2, 3]]
@@ -265,14 +296,20 @@ def test_lru_eviction_under_a_small_pool(tiny_dir, off):
     out_a = llm.generate([a], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
     ta = a + out_a  # 49 tokens, K/V of 48: 6 full blocks cached
     assert [cached_block(llm, ta, i) is not None for i in range(6)] == [True] * 6
-    assert llm.engine.blocks.allocator.num_free == 6
+    partial = llm.engine.blocks.cache.lookup(hash_partial(chain_hashes(a, BS, 5)[4], a[40:]))
+    assert partial is not None  # a's prompt's last block, as the prompt left it
+    assert llm.engine.blocks.allocator.num_free == 12 - 7
     out_b = llm.generate([b], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
-    # b needed 8 blocks with 6 free: the 2 least recently released of a's (its tail) went
-    assert [cached_block(llm, ta, i) is not None for i in range(6)] == [True] * 4 + [False] * 2
+    # b needed 8 blocks with 5 free: the 3 least recently released of a's went: the partial
+    # block (released when a's first decode copied it), then a's tail (b's partial block is
+    # copied at its first decode too: one more block)
+    assert llm.engine.blocks.cache.lookup(
+        hash_partial(chain_hashes(a, BS, 5)[4], a[40:])) is None
+    assert [cached_block(llm, ta, i) is not None for i in range(6)] == [True] * 3 + [False] * 3
     assert_baseline(llm)
     h = llm.get_metrics()["prefix_cache_hit_tokens"]
     again = llm.generate([a], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
-    assert llm.get_metrics()["prefix_cache_hit_tokens"] - h == 4 * BS  # the surviving head
+    assert llm.get_metrics()["prefix_cache_hit_tokens"] - h == 3 * BS  # the surviving head
     assert [out_a, out_b, again] == ids(off.generate([a, b, a], greedy(8), use_tqdm=False))
     assert_baseline(llm)
 
@@ -313,7 +350,7 @@ def test_reset_prefix_cache(tiny_dir):
     p = rand_prompts(1, lo=30, hi=31, seed=13)[0]
     llm.generate([p], greedy(), use_tqdm=False)
     blocks = llm.engine.blocks
-    assert blocks.num_cached_blocks == (30 + 12 - 1) // BS
+    assert blocks.num_cached_blocks == (30 + 12 - 1) // BS + 1  # + the prompt's partial block
     it = llm.generate_iter([p, p[:20]], [greedy(), greedy(40)], use_tqdm=False)
     next(it)  # the first request is done, the second one is still in flight
     assert llm.reset_prefix_cache() is False
@@ -357,13 +394,14 @@ def test_eagle_and_harvested_features_after_hits_equal_recomputed(tiny_dir):
         buf = HiddenBuffer()
         harvest(llm, buf)
         outs = [ids(llm.generate(reqs, greedy(), use_tqdm=False))]
-        # copies admitted with the first one share its blocks (features written that step)
-        assert llm.get_metrics()["prefix_cache_hit_tokens"] == caching * 2 * 2 * 3 * BS
+        # copies admitted with the first one share its prefill (and its features)
+        total = sum(map(len, prompts))
+        assert llm.get_metrics()["prefix_cache_hit_tokens"] == caching * 2 * total
         outs.append(ids(llm.generate(reqs, greedy(), use_tqdm=False)))
         assert outs[0] == outs[1]
         m = llm.get_metrics()
         assert m["spec_steps"] > 0
-        assert m["prefix_cache_hit_tokens"] == caching * (2 * 2 + 6) * 3 * BS
+        assert m["prefix_cache_hit_tokens"] == caching * (2 + 3) * total  # then all hit whole
         rollouts[caching] = (outs[0], sorted(buf.snapshot(), key=lambda r: r.token_ids))
         if caching:
             assert_baseline(llm)

@@ -3,13 +3,15 @@ one ``generate``), its actor ``RolloutWorker``, the OpenRLHF-compatible ``OpenRL
 and the ``PoolController`` hooks with ``MigrationController`` (samples moved between actors in
 the long tail). Modules: ``requests`` (arguments, central seeds), ``balance`` (placement by
 predicted work), ``worker``, ``pool``, ``rollout`` (one generate's bookkeeping), ``controller``,
-``migration``, ``collective`` (gloo weight group), ``openrlhf``."""
+``migration``, ``collective`` (gloo weight group), ``openrlhf``, ``training`` (spare-instance
+drafter training, ``SpareTraining``)."""
 
 from specengine.distributed.controller import PoolController
 from specengine.distributed.migration import MigrationController
 from specengine.distributed.openrlhf import OpenRLHFRolloutActor, remote_actor
 from specengine.distributed.pool import RolloutPool
+from specengine.distributed.training import SpareTraining
 from specengine.distributed.worker import RolloutWorker
 
 __all__ = ["MigrationController", "OpenRLHFRolloutActor", "PoolController", "RolloutPool",
-           "RolloutWorker", "remote_actor"]
+           "RolloutWorker", "SpareTraining", "remote_actor"]

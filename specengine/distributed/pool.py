@@ -34,6 +34,14 @@ Runs on whatever Ray the process is connected to: ``ray.init(num_cpus=2)`` on on
 ``ray.init(address="auto")`` / ``ray.init(address="ray://head:10001")`` on a cluster, unchanged
 (specengine must be installed on every node; a checkpoint path given to ``load_weights`` is read
 on each actor's node).
+
+Spare-instance drafter training (TLT, ``distributed.training``): with ``harvest=True`` every
+actor with an EAGLE drafter records its finished sequences' target features; the pool collects
+them into a bounded store of object-store references. With ``spare_training=SpareTraining(...)``
+an actor whose share of a ``generate`` is done while others still decode trains the EAGLE drafter
+on them within a time budget (stopping when new work reaches it) and the pool publishes each
+round's weights as the next drafter version to every actor (one stored object). Outputs do not
+change (verification is lossless).
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ from specengine.distributed.balance import WorkModel, group_requests
 from specengine.distributed.controller import PoolController
 from specengine.distributed.requests import PoolRequest, SeedSource, prepare
 from specengine.distributed.rollout import Rollout
+from specengine.distributed.training import SpareScheduler, SpareTraining, merge_tau
 from specengine.distributed.worker import RolloutWorker
 from specengine.outputs import RequestOutput
 
@@ -68,11 +77,18 @@ class RolloutPool:
         controller: a ``PoolController`` (default: the no-op one); see ``controller.py``.
         actor_options: extra ``.options(...)`` for the actors (e.g. ``scheduling_strategy``,
             ``runtime_env``).
+        harvest: actors with an EAGLE drafter record finished sequences' target features; the
+            pool collects them (``harvested``) after each ``generate`` and before each training
+            round.
+        spare_training: a ``SpareTraining`` config: train the EAGLE drafter on spare actors
+            (implies ``harvest``). Actors are always threaded (``max_concurrency`` 8 unless
+            ``actor_options`` says otherwise).
         **llm_kwargs: the other ``LLM`` arguments (dtype, max_model_len, vLLM engine args ...),
             the same on every actor.
 
     Raises:
-        ValueError: ``num_actors`` < 1, a speculative config list of the wrong length;
+        ValueError: ``num_actors`` < 1, a speculative config list of the wrong length,
+            ``spare_training`` not a ``SpareTraining`` or without any EAGLE actor;
             an actor's ``LLM`` construction error (re-raised from Ray).
     """
 
@@ -80,6 +96,7 @@ class RolloutPool:
                  speculative_config: dict | list[dict | None] | None = None, seed: int = 0,
                  num_cpus_per_actor: float = 1, num_gpus_per_actor: float = 0,
                  controller: PoolController | None = None, actor_options: dict | None = None,
+                 harvest: bool = False, spare_training: SpareTraining | None = None,
                  **llm_kwargs):
         if not isinstance(num_actors, int) or num_actors < 1:
             raise ValueError(f"num_actors={num_actors!r}: must be an int >= 1")
@@ -87,18 +104,34 @@ class RolloutPool:
             else [speculative_config] * num_actors
         if len(specs) != num_actors:
             raise ValueError(f"speculative_config: {len(specs)} configs for {num_actors} actors")
+        if spare_training is not None and not isinstance(spare_training, SpareTraining):
+            raise ValueError(f"spare_training is a {type(spare_training).__name__}; expected "
+                             "a SpareTraining or None")
         self.seeds = SeedSource(seed)
         self.work = WorkModel()
         self.controller = controller or PoolController()
-        cls = ray.remote(RolloutWorker).options(  # threaded: migration calls between steps
-            num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_actor,
-            **{"max_concurrency": 8, **(actor_options or {})})
+        # threaded: migration calls, spare-training rounds and their stops run between steps
+        options = {"max_concurrency": 8, **(actor_options or {})}
+        cls = ray.remote(RolloutWorker).options(
+            num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_actor, **options)
         threads = max(1, int(num_cpus_per_actor))
         self.actors = {i: cls.remote(dict(llm_kwargs, model=model, seed=seed,
                                           speculative_config=spec), threads)
                        for i, spec in enumerate(specs)}
         self.alive = list(self.actors)
         ray.get([a.info.remote() for a in self.actors.values()])  # raise construction errors
+        self.spare: SpareScheduler | None = None  # harvest store and spare-instance training
+        if harvest or spare_training is not None:
+            cfg = spare_training or SpareTraining()
+            eagle = ray.get([a.enable_harvest.remote(cfg.max_rollouts, cfg.max_bytes)
+                             for a in self.actors.values()])
+            if spare_training is not None and not any(eagle):
+                for a in self.actors.values():
+                    ray.kill(a)
+                raise ValueError("spare_training: no actor has an EAGLE drafter to train "
+                                 "(speculative_config method 'eagle')")
+            self.spare = SpareScheduler(self, spare_training, cfg.max_rollouts, cfg.max_bytes,
+                                        {a for a, ok in zip(self.actors, eagle) if ok})
         self.num_objects_put = 0  # ray.put calls (one per weight update / chunk)
         self.num_requests_rerun = 0  # requests re-run after their actor died
         self.dead: dict[int, str] = {}  # actor id -> why
@@ -136,12 +169,15 @@ class RolloutPool:
     def _run(self, reqs: list[PoolRequest], results: list) -> None:
         """Dispatch ``reqs`` and collect their outputs into ``results`` (by index): parts of
         requests split by migration are joined, the unfinished requests of actors that die are
-        placed again; the controller's ``on_tick`` runs every ``controller.interval`` seconds."""
+        placed again; the controller's ``on_tick`` runs every ``controller.interval`` seconds;
+        with spare training, actors whose calls ended train between (``SpareScheduler``)."""
         run = Rollout(self, reqs, results, next(self._runs))
-        ctl = self.controller
+        ctl, spare = self.controller, self.spare
         self._require_alive()
         try:
             run.launch(ctl.place(self, group_requests(reqs), list(self.alive), self.work))
+            if spare is not None:
+                spare.begin(run.events, run.busy())
             last = time.perf_counter()
             while not run.complete():
                 if not run.calls:
@@ -150,17 +186,27 @@ class RolloutPool:
                 wait = None if ctl.interval is None else max(
                     0.0, ctl.interval - (time.perf_counter() - last))
                 try:
-                    run.handle(*run.events.get(timeout=wait))
+                    kind, cid, payload = run.events.get(timeout=wait)
                 except queue.Empty:
-                    pass
+                    kind = None
+                if kind == "trained":  # a spare-instance training round ended (payload: its id)
+                    spare.on_trained(payload, run.busy(), run.events)
+                elif kind is not None:
+                    actor_id = run.handle(kind, cid, payload)
+                    if kind == "done" and spare is not None and actor_id in self.alive:
+                        spare.on_idle(actor_id, run.busy(), run.events)
                 if ctl.interval is not None and (ctl.due or time.perf_counter() - last
                                                  >= ctl.interval) and not run.complete():
                     ctl.due = False
                     ctl.on_tick(self, run)
                     last = time.perf_counter()
-        finally:  # after an error, or samples still running twice after a re-run
-            if not run.complete() or run.reran:
-                run.abort()
+        finally:
+            try:  # after an error, or samples still running twice after a re-run
+                if not run.complete() or run.reran:
+                    run.abort()
+            finally:
+                if spare is not None:
+                    spare.finish()
 
     def _consume(self, cid: int, actor_id: int, items: list, events: queue.Queue) -> None:
         """Thread body: stream one actor call's outputs into ``events``."""
@@ -259,12 +305,29 @@ class RolloutPool:
 
     def get_metrics(self) -> dict:
         """``actors``: actor id -> its ``LLM.get_metrics()`` (live actors); ``num_actors``,
-        ``num_actors_dead``, ``num_requests_rerun``, ``num_objects_put``; and the controller's
-        ``metrics()`` (a ``MigrationController``'s ``migration_*`` keys)."""
-        return {"actors": self._broadcast_by_actor("get_metrics"),
-                "num_actors": len(self.alive), "num_actors_dead": len(self.dead),
-                "num_requests_rerun": self.num_requests_rerun,
-                "num_objects_put": self.num_objects_put, **self.controller.metrics()}
+        ``num_actors_dead``, ``num_requests_rerun``, ``num_objects_put``; the controller's
+        ``metrics()`` (a ``MigrationController``'s ``migration_*`` keys). With ``harvest`` /
+        ``spare_training``: ``spare_training`` (``SpareScheduler.stats``: train seconds, steps,
+        rounds, versions published, newest drafter version, harvested rollouts),
+        ``drafter_versions`` (actor id -> drafter version in use; EAGLE actors) and
+        ``tau_per_drafter_version`` (drafter version -> tokens committed per verify step, over
+        the pool)."""
+        d = {"actors": self._broadcast_by_actor("get_metrics"),
+             "num_actors": len(self.alive), "num_actors_dead": len(self.dead),
+             "num_requests_rerun": self.num_requests_rerun,
+             "num_objects_put": self.num_objects_put, **self.controller.metrics()}
+        if self.spare is not None:
+            d["spare_training"] = self.spare.stats()
+            d["drafter_versions"] = {a: m["drafter_version"] for a, m in d["actors"].items()
+                                     if "drafter_version" in m}
+            counts = [c for c in self._broadcast("drafter_counts") if c is not None]
+            d["tau_per_drafter_version"] = merge_tau(counts)
+        return d
+
+    def harvested(self) -> list:
+        """ObjectRefs of the harvested rollout chunks the pool holds (``list[Rollout]`` each,
+        oldest first; ``harvest=True``), e.g. for training elsewhere. Empty without harvest."""
+        return self.spare.store.refs() if self.spare is not None else []
 
     def shutdown(self) -> None:
         """Kill every actor (the pool is unusable afterwards)."""

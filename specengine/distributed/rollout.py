@@ -115,13 +115,17 @@ class Rollout:
     def missing(self) -> list[int]:
         return [i for i, r in enumerate(self.results) if r is None]
 
+    def busy(self) -> set[int]:
+        """Actors with a call in flight."""
+        return set(self.calls.values())
+
     def num_left(self, actor_id: int) -> int:
         """Requests with a sample unfinished on ``actor_id``."""
         return len({i for (i, _), a in self.loc.items() if a == actor_id})
 
     # ---- events -----------------------------------------------------------------------------
-    def handle(self, kind: str, cid: int, payload) -> None:
-        """Apply one event of call ``cid``.
+    def handle(self, kind: str, cid: int, payload) -> int:
+        """Apply one event of call ``cid``; returns the call's actor.
 
         Raises:
             the call's error (``ValueError`` for a bad request, ...); RuntimeError: every actor
@@ -130,12 +134,13 @@ class Rollout:
         actor_id = self.calls[cid]
         if kind == "out":
             self._output(actor_id, payload)
-            return
+            return actor_id
         del self.calls[cid]
         if kind == "error":
             raise payload
         if kind == "dead":
             self.dead(actor_id, payload)
+        return actor_id
 
     def _output(self, actor_id: int, out: RequestOutput) -> None:
         i = self.index_of.get(out.request_id)

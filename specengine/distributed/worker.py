@@ -14,6 +14,10 @@ and the stepping loop waits for them before its next step). Several streams may 
 engine for all; each finished ``RequestOutput`` goes to the stream owning its request id. A
 stream owns the requests it added and adopts requests nobody owns (samples imported here);
 it ends when none of its requests is left on this engine (finished, or every sample moved away).
+
+Spare-instance drafter training: the methods of ``training.SpareTrainingActor`` (harvest,
+train a round, publish); ``rollout`` announces itself there (``rollout_begins`` / ``_ends``), and
+``import_sequences`` calls ``notify_work`` (samples arriving stop a round).
 """
 
 from __future__ import annotations
@@ -29,11 +33,12 @@ import ray
 import torch
 
 from specengine.api import LLM
+from specengine.distributed.training import SpareTrainingActor
 from specengine.migration import KVChunk, MigratedSequence
 from specengine.sampling import SamplingParams
 
 
-class RolloutWorker:
+class RolloutWorker(SpareTrainingActor):
     """One engine of a rollout pool.
 
     Args:
@@ -58,6 +63,7 @@ class RolloutWorker:
         self._outbox: dict[str, list] = {}  # finished outputs not yet taken by their stream
         self._staged_in: dict[tuple[str, int], KVChunk] = {}  # stage-one chunks received
         self.objects_received: list[str] = []  # hex ids of the ObjectRefs fetched here
+        self.init_spare_training()
 
     def info(self) -> dict:
         """Where the actor runs: ``pid``, ``node_id`` (Ray node), ``num_threads`` (torch)."""
@@ -77,6 +83,15 @@ class RolloutWorker:
             ValueError: a bad prompt or params, a request id in use; nothing is added then.
             RuntimeError: an engine step failed (every request of this engine is dropped).
         """
+        self.rollout_begins()  # a spare-instance training round here stops first
+        try:
+            for out in self._stream(items):  # noqa: UP028 - Ray's streaming send()s into it
+                yield out
+        finally:
+            self.rollout_ends()
+
+    def _stream(self, items: list[tuple[str, object, SamplingParams]]):
+        """``rollout``'s body: add ``items``, step, yield this stream's outputs."""
         eng = self.llm.engine
         with self.lock:
             sid = next(self._stream_ids)
@@ -237,6 +252,7 @@ class RolloutWorker:
         Raises:
             ValueError: a payload this engine refuses (another weight version, ...).
         """
+        self.notify_work()  # a spare-instance training round here stops
         with self._turn:
             staged, self._staged_in = self._staged_in, {}
         if prefixes is None:

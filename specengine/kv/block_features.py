@@ -66,7 +66,8 @@ class BlockFeatures:
             raise RuntimeError("BlockFeatures.read: a slot holds no valid feature")
         return self.data[idx.to(self.data.device)]
 
-    def covers(self, block: int) -> bool:
-        """Whether every slot of ``block`` holds a valid feature."""
+    def covers(self, block: int, num_slots: int | None = None) -> bool:
+        """Whether the first ``num_slots`` slots of ``block`` (default: all) hold valid
+        features."""
         bs = self.block_size
-        return bool(self.valid[block * bs:(block + 1) * bs].all())
+        return bool(self.valid[block * bs:block * bs + (num_slots or bs)].all())

@@ -9,10 +9,15 @@ With prefix caching (``enable_prefix_caching``), every block full of committed t
 registered in a ``PrefixCache`` under the chain hash of its tokens and all tokens before it; the
 cache holds one reference of its own, so the block outlives its sequences with its K/V intact.
 A new prompt's leading full blocks that are registered are attached instead of recomputed
-(``match`` / ``allocate_shared``); registered blocks nobody uses are evicted least-recently-
-released first, only when a fresh block is needed. Only the scheduler registers blocks
-(``allocate_shared`` for a prompt's full blocks, ``commit`` for blocks filled since); draft-tree
-slots past ``num_cached`` are never registered.
+(``match`` / ``allocate_shared``); so is its last, partial block when a prompt with exactly the
+same tokens was cached (``hash_partial``). A prompt found whole still runs its last token through
+the model (its logits are needed), written into the prompt's own copy of that block
+(copy-on-write). A cached partial block's owner copies it before its first decode write (the
+cache's reference makes it shared), so a cached block only ever holds its prompt's K/V.
+Registered blocks nobody uses are evicted least-recently-released first, only when a fresh
+block is needed. Only the scheduler registers blocks (``allocate_shared`` for a prompt's full
+blocks and partial last block, ``commit`` for full blocks filled since); draft-tree slots past
+``num_cached`` are never registered.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 
 from specengine.kv.allocator import make_allocator
 from specengine.kv.block_features import BlockFeatures
-from specengine.kv.prefix_cache import PrefixCache, chain_hashes
+from specengine.kv.prefix_cache import PrefixCache, chain_hashes, hash_partial
 from specengine.sequence import Sequence
 
 
@@ -126,62 +131,107 @@ class BlockManager:
         return chain_hashes(seq.token_ids, self.block_size, n, seq.block_hashes)
 
     def match(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding ``seq``'s leading full blocks, in order (nothing is changed).
+        """Cached blocks holding ``seq``'s leading blocks, in order (nothing is changed): full
+        blocks by chain hash, then, when all of them hit, the partial last block by
+        ``hash_partial`` (cached by a sequence with exactly these tokens).
 
-        Only blocks wholly inside the first ``len(seq) - 1`` tokens count: the last token always
-        runs through the model (the step needs its logits) and is never written into a shared
-        block. With ``features`` tracked, a block counts only if its features are valid too.
+        A hit may cover the whole sequence. The block the last token lives in is copied at
+        admission (that token runs through the model again), so it counts only if its K/V are
+        written already (not pending: this step's forward writes those, which later blocks of
+        the same step may share but not copy). With ``features`` tracked, a block counts only
+        if the features of its hit slots are valid too.
         """
         if self.cache is None or len(seq) < 2:
             return []
-        hit, n = [], (len(seq) - 1) // self.block_size
-        for h in self._hashes(seq, n)[:n]:  # (more may be known)
-            b = self.cache.lookup(h)
-            if b is None or (self.features is not None and b not in self._pending
-                             and not self.features.covers(b)):
-                break  # (a pending block's features are written this step, before they are read)
+        size, bs = len(seq), self.block_size
+        last, n = (size - 1) // bs, size // bs
+        hashes = self._hashes(seq, n)
+        hit = []
+        for i in range(n):
+            b = self.cache.lookup(hashes[i])
+            if b is None or not self._usable(b, i == last, bs):
+                break
             hit.append(b)
+        if len(hit) == n and size % bs:
+            b = self.cache.lookup(hash_partial(hashes[n - 1] if n else b"",
+                                               seq.token_ids[n * bs:]))
+            if b is not None and self._usable(b, True, size % bs):
+                hit.append(b)
         return hit
+
+    def _usable(self, block: int, copied: bool, num_slots: int) -> bool:
+        if block in self._pending:  # K/V (and features) written by this step's forward
+            return not copied
+        return self.features is None or self.features.covers(block, num_slots)
+
+    def cached_tokens(self, seq: Sequence, hit: list[int]) -> int:
+        """Leading tokens of ``seq`` whose K/V ``hit`` (from ``match``) provides and the prefill
+        skips: all hit tokens but the last token of the sequence."""
+        return min(len(hit) * self.block_size, len(seq) - 1)
 
     def admission_cost(self, seq: Sequence, hit: list[int]) -> int:
         """Blocks of ``num_free`` that ``allocate_shared([seq, ...], hit)`` uses up: fresh
-        blocks for the tokens after ``hit``, and the evictable blocks of ``hit`` revived."""
+        blocks for the tokens after ``hit``, the evictable blocks of ``hit`` revived, and the
+        copy of the last token's block when ``hit`` holds it."""
         revived = sum(1 for b in hit if self.cache.is_evictable(b)) if hit else 0
-        return cdiv(len(seq), self.block_size) - len(hit) + revived
+        copy = 1 if len(hit) > (len(seq) - 1) // self.block_size else 0
+        return cdiv(len(seq), self.block_size) - len(hit) + revived + copy
 
     def allocate_shared(self, seqs: list[Sequence], hit: list[int] | None = None) -> None:
-        """Give all ``seqs`` (samples of one prompt, same tokens) one set of blocks for their
-        tokens: the cached blocks ``hit`` (from ``match``) first, then fresh ones. Sets each
-        sequence's ``num_cached`` to the tokens in ``hit``; registers the prompt's other full
-        blocks (their K/V are written by this step's forward, which later admissions of the same
-        step may already share). Counts the lookup in the cache's counters.
+        """Give all ``seqs`` (sequences with the same tokens: the samples of one prompt, and
+        separate requests with that prompt) one set of blocks for their tokens: the cached
+        blocks ``hit`` (from ``match``) first, then fresh ones; the block of the last token is
+        a private copy when it was a hit. Sets each sequence's ``num_cached`` (see
+        ``cached_tokens``); registers the other full blocks and the partial last block (their
+        K/V are written by this step's forward, which later admissions of the same step may
+        already share). Counts the lookup: each request among ``seqs`` queried its tokens; the
+        first one hit ``hit``'s tokens (the whole sequence when ``hit`` covers it, although the
+        last token is run again for its logits: ``prefix_cache_rerun_tokens``), the others
+        every token (their prefill is the first one's).
 
         Raises:
             RuntimeError: the pool is short (check ``admission_cost`` against ``num_free``).
         """
         hit = list(hit or [])
         leader, bs = seqs[0], self.block_size
-        if self.admission_cost(leader, hit) > self.num_free:
-            raise RuntimeError(f"out of KV blocks: {self.admission_cost(leader, hit)} needed, "
-                               f"{self.num_free} free")
+        size = len(leader)
+        cost = self.admission_cost(leader, hit)
+        if cost > self.num_free:
+            raise RuntimeError(f"out of KV blocks: {cost} needed, {self.num_free} free")
         for b in hit:
             self._attach(b)
-        blocks = hit + self._alloc_n(cdiv(len(leader), bs) - len(hit))
+        blocks = hit + self._alloc_n(cdiv(size, bs) - len(hit))
+        last = (size - 1) // bs
+        if len(hit) > last:  # the last token is written again: into a copy of its block
+            old, new = blocks[last], self._alloc_n(1)[0]
+            self.copy_block(old, new)
+            if self.features is not None:
+                self.features.copy_block(old, new)
+            self._release(old)
+            blocks[last] = new
         for _ in seqs[1:]:
             for b in blocks:
                 self.allocator.incref(b)
+        cached = self.cached_tokens(leader, hit)
         for s in seqs:
             s.block_table = list(blocks)
-            s.num_cached = len(hit) * bs
+            s.num_cached = cached
         if self.cache is None:
             return
-        self.cache.queried_tokens += len(leader)
-        self.cache.hit_tokens += len(hit) * bs
-        full = len(leader) // bs
+        requests = len({s.request_id for s in seqs})
+        found = min(len(hit) * bs, size)
+        self.cache.queried_tokens += requests * size
+        self.cache.hit_tokens += found + (requests - 1) * size
+        self.cache.rerun_tokens += found - cached
+        full = size // bs
         hashes = self._hashes(leader, full)
         pending = [blocks[i] for i in range(len(hit), full) if self._register(hashes[i], blocks[i])]
+        if size % bs and self._register(
+                hash_partial(hashes[full - 1] if full else b"", leader.token_ids[full * bs:]),
+                blocks[full]):
+            pending.append(blocks[full])
         if pending:
-            self._unconfirmed[leader.seq_id] = (pending, full * bs)
+            self._unconfirmed[leader.seq_id] = (pending, size)
             self._pending.update(pending)
         for s in seqs:
             s.block_hashes = hashes if s is leader else list(hashes)
@@ -218,13 +268,17 @@ class BlockManager:
         return len(blocks)
 
     def prefix_cache_stats(self) -> dict:
-        """``prefix_cache_hit_rate`` (hit / queried tokens), ``prefix_cache_hit_tokens``,
-        ``prefix_cache_queried_tokens`` (prompt tokens looked up at admission, recomputed
-        preempted sequences included), ``prefix_cache_blocks`` (registered now)."""
+        """``prefix_cache_hit_rate`` (hit / queried tokens), ``prefix_cache_hit_tokens`` (prompt
+        tokens whose K/V were found: in the cache, or in the prefill of an identical prompt
+        admitted with them), ``prefix_cache_queried_tokens`` (prompt tokens looked up at
+        admission, recomputed preempted sequences included), ``prefix_cache_rerun_tokens`` (hit
+        tokens run through the model again: the last token of a prompt found whole, for its
+        logits), ``prefix_cache_blocks`` (registered now)."""
         c = self.cache
         return {"prefix_cache_hit_rate": c.hit_rate() if c is not None else 0.0,
                 "prefix_cache_hit_tokens": c.hit_tokens if c is not None else 0,
                 "prefix_cache_queried_tokens": c.queried_tokens if c is not None else 0,
+                "prefix_cache_rerun_tokens": c.rerun_tokens if c is not None else 0,
                 "prefix_cache_blocks": self.num_cached_blocks}
 
     # ---- features for drafters that read target hidden states (EAGLE) --------------------------

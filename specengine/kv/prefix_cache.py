@@ -1,6 +1,8 @@
 """Automatic prefix caching: full KV blocks found again by a hash of their tokens and all tokens
 before them (vLLM's and nano-vllm's scheme), kept after their last user is gone and evicted
-least-recently-used only when a fresh block is needed.
+least-recently-used only when a fresh block is needed. A prompt's last, partial block is cached
+too, under a hash of its exact tokens (``hash_partial``): only a prompt equal to that one finds
+it (the repeated prompts that RL frameworks send as separate requests).
 
 This module holds the pure bookkeeping; ``BlockManager`` (``kv/block_manager.py``) decides when
 blocks are registered, attached, released and evicted, and keeps the allocator's reference
@@ -35,6 +37,15 @@ def hash_block(parent: bytes, tokens: Seq[int]) -> bytes:
     return h.digest()
 
 
+def hash_partial(parent: bytes, tokens: Seq[int]) -> bytes:
+    """Hash of a sequence's last, partial block: its ``1 .. block_size-1`` tokens after the
+    full blocks whose chain hash is ``parent`` (``b""`` if none). A separate BLAKE2b domain
+    (``person``), so it never equals a full block's ``hash_block``."""
+    h = hashlib.blake2b(parent, digest_size=DIGEST_BYTES, person=b"partial-block")
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
+
+
 def chain_hashes(token_ids: Seq[int], block_size: int, num_blocks: int,
                  known: list[bytes] | None = None) -> list[bytes]:
     """Hashes of the first ``num_blocks`` full blocks of ``token_ids``.
@@ -57,14 +68,16 @@ def chain_hashes(token_ids: Seq[int], block_size: int, num_blocks: int,
 
 
 class PrefixCache:
-    """Hash -> block map of cached full blocks, and the LRU order of those nobody uses.
+    """Hash -> block map of cached blocks (full ones, and prompts' partial last blocks), and the
+    LRU order of those nobody uses.
 
     A block is *registered* (its hash known, content valid) or not. A registered block is
     *evictable* when only the cache holds it; ``evictable`` keeps those in least-recently-
     released order (``pop_lru`` takes the oldest).
 
-    Counters: ``queried_tokens`` (prompt tokens looked up at admission) and ``hit_tokens`` (of
-    those, tokens found in cached blocks); ``BlockManager`` adds to them.
+    Counters: ``queried_tokens`` (prompt tokens looked up at admission), ``hit_tokens`` (of
+    those, tokens whose K/V were found) and ``rerun_tokens`` (hit tokens run again for their
+    logits); ``BlockManager`` adds to them.
     """
 
     def __init__(self) -> None:
@@ -73,6 +86,7 @@ class PrefixCache:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.queried_tokens = 0
         self.hit_tokens = 0
+        self.rerun_tokens = 0
 
     def __len__(self) -> int:
         """Registered blocks (in use or evictable)."""

@@ -47,12 +47,15 @@ class LoadedModel:
         config: its hyper-parameters.
         tokenizer: a ``transformers`` tokenizer, or None if the directory has none.
         model_dir: the HF directory the weights came from.
+        dummy: the weights are random placeholders (``load_model(dummy=True)``), not the
+            checkpoint's.
     """
 
     model: LlamaForCausalLM
     config: ModelConfig
     tokenizer: Any | None
     model_dir: Path
+    dummy: bool = False
 
 
 def _gguf_cache_dir(path: Path) -> Path:
@@ -165,7 +168,7 @@ def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.bfloa
     model.load_weights(random_hf_state_dict(config).items() if dummy else
                        iter_safetensors(safetensors_files(model_dir)))
     model = model.to(device).eval()
-    return LoadedModel(model, config, load_tokenizer(model_dir), model_dir)
+    return LoadedModel(model, config, load_tokenizer(model_dir), model_dir, dummy)
 
 
 def random_hf_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -6,7 +6,8 @@ from dataclasses import dataclass, fields
 
 from specengine.speculative.strategy import Strategy
 
-METHODS = ("ngram", "draft_model", "eagle")
+METHODS = ("ngram", "draft_model", "eagle", "suffix")
+DEFAULT_SUFFIX_MEMORY_BYTES = 256 << 20  # 256 MiB of rollout memory
 POLICIES = ("auto", "static", "bandit")
 
 
@@ -16,7 +17,13 @@ class SpeculativeConfig:
 
     Attributes:
         method: ``"ngram"`` (prompt lookup), ``"draft_model"`` (an independent small model with
-            the target's tokenizer) or ``"eagle"`` (EAGLE-style feature drafter).
+            the target's tokenizer), ``"eagle"`` (EAGLE-style feature drafter) or ``"suffix"``
+            (SuffixDecoding over the rollout memory of the prompt group:
+            ``drafters/suffix.py``); or a list of distinct methods, e.g. ``["suffix", "eagle"]``:
+            each drafts for every sequence and their trees are merged into one token tree under
+            one verify budget (``drafters.merged.MergedDrafter``). A one-element list is that
+            method alone. ``"draft_model"`` and ``"eagle"`` cannot be combined: both read
+            ``model``.
         model: the draft model (alias, directory or .gguf) for ``draft_model``; the drafter
             checkpoint directory for ``eagle`` (None: the drafter shipped for the target;
             ``"random"``: random weights, for tests).
@@ -32,12 +39,30 @@ class SpeculativeConfig:
             1..``num_speculative_tokens`` and ``candidate_trees`` (``spec/policy.py``).
         candidate_trees: trees for ``auto``/``bandit`` as ``[depth, topk, budget]`` lists
             (None: defaults, see ``spec.policy.candidate_strategies``).
+        suffix_decoding_max_tree_depth: ``suffix``: most draft tokens on a path, whatever the
+            strategy's depth (>= 1; vLLM's key, default 24).
+        suffix_decoding_min_token_prob: ``suffix``: least path probability (continuation
+            count over all matched continuations) of a drafted node, in [0, 1] (vLLM's key,
+            default 0.1).
+        suffix_memory_bytes: ``suffix``: cap of the rollout memory in bytes (>= 1; default
+            256 MiB); least-recently-used prompt groups are evicted beyond it.
+        suffix_history_decay: ``suffix``: weight of a finished response per weight version of
+            age, in (0, 1] (default 0.5: one update halves its counts).
+        suffix_history_max_age: ``suffix``: finished responses more than this many weight
+            versions old are dropped (>= 0; default 4).
+        suffix_max_matches: ``suffix``: most earlier occurrences whose continuations one
+            lookup merges (>= 1; default 32).
+        suffix_backoff: ``suffix``: weight factor per level of the occurrences of shorter
+            n-grams merged after the longest match's, in [0, 1] (default 0.5; 0: the longest
+            match only).
 
     Raises:
-        ValueError: unknown method or key, out-of-range sizes (message names the key).
+        ValueError: unknown method or key, out-of-range sizes (message names the key); a
+            method list that is empty, repeats a method or combines ``draft_model`` with
+            ``eagle``.
     """
 
-    method: str
+    method: str | list[str]
     model: str | None = None
     num_speculative_tokens: int = 4
     topk: int = 1
@@ -47,10 +72,16 @@ class SpeculativeConfig:
     draft_dtype: str | None = None
     policy: str = "auto"
     candidate_trees: list | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_min_token_prob: float = 0.1
+    suffix_memory_bytes: int = DEFAULT_SUFFIX_MEMORY_BYTES
+    suffix_history_decay: float = 0.5
+    suffix_history_max_age: int = 4
+    suffix_max_matches: int = 32
+    suffix_backoff: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"speculative_config method={self.method!r}: use one of {METHODS}")
+        self.method = check_method(self.method)
         try:
             self.strategy = Strategy(self.num_speculative_tokens, self.topk,
                                      self.num_verify_tokens)
@@ -72,8 +103,38 @@ class SpeculativeConfig:
                                         for t in self.candidate_trees]
             except (TypeError, ValueError) as e:
                 raise ValueError(f"speculative_config candidate_trees: {e}") from None
-        if self.method == "draft_model" and not self.model:
+        self._check_suffix()
+        if "draft_model" in self.methods and not self.model:
             raise ValueError("speculative_config method='draft_model' needs 'model'")
+
+    def _check_suffix(self) -> None:
+        """Range checks of the ``suffix_*`` keys (ValueError naming the key)."""
+        def number(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        def integer(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        checks = [
+            ("suffix_decoding_max_tree_depth", integer, 1, None, "an int >= 1"),
+            ("suffix_decoding_min_token_prob", number, 0.0, 1.0, "a number in [0, 1]"),
+            ("suffix_memory_bytes", integer, 1, None, "an int >= 1 (bytes)"),
+            ("suffix_history_decay", number, 0.0, 1.0, "a number in (0, 1]"),
+            ("suffix_history_max_age", integer, 0, None, "an int >= 0 (weight versions)"),
+            ("suffix_max_matches", integer, 1, None, "an int >= 1"),
+            ("suffix_backoff", number, 0.0, 1.0, "a number in [0, 1]"),
+        ]
+        for key, kind, lo, hi, what in checks:
+            v = getattr(self, key)
+            bad = not kind(v) or v < lo or (hi is not None and v > hi)
+            if key == "suffix_history_decay" and kind(v) and v == 0:
+                bad = True
+            if bad:
+                raise ValueError(f"speculative_config {key}={v!r}: must be {what}")
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The drafters to build, in order (one for a single method)."""
+        return (self.method,) if isinstance(self.method, str) else tuple(self.method)
 
     @classmethod
     def from_dict(cls, d: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -90,3 +151,35 @@ class SpeculativeConfig:
         if "method" not in d:
             raise ValueError(f"speculative_config needs 'method' (one of {METHODS})")
         return cls(**d)
+
+
+def check_method(method) -> str | list[str]:
+    """``method`` checked: a name of ``METHODS`` or a list (tuple) of two or more distinct ones
+    (returned as a list; a one-element list gives its name).
+
+    Raises:
+        ValueError: an unknown name, a non-string, an empty list, a repeated method, or
+            ``draft_model`` with ``eagle`` (both would read ``model``).
+    """
+    if isinstance(method, str):
+        if method not in METHODS:
+            raise ValueError(f"speculative_config method={method!r}: use one of {METHODS}")
+        return method
+    if not isinstance(method, (list, tuple)):
+        raise ValueError(f"speculative_config method={method!r}: use one of {METHODS} or a list "
+                         "of them")
+    if not method:
+        raise ValueError(f"speculative_config method=[]: list at least one of {METHODS}")
+    bad = [m for m in method if not isinstance(m, str) or m not in METHODS]
+    if bad:
+        raise ValueError(f"speculative_config method={list(method)!r}: unknown method(s) {bad}; "
+                         f"use {METHODS}")
+    repeated = sorted({m for m in method if method.count(m) > 1})
+    if repeated:
+        raise ValueError(f"speculative_config method={list(method)!r}: {repeated} listed more "
+                         "than once")
+    if "draft_model" in method and "eagle" in method:
+        raise ValueError(f"speculative_config method={list(method)!r}: 'draft_model' and "
+                         "'eagle' cannot be combined (both read 'model': the draft model and the "
+                         "EAGLE checkpoint)")
+    return method[0] if len(method) == 1 else list(method)

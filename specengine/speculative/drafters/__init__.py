@@ -8,15 +8,36 @@ from specengine.speculative.drafters.base import Drafter
 
 def make_drafter(cfg: SpeculativeConfig, target, num_blocks: int, block_size: int) -> Drafter:
     """The drafter for ``cfg`` serving ``target`` (a ``LoadedModel``); a draft model gets a KV
-    pool of ``num_blocks`` blocks of ``block_size`` tokens.
+    pool of ``num_blocks`` blocks of ``block_size`` tokens. A list of methods builds each
+    (in order) and merges them (``merged.MergedDrafter``).
 
     Raises:
         ValueError: a draft model whose tokenizer or vocabulary differs from the target's.
     """
-    if cfg.method == "ngram":
+    parts = [make_one(method, cfg, target, num_blocks, block_size) for method in cfg.methods]
+    if len(parts) == 1:
+        return parts[0]
+    from specengine.speculative.drafters.merged import MergedDrafter
+    return MergedDrafter(parts, cfg.strategy)
+
+
+def make_one(method: str, cfg: SpeculativeConfig, target, num_blocks: int,
+             block_size: int) -> Drafter:
+    """The single drafter ``method`` (one of ``config.METHODS``) with ``cfg``'s settings.
+
+    Raises:
+        ValueError: as ``make_drafter``; a method with no drafter here.
+    """
+    if method == "ngram":
         from specengine.speculative.drafters.ngram import NgramDrafter
         return NgramDrafter(cfg.strategy, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-    if cfg.method == "draft_model":
+    if method == "suffix":
+        from specengine.speculative.drafters.suffix import SuffixDrafter
+        return SuffixDrafter(cfg.strategy, cfg.suffix_decoding_max_tree_depth,
+                             cfg.suffix_decoding_min_token_prob, cfg.suffix_memory_bytes,
+                             cfg.suffix_history_decay, cfg.suffix_history_max_age,
+                             cfg.suffix_max_matches, cfg.suffix_backoff)
+    if method == "draft_model":
         from specengine.config import parse_dtype
         from specengine.models.loader import load_model
         from specengine.speculative.drafters.draft_model import (
@@ -33,7 +54,7 @@ def make_drafter(cfg: SpeculativeConfig, target, num_blocks: int, block_size: in
                              f"{target.config.vocab_size}")
         return DraftModelDrafter(cfg.strategy, draft.model, num_blocks, block_size,
                                  target.config.vocab_size)
-    if cfg.method == "eagle":
+    if method == "eagle":
         from specengine.speculative.drafters.eagle import make_eagle
         return make_eagle(cfg, target, num_blocks, block_size)
-    raise ValueError(f"speculative_config method={cfg.method!r} is not available yet")
+    raise ValueError(f"speculative_config method={method!r} is not available yet")

@@ -1,7 +1,8 @@
 """Drafters behind one interface: given the decoding sequences and a strategy, a token tree each.
 
 The engine calls ``propose`` before the target forward, ``observe`` after it (EAGLE reads the
-target's hidden states there) and ``release`` when a sequence finishes.
+target's hidden states there), ``release`` when a sequence finishes and ``set_weight_version``
+when the target's weights change.
 """
 
 from __future__ import annotations
@@ -24,7 +25,11 @@ class Drafter:
 
     def propose(self, seqs: list[Sequence], strategy: Strategy) -> list[DraftTree | None]:
         """One tree per sequence (None: nothing to draft), at most ``strategy.budget`` nodes
-        and ``strategy.depth`` deep; the root is each sequence's last token."""
+        and ``strategy.depth`` deep; the root is each sequence's last token. Each node should
+        be scored (``draft_logprobs``: log-probability of the node given its parent, so that
+        ``exp`` of the cumulative sum is the drafter's confidence in the path) and labelled
+        (``sources``: the drafter's ``name``), for the per-source calibration that cuts trees
+        and merges several drafters' trees (``merged.MergedDrafter``)."""
         raise NotImplementedError
 
     def observe(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
@@ -35,7 +40,17 @@ class Drafter:
         the accepted draft nodes of each verify step."""
 
     def release(self, seq: Sequence) -> None:
-        """``seq`` finished: drop any state kept for it."""
+        """``seq`` finished (``seq.finish_reason`` says why: ``"stop"``, ``"length"``,
+        ``"abort"`` or None when every request was aborted): drop any state kept for it."""
+
+    def set_weight_version(self, version: int) -> None:
+        """The target's weights are now version ``version`` (the engine calls this whenever
+        its ``weight_version`` is set: at start and after each weight update). No-op here; the
+        suffix drafter ages its rollout history by it."""
+
+    def stats(self) -> dict:
+        """Drafter metrics merged into ``LLM.get_metrics()`` (none here)."""
+        return {}
 
     def discard(self, seq: Sequence) -> None:
         """``seq`` left this engine unfinished (it continues on another): drop its state

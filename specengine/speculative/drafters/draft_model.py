@@ -132,4 +132,4 @@ class DraftModelDrafter(Drafter):
                 chain_at[depth] = len(tokens)
             tokens.append(tok)
             logps.append(lp)
-        return DraftTree(tokens, parents, logps)
+        return DraftTree(tokens, parents, logps, ["draft_model"] * len(tokens))

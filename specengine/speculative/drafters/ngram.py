@@ -9,6 +9,8 @@ code, math and RL answers that repeat their prompt.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from specengine.sequence import Sequence
@@ -77,6 +79,10 @@ class NgramIndex:
 
         Cost: O(max_n * len) vectorised numpy comparisons.
         """
+        return [e for e, _ in self.matches(token_ids)]
+
+    def matches(self, token_ids: list[int] | np.ndarray) -> list[tuple[int, int]]:
+        """``(end position, match length n)`` of each match, in ``match_ends`` order."""
         ids = np.asarray(token_ids)
         length = len(ids)
         if length < 2:
@@ -91,9 +97,10 @@ class NgramIndex:
             if not alive.any():
                 break
             match_len += alive
-        ends: list[int] = []
+        ends: list[tuple[int, int]] = []
         for n in range(top, self.min_n - 1, -1):
-            ends += np.flatnonzero(match_len == n)[::-1][:self.max_matches - len(ends)].tolist()
+            ends += [(e, n) for e in
+                     np.flatnonzero(match_len == n)[::-1][:self.max_matches - len(ends)].tolist()]
             if len(ends) >= self.max_matches:
                 break
         return ends
@@ -110,8 +117,13 @@ class NgramIndex:
                 (most nodes); ``None`` drafts nothing.
 
         Returns:
-            A deterministic ``DraftTree`` (``draft_logprobs`` all 0.0; children in match
-            order), or ``None`` when no suffix of length >= ``min_n`` occurred before.
+            A deterministic ``DraftTree`` (children in match order; ``sources`` all
+            ``"ngram"``), or ``None`` when no suffix of length >= ``min_n`` occurred before.
+            Its nodes are scored for the policy's calibration: a node's confidence (``exp`` of
+            its cumulative ``draft_logprobs``) is the share of the matches examined whose
+            continuation passes through it, each match weighted by its length n, with one
+            pseudo-match of weight 1 that continues elsewhere (a lone 3-token match gives its
+            path 3/4; ten agreeing 1-token matches give 10/11).
         """
         if strategy is None:
             return None
@@ -125,7 +137,8 @@ class NgramIndex:
         node_of: dict[tuple[int, int], int] = {}  # (parent, token) -> node
         has_child = [False]  # slot 0 = root, slot 1 + i = node i
         leaves = 0
-        for e in self.match_ends(ids):
+        found = self.matches(ids)
+        for e, _ in found:
             par = -1
             for tok in ids[e + 1:e + 1 + depth].tolist():
                 node = node_of.get((par, tok))
@@ -142,7 +155,20 @@ class NgramIndex:
                 par = node
             if len(tokens) == budget:
                 break
-        return DraftTree(tokens, parents) if tokens else None
+        if not tokens:
+            return None
+        weight = [0.0] * len(tokens)  # match weight passing through each node
+        for e, n in found:
+            par = -1
+            for tok in ids[e + 1:e + 1 + depth].tolist():
+                node = node_of.get((par, tok))
+                if node is None:
+                    break
+                weight[node] += n
+                par = node
+        total = sum(n for _, n in found) + 1.0
+        lps = [math.log(w / (weight[p] if p >= 0 else total)) for w, p in zip(weight, parents)]
+        return DraftTree(tokens, parents, lps, ["ngram"] * len(tokens))
 
 
 class NgramDrafter(Drafter):

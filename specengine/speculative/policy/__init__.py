@@ -63,5 +63,8 @@ def make_policy(cfg, seed: int = 0) -> Policy:
     if cfg.policy == "bandit":
         return BanditPolicy(candidate_strategies(cfg), seed=seed)
     if cfg.policy == "auto":
-        return AutoPolicy(candidate_strategies(cfg))
+        policy = AutoPolicy(candidate_strategies(cfg))
+        if isinstance(cfg.method, str):  # a single drafter: its trees' source by default
+            policy.cutter.sources.default = cfg.method
+        return policy
     raise ValueError(f"speculative_config policy={cfg.policy!r}: use one of {POLICIES}")

@@ -261,7 +261,7 @@ class AutoPolicy(Policy):
         if len({weight[i] for i in scored}) <= 1:
             out = self.cutter.cut(seqs, trees, scored, bar)
         else:
-            rates = self.calibrator.rate_per_bin().tolist()
+            rates = self.cutter.sources.rates()
             bars, _ = allocate([self.cutter.probabilities(seqs[i], trees[i], rates)
                                 for i in scored], [trees[i].parents for i in scored],
                                [weight[i] for i in scored], bar)
@@ -355,7 +355,8 @@ class AutoPolicy(Policy):
     def stats(self) -> dict:
         """``Policy.stats`` plus ``policy_latency_knee_tokens``, ``policy_nodes_cut_frac``
         (share of scored trees' nodes ``refine`` cut), ``policy_calibration`` (acceptance
-        probability per confidence bin), ``policy_expected_committed`` per candidate,
+        probability per confidence bin, the default source's), ``policy_calibration_per_source``
+        (``TreeCutter.stats``), ``policy_expected_committed`` per candidate,
         ``policy_budget`` (how the draft nodes were spread over sequences,
         ``BudgetSpread.stats``) and ``policy_remaining`` (the remaining-length memory,
         ``RemainingLength.stats``)."""
@@ -364,6 +365,7 @@ class AutoPolicy(Policy):
         d["policy_latency_knee_tokens"] = self.latency.knee
         d["policy_nodes_cut_frac"] = self.cutter.cut_frac
         d["policy_calibration"] = [round(x, 3) for x in self.calibrator.rate_per_bin().tolist()]
+        d.update(self.cutter.stats())
         d["policy_expected_committed"] = {
             strategy_name(s): round(self.acceptance.expected_committed(s), 3)
             for s in self.candidates}

@@ -103,6 +103,9 @@ class Policy:
         self.trace: list[tuple[float, int, str, int, float]] = []
         self.keep_trace = False
         self._predicted: float | None = None  # tok/s predicted for the step being run
+        # a policy without its own tree cutter still trains a merged drafter's per-source
+        # calibration (``drafters.merged.share_calibration`` sets it): a ``TreeCutter``
+        self.calibration_learner = None
 
     def choose(self, num_running: int) -> Strategy | None:
         """Strategy for the next step (None: no speculation), given the number of running
@@ -133,8 +136,11 @@ class Policy:
         aborted; ``AutoPolicy`` learns output lengths from it. The base does nothing."""
 
     def _tally(self, rec: StepRecord, label: str | None = None) -> None:
-        """Count the step under ``label`` (default: its strategy's name)."""
+        """Count the step under ``label`` (default: its strategy's name); with a
+        ``calibration_learner``, train it on the step's verified trees."""
         self.step_time += rec.step_time
+        if self.calibration_learner is not None and rec.verified:
+            self.calibration_learner.learn([rec])
         if not rec.is_decode_only:
             return
         label = label or strategy_name(rec.strategy)
@@ -155,7 +161,8 @@ class Policy:
         spent choosing and learning, ``AutoPolicy``'s ``choose``, ``select``, ``refine`` and
         ``record``, and their share of step time), ``policy_strategies``: per strategy the
         decode-only ``steps``, ``observed_tok_s`` (committed tokens / seconds of those steps) and
-        ``predicted_tok_s`` (mean prediction when chosen; None if the policy predicts none)."""
+        ``predicted_tok_s`` (mean prediction when chosen; None if the policy predicts none);
+        with a ``calibration_learner``, its ``policy_calibration_per_source``."""
         table = {}
         for name, st in self.per_strategy.items():
             table[name] = {
@@ -163,9 +170,12 @@ class Policy:
                 "observed_tok_s": st["tokens"] / st["seconds"] if st["seconds"] else None,
                 "predicted_tok_s": st["predicted_sum"] / st["predicted_n"]
                 if st["predicted_n"] else None}
-        return {"policy": self.name, "policy_decision_s": self.decision_time,
-                "policy_decision_frac": self.decision_time / self.step_time
-                if self.step_time else 0.0, "policy_strategies": table}
+        d = {"policy": self.name, "policy_decision_s": self.decision_time,
+             "policy_decision_frac": self.decision_time / self.step_time
+             if self.step_time else 0.0, "policy_strategies": table}
+        if self.calibration_learner is not None:
+            d.update(self.calibration_learner.stats())
+        return d
 
 
 class StaticPolicy(Policy):

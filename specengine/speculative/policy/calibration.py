@@ -10,8 +10,12 @@ monotone in c (pool-adjacent-violators, isotonic regression). Per request, a fac
 ``(accepted + k) / (predicted + k)`` over the request's own verified nodes scales the global map
 (a request whose text the drafter knows well, or not at all).
 
-``TreeCutter`` (``parts.py``) uses it, for ``AutoPolicy.refine``, to cut each drafted tree to the
-nodes worth verifying.
+``SourceCalibrators`` keeps one calibrator per draft source (``"ngram"``, ``"eagle"``, ...;
+``speculative.sources``): the same confidence from two drafters can be worth different
+acceptance, so each learns from its own nodes and a node's probability is that of its best
+source. ``TreeCutter`` (``parts.py``) uses it, for ``AutoPolicy.refine``, to cut each drafted tree
+to the nodes worth verifying; a ``MergedDrafter`` uses it to fill one verify budget from
+several drafters' trees.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import math
 
 import numpy as np
 
+from specengine.speculative.sources import DEFAULT_SOURCE, node_votes
 from specengine.speculative.tree import DraftTree
 
 NUM_BINS = 16
@@ -135,3 +140,69 @@ def keep_worth(tree: DraftTree, p_accept: np.ndarray, threshold: float) -> list[
             kept.add(i)
             out.append(i)
     return out
+
+
+class SourceCalibrators:
+    """One ``Calibrator`` per draft source, made on first use.
+
+    A node's acceptance probability is the best over the sources that proposed it
+    (``speculative.sources.node_votes``) of that source's calibrated rate at its own confidence
+    (a node is accepted or not whoever proposed it, so the most optimistic well-calibrated
+    estimate is the one to act on); learning updates every proposing source's calibrator with
+    the node's outcome at that source's confidence.
+
+    Args:
+        default: source of trees that name none (``DraftTree.sources`` None).
+        **calibrator_args: passed to each ``Calibrator``.
+    """
+
+    def __init__(self, default: str = DEFAULT_SOURCE, **calibrator_args):
+        self.default = default
+        self.calibrator_args = calibrator_args
+        self.calibrators: dict[str, Calibrator] = {}
+
+    def get(self, source: str) -> Calibrator:
+        """The calibrator of ``source`` (a new one, at the prior, the first time)."""
+        cal = self.calibrators.get(source)
+        if cal is None:
+            cal = self.calibrators[source] = Calibrator(**self.calibrator_args)
+        return cal
+
+    def rates(self) -> dict[str, list[float]]:
+        """Per source seen so far, ``rate_per_bin`` as a list (one lookup for a whole step)."""
+        return {s: c.rate_per_bin().tolist() for s, c in self.calibrators.items()}
+
+    def vote_probs(self, votes: list[dict[str, float]],
+                   rates: dict[str, list[float]] | None = None) -> list[tuple[float, str]]:
+        """Per node ``(acceptance probability, best source)`` for ``votes`` (``node_votes``);
+        ``rates`` a ``rates()`` snapshot (default: taken now). Ties keep the first source."""
+        rates = self.rates() if rates is None else rates
+        out = []
+        for v in votes:
+            best, name = -1.0, ""
+            for s, logc in v.items():
+                r = rates.get(s)
+                if r is None:
+                    r = rates[s] = self.get(s).rate_per_bin().tolist()
+                p = r[bin_of(math.exp(logc))]
+                if p > best:
+                    best, name = p, s
+            out.append((best, name))
+        return out
+
+    def node_probs(self, tree: DraftTree, rates: dict[str, list[float]] | None = None
+                   ) -> list[float]:
+        """``[m]`` acceptance probability per node of ``tree`` (best source's)."""
+        return [p for p, _ in self.vote_probs(node_votes(tree, self.default), rates)]
+
+    def observe(self, per_source: dict[str, tuple[list[int], list[bool]]]) -> None:
+        """One step's verified nodes per source: ``{source: (bin indices, accepted)}``; each
+        source's calibrator is updated (and decayed) once."""
+        for s, (node_bins, hits) in per_source.items():
+            self.get(s).observe_bins(node_bins, hits)
+
+    def maps(self) -> dict[str, list[float]]:
+        """Per source that has verified nodes, the calibrated acceptance probability per
+        confidence bin, rounded to 3 decimals."""
+        return {s: [round(x, 3) for x in c.rate_per_bin().tolist()]
+                for s, c in self.calibrators.items() if c.tried.any()}

@@ -7,7 +7,8 @@
 - ``CorrectionTable``: per batch-size bucket and candidate, observed over modelled committed
   tokens per second: what the latency and acceptance models miss.
 - ``TreeCutter``: which nodes of a scored draft tree are worth verifying, from each node's
-  calibrated acceptance probability (``calibration.Calibrator``, which it also trains).
+  calibrated acceptance probability (``calibration.SourceCalibrators``, one ``Calibrator`` per
+  draft source, which it also trains).
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import numpy as np
 from specengine.speculative.policy.base import StepRecord, batch_bucket
 from specengine.speculative.policy.calibration import (
     Calibrator,
+    SourceCalibrators,
     bin_of,
-    confidence_list,
     is_scored,
     keep_worth,
 )
+from specengine.speculative.sources import DEFAULT_SOURCE, node_votes
 from specengine.speculative.strategy import Strategy
 
 
@@ -160,41 +162,53 @@ class CorrectionTable:
 
 
 class TreeCutter:
-    """Cuts scored draft trees (EAGLE, draft model) to the nodes worth verifying.
+    """Cuts scored draft trees (EAGLE, draft model, n-gram, merged) to the nodes worth verifying.
 
-    A node stays when its acceptance probability ``p`` (its confidence mapped through
-    ``calibrator``, times the request's own factor, ``Calibrator.request_factor``) reaches the
-    bar ``cut`` is given; ``keep_worth`` keeps every kept node's ancestors. One tree in
-    ``verify_whole_every`` (rotating over the sequences; 0: none) is left whole: the calibrator
-    learns only from verified nodes, and nodes below the bar would otherwise never be verified,
-    so a too pessimistic rate for their confidence bins (the prior, or counts from another
-    workload) would never be corrected. ``learn`` trains the calibrator on the verified trees.
+    A node stays when its acceptance probability ``p`` reaches the bar ``cut`` is given:
+    ``p`` is its confidence mapped through the calibrator of the source that proposed it
+    (``sources``, a ``SourceCalibrators``; for a node several sources proposed, the best of
+    theirs), times the request's own factor (``Calibrator.request_factor``); ``keep_worth``
+    keeps every kept node's ancestors. One tree in ``verify_whole_every`` (rotating over the
+    sequences; 0: none) is left whole: the calibrators learn only from verified nodes, and
+    nodes below the bar would otherwise never be verified, so a too pessimistic rate for their
+    confidence bins (the prior, or counts from another workload) would never be corrected.
+    ``learn`` trains each source's calibrator on the verified nodes it proposed.
 
     Args:
         verify_whole_every: one scored tree in this many is left whole (0: none).
+        default_source: source of trees that name none (``DraftTree.sources`` None).
     """
 
-    def __init__(self, verify_whole_every: int = 8):
-        self.calibrator = Calibrator()
+    def __init__(self, verify_whole_every: int = 8, default_source: str = DEFAULT_SOURCE):
+        self.sources = SourceCalibrators(default_source)
         self.verify_whole_every = verify_whole_every
         self.calls = 0  # cuts so far (rotates the tree left whole)
         self.nodes_seen = 0  # draft nodes of the scored trees given to ``cut``
         self.nodes_cut = 0  # of those, the nodes removed
 
+    @property
+    def calibrator(self) -> Calibrator:
+        """The default source's ``Calibrator`` (the only one for a single unnamed drafter)."""
+        return self.sources.get(self.sources.default)
+
+    @calibrator.setter
+    def calibrator(self, cal: Calibrator) -> None:
+        self.sources.calibrators[self.sources.default] = cal
+
     @staticmethod
     def scored(trees: list) -> list[int]:
-        """Indices of the trees (``DraftTree | None`` each) whose nodes the drafter scored;
-        n-gram trees carry no scores and are never cut."""
+        """Indices of the trees (``DraftTree | None`` each) whose nodes the drafter scored
+        (some draft log-probability not 0); others are never cut."""
         return [i for i, t in enumerate(trees) if t is not None and is_scored(t)]
 
-    def probabilities(self, seq, tree, rates: list[float] | None = None) -> list[float]:
+    def probabilities(self, seq, tree, rates: dict[str, list[float]] | None = None
+                      ) -> list[float]:
         """Calibrated acceptance probability of each node of the scored ``tree`` drafted for
-        ``seq`` (the map ``rates``, default ``calibrator.rate_per_bin()``, times the request's
-        factor, capped at 1): what ``cut`` compares with its bar."""
-        cal = self.calibrator
-        rates = cal.rate_per_bin().tolist() if rates is None else rates
-        factor = cal.request_factor(seq)
-        return [min(rates[bin_of(c)] * factor, 1.0) for c in confidence_list(tree)]
+        ``seq``: its best source's map (``rates``, a ``sources.rates()`` snapshot, default
+        taken now) at that source's confidence, times the request's factor, capped at 1; what
+        ``cut`` compares with its bar."""
+        factor = self.calibrator.request_factor(seq)
+        return [min(q * factor, 1.0) for q in self.sources.node_probs(tree, rates)]
 
     def cut(self, seqs: list, trees: list, scored: list[int], bar: float | list[float]) -> list:
         """``trees`` (one ``DraftTree | None`` per sequence of ``seqs``) with each tree of
@@ -206,7 +220,7 @@ class TreeCutter:
             whole = [i for i in scored if (self.calls + i) % every == 0]
             self.nodes_seen += sum(trees[i].num_nodes for i in whole)
             scored = [i for i in scored if (self.calls + i) % every]
-        rates = self.calibrator.rate_per_bin().tolist()
+        rates = self.sources.rates()
         bars = bar if isinstance(bar, list) else None
         out = list(trees)
         for i in scored:
@@ -223,24 +237,32 @@ class TreeCutter:
         return self.nodes_cut / self.nodes_seen if self.nodes_seen else 0.0
 
     def learn(self, recs: list[StepRecord]) -> None:
-        """The calibrator's update from the scored trees verified in ``recs`` (one update per
-        step), and each request's predicted/accepted node counts (``calib_predicted``,
-        ``calib_accepted`` on the sequence, with the map as it was before them: one lookup for
-        all)."""
-        cal = self.calibrator
+        """Each source's calibrator update from the scored trees' nodes it proposed, verified
+        in ``recs`` (one update per source and step), and each request's predicted/accepted
+        node counts (``calib_predicted``, ``calib_accepted`` on the sequence, with the maps as
+        they were before them: one lookup for all)."""
+        cals = self.sources
         rates = None
         for rec in recs:
-            node_bins, hits = [], []
+            per_source: dict[str, tuple[list[int], list[bool]]] = {}
             for seq, tree, accepted in rec.verified:
                 if not is_scored(tree):
                     continue
                 if rates is None:
-                    rates = cal.rate_per_bin().tolist()
-                b = [bin_of(c) for c in confidence_list(tree)]
-                seq.calib_predicted += sum(rates[j] for j in b)
+                    rates = cals.rates()
+                votes = node_votes(tree, cals.default)
+                seq.calib_predicted += sum(p for p, _ in cals.vote_probs(votes, rates))
                 seq.calib_accepted += len(accepted)
                 acc = set(accepted)
-                hits += [j in acc for j in range(len(b))]
-                node_bins += b
-            if node_bins:
-                cal.observe_bins(node_bins, hits)
+                for j, v in enumerate(votes):
+                    hit = j in acc
+                    for s, logc in v.items():
+                        node_bins, hits = per_source.setdefault(s, ([], []))
+                        node_bins.append(bin_of(math.exp(logc)))
+                        hits.append(hit)
+            cals.observe(per_source)
+
+    def stats(self) -> dict:
+        """``policy_calibration_per_source``: per source, the calibrated acceptance probability
+        per confidence bin (``calibration.NUM_BINS`` log-spaced bins from 1e-4 to 1)."""
+        return {"policy_calibration_per_source": self.sources.maps()}

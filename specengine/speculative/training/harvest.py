@@ -67,6 +67,12 @@ class HiddenBuffer:
         with self._lock:
             return list(self.items)
 
+    def drain(self) -> list[Rollout]:
+        """Take every rollout out (oldest first); the buffer is left empty."""
+        with self._lock:
+            out, self.items, self.nbytes = list(self.items), deque(), 0
+            return out
+
     def __len__(self) -> int:
         return len(self.items)
 
@@ -125,6 +131,10 @@ class Harvester(Drafter):
             self.buffer.add(Rollout(list(seq.token_ids[:n + 1]), hidden[:n]))
         if self.inner is not None:
             self.inner.release(seq)
+
+    def set_weight_version(self, version: int) -> None:
+        if self.inner is not None:
+            self.inner.set_weight_version(version)
 
 
 def harvest(llm, buffer: HiddenBuffer) -> Harvester:

@@ -1,6 +1,6 @@
 """EAGLE drafter checkpoints: writing and reading them (``save_drafter``, ``read_config``,
 ``load_drafter``, ``load_state``) and finding the drafter shipped for a target
-(``shipped_drafter``).
+(``shipped_drafter``, by the target's identity: see ``eagle.identity``).
 
 A checkpoint is a directory with ``model.safetensors`` (fc, the layer, and ``vocab_map`` if
 reduced) and ``config.json`` (``EagleConfig`` plus the target identity, ``target_identity``).
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from specengine.speculative.drafters.eagle.identity import match_target, target_identity
 from specengine.speculative.drafters.eagle.model import EagleConfig, EagleModel
 
 FORMAT = "specengine-eagle"
@@ -109,7 +110,25 @@ def load_state(model: EagleModel, sd: dict[str, torch.Tensor], where: str = "sta
 
 
 def shipped_drafter(target) -> Path | None:
-    """The drafter shipped in ``specengine/drafters/<target name>/``, if any."""
-    d = DRAFTERS_DIR / Path(target.model_dir).name
-    return d if (d / "config.json").is_file() else None
+    """The drafter shipped in ``specengine/drafters/*/`` for ``target`` (a ``LoadedModel``), or
+    None. Found by what the target is, not by its path: the recorded target identity must
+    match (``identity.match_target``: tokenizer, architecture config, weight sketch), so the
+    alias, the HF directory and the GGUF file of one model all find it."""
+    return shipped_drafters(target)[0]
 
+
+def shipped_drafters(target) -> tuple[Path | None, dict[str, str]]:
+    """``(the matching shipped drafter or None, {drafter name: why it does not match})``."""
+    current = target_identity(target)
+    why = {}
+    for cfg_file in sorted(DRAFTERS_DIR.glob("*/config.json")):
+        try:
+            recorded = json.loads(cfg_file.read_text()).get("target", {})
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            why[cfg_file.parent.name] = "corrupt config.json"
+            continue
+        reason = match_target(recorded, current)
+        if reason is None:
+            return cfg_file.parent, why
+        why[cfg_file.parent.name] = reason
+    return None, why

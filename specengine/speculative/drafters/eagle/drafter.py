@@ -22,10 +22,9 @@ from specengine.sequence import Sequence
 from specengine.speculative.drafters.base import Drafter
 from specengine.speculative.drafters.coupling import coupled_logprobs
 from specengine.speculative.drafters.eagle.checkpoint import (
-    DRAFTERS_DIR,
     load_drafter,
     load_state,
-    shipped_drafter,
+    shipped_drafters,
 )
 from specengine.speculative.drafters.eagle.model import EagleConfig, EagleModel
 from specengine.speculative.drafters.shadow import new_shadow, sync_shadow
@@ -130,6 +129,12 @@ class EagleDrafter(Drafter):
         """Queue new weights (thread-safe); they replace the current ones between steps."""
         with self._lock:
             self._pending = (version, state_dict)
+
+    def swap(self) -> int:
+        """Swap queued weights (``publish``) in now instead of before the next ``propose``;
+        returns the version in use. Call it only between engine steps (an idle engine)."""
+        self._swap()
+        return self.version
 
     def _swap(self) -> None:
         with self._lock:
@@ -285,7 +290,7 @@ class EagleDrafter(Drafter):
         index = {c: j for j, c in enumerate(keep)}
         return DraftTree([cands[c][2] for c in keep],
                          [index[cands[c][3]] if cands[c][3] >= 0 else -1 for c in keep],
-                         [cands[c][4] for c in keep])
+                         [cands[c][4] for c in keep], ["eagle"] * len(keep))
 
 
 def _path(cands: list[tuple], c: int) -> list[int]:
@@ -312,12 +317,12 @@ def make_eagle(cfg, target, num_blocks: int, block_size: int) -> EagleDrafter:
     if cfg.model == "random":
         model = EagleModel(EagleConfig.for_target(target), target.model, dtype).random_init()
     else:
-        path = cfg.model or shipped_drafter(target)
+        path, why = (cfg.model, {}) if cfg.model else shipped_drafters(target)
         if path is None:
-            shipped = sorted(p.parent.name for p in DRAFTERS_DIR.glob("*/config.json"))
+            tried = "; ".join(f"{k}: {v}" for k, v in why.items()) or "none shipped"
             raise ValueError(f"speculative_config method='eagle' without 'model': no drafter "
-                             f"is shipped for target {Path(target.model_dir).name!r} (shipped: "
-                             f"{shipped}); "
+                             f"is shipped for target {Path(target.model_dir).name!r} (checked "
+                             f"by tokenizer, architecture and weight fingerprint; {tried}); "
                              "train one with `specengine train-drafter` and pass its directory")
         model = load_drafter(path, target, dtype)
     return EagleDrafter(cfg.strategy, model, num_blocks, block_size)

@@ -1,6 +1,6 @@
 """The EAGLE drafter network and its hyper-parameters (EAGLE arXiv 2401.15077, EAGLE-3 arXiv
 2503.01840, FR-Spec arXiv 2502.14856): ``EagleConfig``, ``EagleModel``, and the target identity
-a drafter records and checks (``target_identity``, ``tokenizer_hash``).
+a drafter records and checks (``target_identity``, from ``eagle.identity``).
 
 The drafter predicts the target's next *feature* (last hidden state) from the current feature
 and the next token, then reads a token distribution off it with the target's own LM head:
@@ -22,10 +22,7 @@ it); ``EagleModel.unroll`` is the dense, differentiable forward that training us
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -35,25 +32,10 @@ from specengine import kernels
 from specengine.attention.base import AttentionMetadata
 from specengine.models.config import ModelConfig
 from specengine.models.llama import DecoderLayer, add_rms_norm, apply_rope, rope_cache
+from specengine.speculative.drafters.eagle.identity import target_identity
 
 LAYER_KEYS = ("input_norm", "qkv_proj", "qkv_bias", "o_proj", "o_bias", "post_attn_norm",
               "gate_up_proj", "down_proj")
-
-
-def tokenizer_hash(tokenizer) -> str | None:
-    """sha256 of the tokenizer's ``token -> id`` map (None without a tokenizer)."""
-    if tokenizer is None:
-        return None
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
-
-
-def target_identity(target) -> dict:
-    """What a drafter must match in its target (a ``LoadedModel``): name, hidden size,
-    vocabulary size, tokenizer hash."""
-    return {"name": Path(target.model_dir).name, "hidden_size": target.config.hidden_size,
-            "vocab_size": target.config.vocab_size,
-            "tokenizer_sha256": tokenizer_hash(target.tokenizer)}
 
 
 @dataclass

@@ -1,0 +1,249 @@
+"""Multi-epoch RL rollouts: does speculation pay when the same prompts come back? One run.
+
+    python bench/bench_rl.py --rollout-epochs 3 [--out bench/results/rl_epochs.json]
+    python bench/bench_rl.py --rollout-epochs 3 --quick        # 4 prompts x 4, 256 tokens
+
+The workload of reasoning RL (GRPO): ``--prompts`` held-out GSM-style questions
+(``gsm_questions(seed=1234)``; the shipped EAGLE drafter trained on seed 0) through the chat
+template, each sampled ``--n`` times at T = 1 (seeded per epoch and prompt) with a long
+``--max-tokens`` cap, revisited for ``--epochs`` epochs. Between epochs the target moves the way
+a policy update moves it: ``--drift-steps`` AdamW steps of the transformers model (float32, lr
+``--drift-lr``) on other text (HumanEval prompts, next-token loss), pushed into every engine
+with ``LLM.update_weights`` (the weight version goes up; the rollout memory ages its history).
+
+Engines (bfloat16, one per row, each alone on the machine in turn, ``policy: auto``):
+``off`` (no speculation), ``suffix`` (rollout memory: siblings + history + own text),
+``eagle`` (the shipped drafter, frozen), ``suffix+eagle`` (one merged tree). Each engine sees
+the same prompts, seeds and weights, so every row samples the same tokens (checked: ``mismatch``
+counts samples that differ from ``off``; bfloat16 near-ties can flip one).
+
+Per epoch and row: wall seconds of the rollout; tau (tokens committed per verify step) and,
+per draft source, accepted draft tokens per verify step; speedup over ``off`` for the whole
+rollout and for its tail (from the step at which at most ``--tail-batch`` samples are still
+running to the end); per running-batch bucket the committed tokens/s ratio against ``off`` and
+the slowest bucket's; the rollout memory's bytes; and, with ``--trace``, the replay projection
+of the trace under a GPU cost table (``bench/replay.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from common import machine_info, markdown_table, quiet_transformers, write_json
+
+from specengine import LLM, SamplingParams
+from specengine.models.loader import resolve_model
+from specengine.prompt_sets import gsm_questions, humaneval_prompts
+
+MODEL = "smollm2-135m-instruct"
+EVAL_GSM_SEED = 1234  # the shipped drafter trains on seed 0 (examples/train_drafter.py)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def rows(spec_depth: int) -> dict[str, dict | None]:
+    """Row name -> speculative_config (None: no speculation)."""
+    common = {"num_speculative_tokens": spec_depth, "policy": "auto"}
+    return {"off": None,
+            "suffix": {"method": "suffix", **common},
+            "eagle": {"method": "eagle", **common},
+            "suffix+eagle": {"method": ["suffix", "eagle"], **common}}
+
+
+class Drift:
+    """The target's policy updates between epochs: AdamW steps of a float32 transformers copy
+    on windows of HumanEval prompt text (``batch`` x ``length`` tokens per step)."""
+
+    def __init__(self, model_dir, tok, lr: float, batch: int = 4, length: int = 128):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        ids = tok("\n\n".join(p["prompt"] for p in humaneval_prompts()),
+                  return_tensors="pt").input_ids[0]
+        self.windows = ids[:len(ids) // length * length].view(-1, length)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.batch, self.done = batch, 0
+
+    def step(self, steps: int) -> dict[str, torch.Tensor]:
+        """``steps`` more updates; returns the new weights (name -> tensor)."""
+        self.model.train()
+        for _ in range(steps):
+            idx = torch.arange(self.done * self.batch, (self.done + 1) * self.batch)
+            x = self.windows[idx % len(self.windows)]
+            loss = self.model(input_ids=x, labels=x).loss
+            self.opt.zero_grad()
+            loss.backward()
+            self.opt.step()
+            self.done += 1
+        self.model.eval()
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+
+def rollout(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> dict:
+    """Run one rollout through ``add_request`` / ``step``, timing each step with the number
+    of samples running before it. Returns outputs (per request, per sample token ids), wall
+    seconds and per-step ``(end second, running, tokens committed)``."""
+    eng = llm.engine
+    ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+    done, steps = {}, []
+    t0 = time.perf_counter()
+    while llm.has_unfinished_requests():
+        running = len(eng.scheduler.running) + sum(len(g) for g in eng.scheduler.waiting)
+        before = eng.metrics.generated_tokens
+        for out in llm.step():
+            done[out.request_id] = [list(c.token_ids) for c in out.outputs]
+        steps.append((time.perf_counter() - t0, running,
+                      eng.metrics.generated_tokens - before))
+    wall = time.perf_counter() - t0
+    return {"outputs": [done[i] for i in ids], "wall_s": wall, "steps": steps}
+
+
+def tail_seconds(steps: list[tuple], tail_batch: int) -> float:
+    """Seconds from the first step run with at most ``tail_batch`` samples left to the end."""
+    start = 0.0
+    for end, running, _ in steps:
+        if running <= tail_batch:
+            return steps[-1][0] - start
+        start = end
+    return 0.0
+
+
+def bucket_rates(steps: list[tuple]) -> dict[int, tuple[float, float]]:
+    """Per running-batch bucket (upper edge in ``BUCKETS``): (seconds, tokens committed)."""
+    out: dict[int, list[float]] = {}
+    prev = 0.0
+    for end, running, tokens in steps:
+        b = next(x for x in BUCKETS + (10**9,) if running <= x)
+        acc = out.setdefault(b, [0.0, 0.0])
+        acc[0] += end - prev
+        acc[1] += tokens
+        prev = end
+    return {b: (s, t) for b, (s, t) in out.items()}
+
+
+def counters(llm: LLM) -> dict:
+    """The metrics this bench differences per epoch."""
+    m = llm.get_metrics()
+    src = m.get("source_stats", {})
+    return {"spec_steps": m.get("spec_steps", 0), "accepted": m.get("accepted_tokens", 0),
+            "drafted": m.get("drafted_tokens", 0),
+            "src_accepted": {k: v["nodes_accepted"] for k, v in src.items()},
+            "src_verified": {k: v["nodes_verified"] for k, v in src.items()},
+            "memory_bytes": m.get("rollout_memory_bytes"),
+            "suffix_seconds": m.get("suffix_update_seconds", 0.0)
+            + m.get("suffix_lookup_seconds", 0.0)}
+
+
+def epoch_row(name: str, run: dict, before: dict, after: dict, base: dict | None,
+              tail_batch: int) -> dict:
+    """One row's numbers for one epoch (``base``: the ``off`` row's run, None for itself)."""
+    spec = after["spec_steps"] - before["spec_steps"]
+    acc = after["accepted"] - before["accepted"]
+    row = {"row": name, "wall_s": run["wall_s"], "tail_s": tail_seconds(run["steps"], tail_batch),
+           "spec_steps": spec, "tau": (acc + spec) / spec if spec else 1.0,
+           "drafted": after["drafted"] - before["drafted"], "accepted": acc,
+           "memory_bytes": after["memory_bytes"],
+           "suffix_seconds": after["suffix_seconds"] - before["suffix_seconds"],
+           "accepted_per_step_by_source": {
+               k: (v - before["src_accepted"].get(k, 0)) / spec if spec else 0.0
+               for k, v in after["src_accepted"].items()},
+           "verified_by_source": {k: v - before["src_verified"].get(k, 0)
+                                  for k, v in after["src_verified"].items()},
+           "steps": len(run["steps"]),
+           "tokens": sum(t for *_, t in run["steps"])}
+    if base is not None:
+        row["speedup"] = base["wall_s"] / run["wall_s"]
+        bt, rt = tail_seconds(base["steps"], tail_batch), row["tail_s"]
+        row["tail_speedup"] = bt / rt if rt else None
+        mine, theirs = bucket_rates(run["steps"]), bucket_rates(base["steps"])
+        ratios = {b: (mine[b][1] / mine[b][0]) / (theirs[b][1] / theirs[b][0])
+                  for b in mine if b in theirs and mine[b][0] > 0 and theirs[b][0] > 0
+                  and theirs[b][1] > 0}
+        row["bucket_ratio"] = ratios
+        row["slowest_bucket"] = min(ratios.items(), key=lambda kv: kv[1]) if ratios else None
+        row["mismatch"] = sum(a != b for ra, rb in zip(run["outputs"], base["outputs"])
+                              for a, b in zip(ra, rb))
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--n", type=int, default=8, help="samples per prompt (the GRPO group)")
+    ap.add_argument("--max-tokens", type=int, default=1024)
+    ap.add_argument("--spec-depth", type=int, default=6, help="num_speculative_tokens")
+    ap.add_argument("--drift-steps", type=int, default=4)
+    ap.add_argument("--drift-lr", type=float, default=1e-5)
+    ap.add_argument("--tail-batch", type=int, default=8)
+    ap.add_argument("--rows", default="off,suffix,eagle,suffix+eagle")
+    ap.add_argument("--quick", action="store_true", help="4 prompts x 4 samples, 256 tokens")
+    ap.add_argument("--trace", help="directory for per-epoch rollout traces (replay input)")
+    ap.add_argument("--out", help="write results as JSON here")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.prompts, a.n, a.max_tokens = 4, 4, 256
+    quiet_transformers()
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_model(MODEL)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q["question"]}],
+                                           tokenize=False, add_generation_prompt=True),
+                   add_special_tokens=False).input_ids
+               for q in gsm_questions(a.prompts, seed=EVAL_GSM_SEED)]
+    specs = {k: v for k, v in rows(a.spec_depth).items() if k in a.rows.split(",")}
+    if "off" not in specs:
+        raise SystemExit("--rows must include off (the baseline)")
+    llms = {k: LLM(MODEL, dtype="bfloat16", speculative_config=v, seed=0)
+            for k, v in specs.items()}
+    drift = Drift(model_dir, tok, a.drift_lr) if a.epochs > 1 and a.drift_steps else None
+    results = []
+    for epoch in range(a.epochs):
+        if epoch and drift is not None:
+            weights = drift.step(a.drift_steps)
+            for llm in llms.values():
+                llm.update_weights(weights)
+        params = [SamplingParams(n=a.n, temperature=1.0, max_tokens=a.max_tokens,
+                                 seed=10_000 * epoch + i) for i in range(len(prompts))]
+        runs, rows_out = {}, []
+        for name, llm in llms.items():
+            before = counters(llm)
+            tracing = a.trace and hasattr(llm, "start_trace")
+            if tracing:
+                llm.start_trace()
+            runs[name] = rollout(llm, prompts, params)
+            if tracing:
+                llm.stop_trace().save(f"{a.trace}/epoch{epoch}_{name}.json")
+            rows_out.append(epoch_row(name, runs[name], before, counters(llm),
+                                      None if name == "off" else runs["off"], a.tail_batch))
+            print(f"epoch {epoch} {name}: {runs[name]['wall_s']:.1f} s, "
+                  f"tau {rows_out[-1]['tau']:.2f}", flush=True)
+        lengths = [len(s) for r in runs["off"]["outputs"] for s in r]
+        results.append({"epoch": epoch, "weight_version": llms["off"].weight_version,
+                        "output_tokens": sum(lengths), "max_output": max(lengths),
+                        "rows": rows_out})
+    table = []
+    for r in results:
+        for row in r["rows"]:
+            sb = row.get("slowest_bucket")
+            table.append([r["epoch"], row["row"], f"{row['wall_s']:.1f}", f"{row['tau']:.2f}",
+                          ", ".join(f"{k} {v:.2f}"
+                                    for k, v in row["accepted_per_step_by_source"].items()),
+                          f"{row.get('speedup', 1.0):.2f}",
+                          f"{row['tail_speedup']:.2f}" if row.get("tail_speedup") else "-",
+                          f"{sb[1]:.2f} (b<={sb[0]})" if sb else "-",
+                          row.get("mismatch", 0),
+                          f"{row['memory_bytes'] / 2**20:.1f}" if row["memory_bytes"] else "-"])
+    print(markdown_table(["epoch", "row", "wall s", "tau", "accepted/step by source",
+                          "speedup", "tail speedup", "slowest bucket", "mismatch",
+                          "memory MiB"], table))
+    if a.out:
+        write_json(a.out, {"bench": "rl_epochs", "machine": machine_info(), "args": vars(a),
+                           "epochs": results})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,292 @@
+"""One token tree from several drafters (``speculative_config={"method": ["ngram", "eagle"]}``).
+
+Each part (any ``Drafter``: n-gram lookup, EAGLE, a draft model, rollout memory, ...) drafts its
+own tree for every sequence under the step's strategy; ``merge_trees`` joins a sequence's trees
+into one trie (the same token path from the root is one node, whichever sources proposed it)
+and fills one verify budget (``strategy.budget`` nodes) best-first by each node's calibrated
+acceptance probability: a node's probability is the best, over the sources that proposed it, of
+that source's calibrated map (``policy.calibration.SourceCalibrators``) at the source's own
+confidence in the node's path. A node proposed by several sources keeps all their votes
+(``sources.MergedTree``), so each source's calibration learns from all its nodes; the tree's
+``sources`` names the best one per node. Children are ordered by probability and siblings carry
+distinct tokens (a trie), so the tree is deterministic and verification stays exact
+(``speculative.verify``). The per-source merge follows the multi-drafter token trees of SpecInfer
+(arXiv 2305.09781), with EAGLE-2's best-first budget fill (arXiv 2406.16858).
+
+The drafter fills the budget with per-source calibrators the policy trains on the verified
+nodes (``share_calibration``): with the ``auto`` policy its own, which then also cut the merged
+tree further; with another policy a learner the policy feeds every step.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+import torch
+
+from specengine.sequence import Sequence
+from specengine.speculative.drafters.base import Drafter
+from specengine.speculative.policy.calibration import SourceCalibrators, bin_of
+from specengine.speculative.sources import MergedTree, node_votes
+from specengine.speculative.strategy import Strategy
+from specengine.speculative.tree import DraftTree
+
+
+def merge_trees(trees: list[DraftTree | None], names: list[str], budget: int,
+                scorer: SourceCalibrators, rates: dict[str, list[float]] | None = None,
+                explore: bool = False, counts: dict | None = None) -> MergedTree | None:
+    """One sequence's trees merged into one trie of at most ``budget`` nodes.
+
+    Args:
+        trees: one tree (or None) per source.
+        names: per tree, the source name of nodes its tree does not label (``sources`` None).
+        budget: most nodes kept (>= 1).
+        scorer: the per-source calibrators that give each vote its acceptance probability.
+        rates: a ``scorer.rates()`` snapshot (default: taken now).
+        explore: fill the budget round-robin over the sources (each source's own best nodes in
+            turn) instead of by probability, so every source keeps being verified at its own
+            best nodes even when its calibration looks poor.
+        counts: if given, ``counts["proposed"][source]`` and ``counts["kept"][source]`` are
+            increased by the nodes each source proposed and the kept nodes it voted for.
+
+    Returns:
+        A ``MergedTree`` (parents before children; children by descending probability; a
+        lone tree within the budget keeps its own order), or None when no tree has a node.
+
+    Raises:
+        ValueError: ``budget < 1`` or ``trees``/``names`` of different lengths.
+    """
+    if budget < 1:
+        raise ValueError(f"merge_trees budget={budget}: must be >= 1")
+    if len(trees) != len(names):
+        raise ValueError(f"merge_trees: {len(trees)} trees but {len(names)} names")
+    present = [(t, n) for t, n in zip(trees, names) if t is not None and t.num_nodes]
+    if len(present) == 1 and present[0][0].num_nodes <= budget:  # one source: kept whole
+        tree, name = present[0]
+        votes = node_votes(tree, name)
+        if counts is not None:
+            for v in votes:
+                for s in v:
+                    counts["proposed"][s] = counts["proposed"].get(s, 0) + 1
+                    counts["kept"][s] = counts["kept"].get(s, 0) + 1
+        return MergedTree(tree.tokens, tree.parents, tree.draft_logprobs,
+                          list(tree.sources or [name] * tree.num_nodes), votes=votes)
+    tok: list[int] = []
+    par: list[int] = []
+    depth: list[int] = []
+    votes: list[dict[str, float]] = []
+    index: dict[tuple[int, int], int] = {}  # (parent, token) -> union node
+    for tree, name in zip(trees, names):
+        if tree is None:
+            continue
+        where: list[int] = []  # tree node -> union node
+        for j, (t, v) in enumerate(zip(tree.tokens, node_votes(tree, name))):
+            p = where[tree.parents[j]] if tree.parents[j] >= 0 else -1
+            u = index.get((p, t))
+            if u is None:
+                u = index[(p, t)] = len(tok)
+                tok.append(t)
+                par.append(p)
+                depth.append(depth[p] + 1 if p >= 0 else 1)
+                votes.append({})
+            for s, logc in v.items():
+                votes[u][s] = max(logc, votes[u].get(s, -math.inf))
+            where.append(u)
+    if not tok:
+        return None
+    rates = scorer.rates() if rates is None else rates
+    per_vote = []  # per node {source: acceptance probability}
+    for v in votes:
+        pv = {}
+        for s, logc in v.items():
+            r = rates.get(s)
+            if r is None:
+                r = rates[s] = scorer.get(s).rate_per_bin().tolist()
+            pv[s] = r[bin_of(math.exp(logc))]
+        per_vote.append(pv)
+    best = [max(pv, key=pv.get) for pv in per_vote]  # ties: the first source
+    prob = [pv[b] for pv, b in zip(per_vote, best)]
+    conf = [max(v.values()) for v in votes]
+    if explore:  # each node's best rank within a source that proposed it: round-robin
+        rank = [math.inf] * len(tok)
+        for s in {s for v in votes for s in v}:
+            mine = sorted((u for u in range(len(tok)) if s in votes[u]),
+                          key=lambda u: (-per_vote[u][s], -votes[u][s], depth[u], u))
+            for r, u in enumerate(mine):
+                rank[u] = min(rank[u], r)
+        key = [(rank[u], -prob[u], depth[u], u) for u in range(len(tok))]
+    else:
+        key = [(-prob[u], -conf[u], depth[u], u) for u in range(len(tok))]
+    children: list[list[int]] = [[] for _ in range(len(tok) + 1)]  # slot 0 = root
+    for u, p in enumerate(par):
+        children[p + 1].append(u)
+    heap = [key[u] for u in children[0]]
+    heapq.heapify(heap)
+    chosen = []
+    while heap and len(chosen) < budget:  # best-first: a node enters once its parent did
+        u = heapq.heappop(heap)[-1]
+        chosen.append(u)
+        for c in children[u + 1]:
+            heapq.heappush(heap, key[c])
+    chosen.sort(key=lambda u: (depth[u], -prob[u], -conf[u], u))
+    new = {u: i for i, u in enumerate(chosen)}
+    if counts is not None:
+        for v in votes:
+            for s in v:
+                counts["proposed"][s] = counts["proposed"].get(s, 0) + 1
+        for u in chosen:
+            for s in votes[u]:
+                counts["kept"][s] = counts["kept"].get(s, 0) + 1
+    lps = []
+    for u in chosen:
+        p = par[u]
+        lps.append(votes[u][best[u]] - (votes[p][best[p]] if p >= 0 else 0.0))
+    return MergedTree([tok[u] for u in chosen], [new[par[u]] if par[u] >= 0 else -1
+                                                  for u in chosen],
+                      lps, [best[u] for u in chosen], votes=[votes[u] for u in chosen])
+
+
+class MergedDrafter(Drafter):
+    """Several drafters' trees merged into one token tree per sequence (``merge_trees``).
+
+    Every part drafts for every sequence with the step's strategy, so each part's tree obeys
+    its depth and budget; the merge keeps at most ``strategy.budget`` nodes in all (one verify
+    budget; the width ``topk`` bounds each part's tree, not the merged one). One sequence in
+    ``explore_every`` (rotating) is filled round-robin over the sources instead of by
+    probability (``merge_trees(explore=True)``), so a source whose calibration is too
+    pessimistic still has its best nodes verified and its map corrected.
+
+    The engine's hooks go to every part: ``observe`` to those that want hidden states,
+    ``release`` and ``discard`` to all, ``features`` from the part that keeps them,
+    ``publish`` (EAGLE's hot swap of drafter weights) to those that have it. Any other
+    attribute a part has is reached through the merged drafter (e.g. ``kv``, ``model``
+    of the one model part; a method several parts have, such as a weight-version hook, is
+    called on each of them and returns their results in part order).
+
+    Args:
+        parts: the drafters, each with a distinct ``name`` (their order breaks ties).
+        strategy: default tree shape (default: the first part's).
+        scorer: per-source calibrators used to fill the budget (default: new ones at their
+            prior; ``share_calibration`` gives it the policy's).
+        explore_every: one sequence in this many is filled round-robin (0: never).
+
+    Raises:
+        ValueError: no parts, or two parts with the same name.
+    """
+
+    def __init__(self, parts: list[Drafter], strategy: Strategy | None = None,
+                 scorer: SourceCalibrators | None = None, explore_every: int = 8):
+        if not parts:
+            raise ValueError("MergedDrafter.parts is empty: give at least one drafter")
+        names = [p.name for p in parts]
+        if len(set(names)) != len(names):
+            raise ValueError(f"MergedDrafter.parts: names {names} repeat; each source must be "
+                             "distinct")
+        super().__init__(strategy or parts[0].strategy)
+        self.parts = list(parts)
+        self.name = "+".join(names)
+        self.wants_hidden = any(p.wants_hidden for p in parts)
+        self.scorer = scorer or SourceCalibrators()
+        self.explore_every = explore_every
+        self.calls = 0
+        self.counts: dict[str, dict[str, int]] = {"proposed": {}, "kept": {}}
+
+    def part(self, name: str) -> Drafter:
+        """The part called ``name``.
+
+        Raises:
+            KeyError: no part has that name.
+        """
+        for p in self.parts:
+            if p.name == name:
+                return p
+        raise KeyError(f"no drafter {name!r} among {[p.name for p in self.parts]}")
+
+    def propose(self, seqs: list[Sequence], strategy: Strategy) -> list[DraftTree | None]:
+        per_part = [p.propose(seqs, strategy) for p in self.parts]
+        names = [p.name for p in self.parts]
+        rates = self.scorer.rates()
+        self.calls += 1
+        every = self.explore_every
+        return [merge_trees([trees[i] for trees in per_part], names, strategy.budget,
+                            self.scorer, rates, bool(every) and (self.calls + i) % every == 0,
+                            self.counts)
+                for i in range(len(seqs))]
+
+    def observe(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
+        for p in self.parts:
+            if p.wants_hidden:
+                p.observe(seq, start, hidden)
+
+    def release(self, seq: Sequence) -> None:
+        for p in self.parts:
+            p.release(seq)
+
+    def discard(self, seq: Sequence) -> None:
+        for p in self.parts:
+            p.discard(seq)
+
+    def features(self, seq: Sequence) -> torch.Tensor | None:
+        """The first part's features for ``seq`` that are not None (EAGLE's), else None."""
+        for p in self.parts:
+            f = p.features(seq)
+            if f is not None:
+                return f
+        return None
+
+    def publish(self, state_dict: dict, version: int) -> None:
+        """New drafter weights for the parts that take them (``EagleDrafter.publish``).
+
+        Raises:
+            ValueError: no part takes published weights.
+        """
+        takers = [p for p in self.parts if hasattr(p, "publish")]
+        if not takers:
+            raise ValueError(f"no part of {self.name!r} takes published weights")
+        for p in takers:
+            p.publish(state_dict, version)
+
+    def stats(self) -> dict:
+        """Every part's ``stats()`` (e.g. EAGLE's ``drafter_version``) merged, plus
+        ``merged_nodes_proposed`` and ``merged_nodes_kept``: per source, the nodes it proposed
+        and those of them the budget fill kept (a node several proposed counts for each)."""
+        out: dict = {}
+        for p in self.parts:
+            if hasattr(p, "stats"):
+                out.update(p.stats())
+        out["merged_nodes_proposed"] = dict(self.counts["proposed"])
+        out["merged_nodes_kept"] = dict(self.counts["kept"])
+        return out
+
+    def __getattr__(self, name: str):
+        parts = self.__dict__.get("parts")
+        if parts is None or name.startswith("__"):
+            raise AttributeError(name)
+        having = [p for p in parts if hasattr(p, name)]
+        if not having:
+            raise AttributeError(f"no part of the merged drafter has {name!r}")
+        values = [getattr(p, name) for p in having]
+        if len(values) == 1:
+            return values[0]
+        if all(callable(v) for v in values):
+            return lambda *args, **kw: [v(*args, **kw) for v in values]
+        raise AttributeError(f"{name!r} is an attribute of several parts "
+                             f"({[p.name for p in having]}): use part(name)")
+
+
+def share_calibration(drafter: Drafter, policy) -> None:
+    """Let a ``MergedDrafter`` (possibly wrapped, e.g. by a ``Harvester``) fill its budget with
+    per-source calibrators that ``policy`` trains on the verified nodes: an ``AutoPolicy``'s
+    own (``TreeCutter.sources``, which also cut the trees); for another policy a
+    ``TreeCutter`` that only learns (``Policy.calibration_learner``). Nothing happens for
+    another drafter or without a policy."""
+    while drafter is not None and not isinstance(drafter, MergedDrafter):
+        drafter = drafter.__dict__.get("inner")
+    if drafter is None or policy is None:
+        return
+    cutter = getattr(policy, "cutter", None)
+    if cutter is None:
+        from specengine.speculative.policy.parts import TreeCutter
+        cutter = policy.calibration_learner = TreeCutter()
+    drafter.scorer = cutter.sources
