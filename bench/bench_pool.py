@@ -14,8 +14,13 @@ prompt for 8 tokens; with ``--repeats`` the modes alternate and each reports its
   ``none``: no migration (``PoolController``; groups placed by predicted work, LPT);
   ``migration``: ``MigrationController`` moves samples from the busiest actor to an idle one
       (two-stage K/V transfer, or re-prefill where the cost rule says so);
-  ``migration+training``: migration plus drafter training on actors that ran dry. NOT RUN:
-      the spare-instance training API is not on this branch; the column says so.
+  ``migration+training``: migration plus spare-instance EAGLE drafter training on actors that
+      ran dry (``spare_training=SpareTraining(seconds=--train-seconds)``); needs
+      ``--speculation eagle`` (only an EAGLE drafter trains), else the row says "not run".
+
+``--speculation eagle`` gives every actor the shipped EAGLE drafter in all modes (the pool is
+built with spare training; the first two modes switch it off, harvest only, and run first, so
+no version trained in mode three reaches them); ``none`` (the default) decodes plainly.
 
 Per mode: wall seconds of ``generate``; per actor, when it ran dry (seconds after the start:
 its last request came back with none left; an actor that receives samples later runs again) and
@@ -47,6 +52,7 @@ import ray  # noqa: E402
 from specengine import SamplingParams  # noqa: E402
 from specengine.distributed import PoolController, RolloutPool  # noqa: E402
 from specengine.distributed.migration import MigrationController  # noqa: E402
+from specengine.distributed.training import SpareTraining  # noqa: E402
 from specengine.models.loader import resolve_model  # noqa: E402
 from specengine.models.registry import DEFAULT_MODEL  # noqa: E402
 from specengine.rewards import gsm_task  # noqa: E402
@@ -141,6 +147,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=768)
     ap.add_argument("--interval", type=float, default=0.5, help="controller poll seconds")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--speculation", choices=("none", "eagle"), default="none")
+    ap.add_argument("--train-seconds", type=float, default=2.0,
+                    help="spare-training round budget (mode three, --speculation eagle)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs per mode, alternating the order; the fastest is reported")
     ap.add_argument("--quick", action="store_true", help="2 prompts x n=4, 96 tokens")
@@ -154,8 +163,13 @@ def main() -> None:
     params = [SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens,
                              seed=args.seed + i) for i in range(len(prompts))]
     ray.init(num_cpus=args.actors, include_dashboard=False, log_to_driver=False)
+    eagle = args.speculation == "eagle"
+    spare = SpareTraining(seconds=args.train_seconds, min_rollouts=1) if eagle else None
     pool = RolloutPool(args.model, args.actors, seed=args.seed, num_cpus_per_actor=1,
-                       dtype=args.dtype)
+                       dtype=args.dtype, speculative_config={"method": "eagle"} if eagle
+                       else None, spare_training=spare)
+    if eagle:
+        pool.spare.cfg = None  # harvest only until mode three
     log(f"pool of {args.actors} actors up; warm-up (every prompt, 8 tokens)")
     pool.generate(prompts, [SamplingParams(n=args.n, temperature=1.0, max_tokens=8, seed=p.seed)
                             for p in params])
@@ -173,8 +187,18 @@ def main() -> None:
         rows.append(best)
     differ = sum(a != b for x, y in zip(samples["migration"], samples["none"])
                  for a, b in zip(x, y))
-    rows.append({"mode": "migration+training", "wall_s": None,
-                 "not_run": "spare-instance drafter training is not on this branch"})
+    if eagle:
+        pool.spare.cfg = spare
+        row, samples[MODES[2]] = run_mode(pool, MODES[2], prompts, params, args.interval, log)
+        m = pool.get_metrics()
+        row["spare_training"] = m["spare_training"]
+        row["tau_per_drafter_version"] = m["tau_per_drafter_version"]
+        rows.append(row)
+        differ += sum(a != b for x, y in zip(samples[MODES[2]], samples["none"])
+                      for a, b in zip(x, y))
+    else:
+        rows.append({"mode": "migration+training", "wall_s": None,
+                     "not_run": "spare-instance training needs --speculation eagle"})
     base = rows[0]["wall_s"]
     for r in rows:
         r["speedup"] = base / r["wall_s"] if r.get("wall_s") else None
