@@ -2,7 +2,9 @@
 float32): a skewed rollout (every long request placed on actor 0) has samples moved to actor 1
 once it runs dry, by K/V transfer (two stages) or by re-prefill as the cost rule says; the
 outputs equal one engine's (greedy and seeded T=1, logprobs included), split requests come back
-joined in input order, and every actor's KV blocks are back to baseline."""
+joined in input order, and every actor's KV blocks are back to baseline. Also: the controller's
+rule alone, a destination dying after a move, and migration beside spare-instance training
+(EAGLE actors)."""
 
 import pytest
 
@@ -177,5 +179,36 @@ def test_destination_dying_after_a_move_loses_nothing(local_ray, model_dir):
         assert m["num_requests_rerun"] >= 1 and m["num_requests_rerun"] <= len(moved) + 1
         a = m["actors"][0]
         assert a["kv_blocks_free"] == a["kv_blocks_total"]
+    finally:
+        pool.shutdown()
+
+
+def test_migration_beside_spare_training(local_ray, model_dir):
+    """EAGLE actors with spare-instance training: actor 1 falls idle (it may start a training
+    round), samples migrate to it (their K/V and EAGLE features), a round there stops for them;
+    the outputs are still one engine's."""
+    from specengine.distributed import SpareTraining
+    from specengine.speculative.training.fit import TrainConfig
+
+    eagle = {"method": "eagle", "model": "random", "num_speculative_tokens": 3, "topk": 2,
+             "policy": "static"}
+    cfg = SpareTraining(seconds=600, max_steps=20, min_rollouts=1,
+                        train=TrainConfig(steps=100, batch_tokens=256, warmup=1, lr=1e-3))
+    ctl = Skewed(interval=0.05, cost=MigrationCost(bandwidth=1e15, latency=0))
+    pool = RolloutPool(str(model_dir), 2, seed=5, controller=ctl, speculative_config=eagle,
+                       spare_training=cfg, **KW)
+    try:
+        prompts, params = workload()
+        ref = LLM(str(model_dir), seed=5, speculative_config=eagle, **KW)
+        got = pool.generate(prompts, params)
+        assert samples(got) == samples(ref.generate(prompts, params, use_tqdm=False))
+        m = pool.get_metrics()
+        assert ctl.moves and m["migrated_samples"] == len(ctl.moves)
+        assert m["actors"][1]["migrated_in"] == len(ctl.moves)
+        assert m["actors"][1]["spec_steps"] > 0  # actor 1 drafted for the moved samples
+        st = m["spare_training"]
+        assert st["versions_published"] == st["drafter_version"] <= st["train_rounds"]
+        for a in m["actors"].values():
+            assert a["kv_blocks_free"] == a["kv_blocks_total"]
     finally:
         pool.shutdown()
