@@ -70,7 +70,7 @@ def test_round_stops_when_work_arrives(local_ray, model_dir, monkeypatch):
     assert w.enable_harvest(max_rollouts=64)
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9], [100, 200, 300], [42] * 7, [1, 2, 3, 4]]
-    list(w.rollout([(i, p, greedy) for i, p in enumerate(prompts)]))
+    list(w.rollout([(str(i), p, greedy) for i, p in enumerate(prompts)]))
     meta, rollouts = w.take_harvest()
     assert meta["count"] == 4 == len(rollouts) and meta["nbytes"] > 0
     assert w.take_harvest()[0]["count"] == 0  # taken out
@@ -85,7 +85,7 @@ def test_round_stops_when_work_arrives(local_ray, model_dir, monkeypatch):
         out = step(self, batch)
         if self.step_no == 2:  # new work reaches the actor during step 2
             t = threading.Thread(target=lambda: got.update(
-                out=list(w.rollout([(i, p, greedy) for i, p in enumerate(later)]))))
+                out=list(w.rollout([(f"l{i}", p, greedy) for i, p in enumerate(later)]))))
             t.start()
             got["thread"] = t
             for _ in range(6000):
@@ -101,7 +101,7 @@ def test_round_stops_when_work_arrives(local_ray, model_dir, monkeypatch):
     assert stats["steps"] == 2 and stats["stop"] == "work" and stats["rollouts"] == 4
     assert weights is not None and w.trainer.fitter.step_no == 2
     plain = LLM(str(model_dir), seed=3, **KW).generate(later, greedy, use_tqdm=False)
-    assert [o.outputs[0].token_ids for _, o in sorted(got["out"])] == \
+    assert [o.outputs[0].token_ids for o in sorted(got["out"], key=lambda o: o.request_id)] == \
         [o.outputs[0].token_ids for o in plain]
     monkeypatch.setattr(spare.Fitter, "step", step)
 
@@ -113,7 +113,7 @@ def test_round_stops_when_work_arrives(local_ray, model_dir, monkeypatch):
 
     # a version published while the engine decodes is swapped in between two of its steps
     long = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
-    t = threading.Thread(target=lambda: got.update(long=list(w.rollout([(0, [7, 8, 9], long)]))))
+    t = threading.Thread(target=lambda: got.update(long=list(w.rollout([("0", [7, 8, 9], long)]))))
     t.start()
     for _ in range(60000):  # until a verify step ran with version 1
         if drafter.per_version.get(1, [0])[0] >= 1:
@@ -124,7 +124,7 @@ def test_round_stops_when_work_arrives(local_ray, model_dir, monkeypatch):
     t.join(timeout=600)
     assert drafter.version == 2 and drafter.per_version[2][0] >= 1
     plain_long = LLM(str(model_dir), seed=3, **KW).generate([[7, 8, 9]], long, use_tqdm=False)
-    assert got["long"][0][1].outputs[0].token_ids == plain_long[0].outputs[0].token_ids
+    assert got["long"][0].outputs[0].token_ids == plain_long[0].outputs[0].token_ids
 
     w.stop_training(2)  # a stop sent before the round starts: it still runs one step
     stats, _ = w.train_drafter(refs, cfg, 2)
@@ -153,15 +153,19 @@ def test_eagle_inside_a_merged_drafter_trains(local_ray, model_dir):
     prompts = [[5, 6, 7, 8, 9], [100, 200, 300], [5, 6, 7, 8, 9]]
     want = [o.outputs[0].token_ids
             for o in LLM(str(model_dir), **KW).generate(prompts, greedy, use_tqdm=False)]
-    items = [(i, p, greedy) for i, p in enumerate(prompts)]
-    assert [o.outputs[0].token_ids for _, o in sorted(w.rollout(items))] == want
+    items = [(str(i), p, greedy) for i, p in enumerate(prompts)]
+
+    def run(items):
+        return sorted(w.rollout(items), key=lambda o: o.request_id)
+
+    assert [o.outputs[0].token_ids for o in run(items)] == want
     meta, rollouts = w.take_harvest()
     assert meta["count"] == 3
     stats, weights = w.train_drafter([ray.put(rollouts)],
                                      SpareTraining(seconds=600, max_steps=2, min_rollouts=1,
                                                    train=TRAIN), 1)
     assert stats["steps"] == 2 and w.set_drafter([ray.put(weights)], 1, 1) == 1
-    assert [o.outputs[0].token_ids for _, o in sorted(w.rollout(items))] == want
+    assert [o.outputs[0].token_ids for o in run(items)] == want
     assert w.get_metrics()["drafter_version"] == 1 and 1 in w.drafter_counts()
 
 

@@ -1,14 +1,17 @@
 """specengine on Ray (``pip install specengine[ray]``): ``RolloutPool`` (engines on Ray actors,
 one ``generate``), its actor ``RolloutWorker``, the OpenRLHF-compatible ``OpenRLHFRolloutActor``
-and the ``PoolController`` hooks. Modules: ``requests`` (arguments, central seeds), ``balance``
-(placement by predicted work), ``worker``, ``pool``, ``controller``, ``collective`` (gloo weight
-group), ``openrlhf``, ``training`` (spare-instance drafter training, ``SpareTraining``)."""
+and the ``PoolController`` hooks with ``MigrationController`` (samples moved between actors in
+the long tail). Modules: ``requests`` (arguments, central seeds), ``balance`` (placement by
+predicted work), ``worker``, ``pool``, ``rollout`` (one generate's bookkeeping), ``controller``,
+``migration``, ``collective`` (gloo weight group), ``openrlhf``, ``training`` (spare-instance
+drafter training, ``SpareTraining``)."""
 
 from specengine.distributed.controller import PoolController
+from specengine.distributed.migration import MigrationController
 from specengine.distributed.openrlhf import OpenRLHFRolloutActor, remote_actor
 from specengine.distributed.pool import RolloutPool
 from specengine.distributed.training import SpareTraining
 from specengine.distributed.worker import RolloutWorker
 
-__all__ = ["OpenRLHFRolloutActor", "PoolController", "RolloutPool", "RolloutWorker",
-           "SpareTraining", "remote_actor"]
+__all__ = ["MigrationController", "OpenRLHFRolloutActor", "PoolController", "RolloutPool",
+           "RolloutWorker", "SpareTraining", "remote_actor"]

@@ -20,6 +20,13 @@ returned are placed again on the actors left (same params, so the same seeds and
 it returned is kept, so nothing is lost or returned twice. A dead actor is not replaced. With no
 actor left the call raises RuntimeError.
 
+Migration: with ``controller=MigrationController()`` (``distributed/migration.py``) samples move
+from a busy actor to an idle one during the rollout (two-stage K/V transfer or re-prefill);
+actors are threaded (``max_concurrency`` 8) and step their engine one step per lock hold, so the
+controller's status, export and import calls run between steps. A request split that way comes
+back in parts; the pool joins them (``rollout.Rollout``), so ``generate`` still returns one output
+per request, in input order, with the samples one engine would give.
+
 Weights: ``update_weights`` / ``load_weights`` put the tensors into Ray's object store once
 (``ray.put``) and send every actor the same reference.
 
@@ -41,16 +48,17 @@ from __future__ import annotations
 
 import itertools
 import queue
-import threading
+import time
 from collections.abc import Iterable, Mapping
 
 import ray
 import torch
 from ray.exceptions import RayActorError
 
-from specengine.distributed.balance import WorkModel, assign, group_requests
+from specengine.distributed.balance import WorkModel, group_requests
 from specengine.distributed.controller import PoolController
 from specengine.distributed.requests import PoolRequest, SeedSource, prepare
+from specengine.distributed.rollout import Rollout
 from specengine.distributed.training import SpareScheduler, SpareTraining, merge_tau
 from specengine.distributed.worker import RolloutWorker
 from specengine.outputs import RequestOutput
@@ -73,7 +81,7 @@ class RolloutPool:
             pool collects them (``harvested``) after each ``generate`` and before each training
             round.
         spare_training: a ``SpareTraining`` config: train the EAGLE drafter on spare actors
-            (implies ``harvest``; actors become threaded, ``max_concurrency`` 4 unless
+            (implies ``harvest``). Actors are always threaded (``max_concurrency`` 8 unless
             ``actor_options`` says otherwise).
         **llm_kwargs: the other ``LLM`` arguments (dtype, max_model_len, vLLM engine args ...),
             the same on every actor.
@@ -102,9 +110,8 @@ class RolloutPool:
         self.seeds = SeedSource(seed)
         self.work = WorkModel()
         self.controller = controller or PoolController()
-        options = dict(actor_options or {})
-        if spare_training is not None:  # rollout / set_drafter / stop run beside a round
-            options.setdefault("max_concurrency", 4)
+        # threaded: migration calls, spare-training rounds and their stops run between steps
+        options = {"max_concurrency": 8, **(actor_options or {})}
         cls = ray.remote(RolloutWorker).options(
             num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_actor, **options)
         threads = max(1, int(num_cpus_per_actor))
@@ -129,6 +136,7 @@ class RolloutPool:
         self.num_requests_rerun = 0  # requests re-run after their actor died
         self.dead: dict[int, str] = {}  # actor id -> why
         self._next_id = 0
+        self._runs = itertools.count()  # generate calls (actor-side request ids "<run>.<index>")
 
     # ---- generation -----------------------------------------------------------------------
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = False
@@ -159,73 +167,50 @@ class RolloutPool:
         return results
 
     def _run(self, reqs: list[PoolRequest], results: list) -> None:
-        """Dispatch ``reqs`` and collect their outputs into ``results`` (by index), re-placing
-        the unfinished requests of actors that die."""
-        events: queue.Queue = queue.Queue()
-        calls: dict[int, tuple[int, dict[int, PoolRequest]]] = {}  # call -> (actor, unfinished)
-        ids = itertools.count()
-
-        def launch(plan: dict[int, list[PoolRequest]]) -> None:
-            for actor_id, rs in plan.items():
-                cid = next(ids)
-                calls[cid] = (actor_id, {r.index: r for r in rs})
-                threading.Thread(target=self._consume, args=(cid, actor_id, rs, events),
-                                 daemon=True).start()
-                self.controller.on_dispatch(self, actor_id, [r.index for r in rs])
-
-        def busy() -> set[int]:
-            return {a for a, _ in calls.values()}
-
+        """Dispatch ``reqs`` and collect their outputs into ``results`` (by index): parts of
+        requests split by migration are joined, the unfinished requests of actors that die are
+        placed again; the controller's ``on_tick`` runs every ``controller.interval`` seconds;
+        with spare training, actors whose calls ended train between (``SpareScheduler``)."""
+        run = Rollout(self, reqs, results, next(self._runs))
+        ctl, spare = self.controller, self.spare
         self._require_alive()
-        launch(assign(group_requests(reqs), self.alive, self.work))
         try:
-            if self.spare is not None:
-                self.spare.begin(events, busy())
-            self._loop(calls, events, results, launch, busy)
+            run.launch(ctl.place(self, group_requests(reqs), list(self.alive), self.work))
+            if spare is not None:
+                spare.begin(run.events, run.busy())
+            last = time.perf_counter()
+            while not run.complete():
+                if not run.calls:
+                    raise RuntimeError(f"RolloutPool: every actor call ended with requests "
+                                       f"{run.missing()} unfinished")
+                wait = None if ctl.interval is None else max(
+                    0.0, ctl.interval - (time.perf_counter() - last))
+                try:
+                    kind, cid, payload = run.events.get(timeout=wait)
+                except queue.Empty:
+                    kind = None
+                if kind == "trained":  # a spare-instance training round ended (payload: its id)
+                    spare.on_trained(payload, run.busy(), run.events)
+                elif kind is not None:
+                    actor_id = run.handle(kind, cid, payload)
+                    if kind == "done" and spare is not None and actor_id in self.alive:
+                        spare.on_idle(actor_id, run.busy(), run.events)
+                if ctl.interval is not None and (ctl.due or time.perf_counter() - last
+                                                 >= ctl.interval) and not run.complete():
+                    ctl.due = False
+                    ctl.on_tick(self, run)
+                    last = time.perf_counter()
         finally:
-            if self.spare is not None:
-                self.spare.finish()
+            try:  # after an error, or samples still running twice after a re-run
+                if not run.complete() or run.reran:
+                    run.abort()
+            finally:
+                if spare is not None:
+                    spare.finish()
 
-    def _loop(self, calls: dict, events: queue.Queue, results: list, launch, busy) -> None:
-        """``_run``'s event loop, until every call has ended."""
-        while calls:
-            kind, cid, payload = events.get()
-            if kind == "trained":  # a spare-instance training round ended (payload: its id)
-                self.spare.on_trained(payload, busy(), events)
-                continue
-            actor_id, todo = calls[cid]
-            if kind == "out":
-                index, out = payload
-                if todo.pop(index, None) is not None and results[index] is None:
-                    results[index] = out
-                    self.work.observe(out)
-                    self.controller.on_output(self, actor_id, index, len(todo))
-                continue
-            del calls[cid]
-            if kind == "error":
-                raise payload
-            if kind == "done" and todo:
-                raise RuntimeError(f"actor {actor_id} ended its rollout without requests "
-                                   f"{sorted(todo)}")
-            if kind == "done" and self.spare is not None:
-                self.spare.on_idle(actor_id, busy(), events)
-            if kind == "dead":
-                self._mark_dead(actor_id, payload)
-                rerun = sorted(todo)
-                self.num_requests_rerun += len(rerun)
-                self.controller.on_actor_dead(self, actor_id, payload, rerun)
-                if rerun:
-                    self._require_alive(len(rerun))
-                    load = {a: sum(self.work.work([r]) for r in t.values())
-                            for a, t in calls.values()}
-                    launch(assign(group_requests([todo[i] for i in rerun]), self.alive,
-                                  self.work, load))
-
-    def _consume(self, cid: int, actor_id: int, rs: list[PoolRequest],
-                 events: queue.Queue) -> None:
+    def _consume(self, cid: int, actor_id: int, items: list, events: queue.Queue) -> None:
         """Thread body: stream one actor call's outputs into ``events``."""
         try:
-            items = [(r.index, r.prompt, r.params) for r in rs]
             stream = self.actors[actor_id].rollout.options(num_returns="streaming").remote(items)
             for ref in stream:
                 events.put(("out", cid, ray.get(ref)))
@@ -320,7 +305,8 @@ class RolloutPool:
 
     def get_metrics(self) -> dict:
         """``actors``: actor id -> its ``LLM.get_metrics()`` (live actors); ``num_actors``,
-        ``num_actors_dead``, ``num_requests_rerun``, ``num_objects_put``. With ``harvest`` /
+        ``num_actors_dead``, ``num_requests_rerun``, ``num_objects_put``; the controller's
+        ``metrics()`` (a ``MigrationController``'s ``migration_*`` keys). With ``harvest`` /
         ``spare_training``: ``spare_training`` (``SpareScheduler.stats``: train seconds, steps,
         rounds, versions published, newest drafter version, harvested rollouts),
         ``drafter_versions`` (actor id -> drafter version in use; EAGLE actors) and
@@ -329,7 +315,7 @@ class RolloutPool:
         d = {"actors": self._broadcast_by_actor("get_metrics"),
              "num_actors": len(self.alive), "num_actors_dead": len(self.dead),
              "num_requests_rerun": self.num_requests_rerun,
-             "num_objects_put": self.num_objects_put}
+             "num_objects_put": self.num_objects_put, **self.controller.metrics()}
         if self.spare is not None:
             d["spare_training"] = self.spare.stats()
             d["drafter_versions"] = {a: m["drafter_version"] for a, m in d["actors"].items()

@@ -371,7 +371,7 @@ class SpareTrainingActor:
     ``train_lock``, not the engine lock), ``stop_training`` ends it early, ``set_drafter`` swaps
     in a published version. Work arriving (``rollout_begins``, called first by ``rollout``)
     stops a round before its next optimizer step and waits for it, so a threaded actor is needed
-    (``RolloutPool`` gives its actors ``max_concurrency`` 4 when training is on). Code that hands
+    (``RolloutPool``'s actors are threaded, ``max_concurrency`` 8). Code that hands
     the actor work by another method (e.g. migrated sequences) calls ``notify_work`` first.
     """
 

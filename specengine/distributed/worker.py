@@ -6,20 +6,35 @@ as a Ray ``ObjectRef`` inside a list (so Ray hands the actor the reference, not 
 call) and are fetched from the object store here. Every call holds ``self.lock``: a threaded
 actor (``max_concurrency > 1``) never runs two engine calls at once.
 
+Rollout streams and migration: ``rollout`` steps the engine one step per lock hold, so a threaded
+actor serves ``migration_status`` / ``export_prefixes`` / ``export_sequences`` /
+``import_sequences`` between two steps of a running rollout (those calls announce themselves
+and the stepping loop waits for them before its next step). Several streams may run on one actor
+(a re-run after a fault, samples imported while none ran): whichever holds the lock steps the
+engine for all; each finished ``RequestOutput`` goes to the stream owning its request id. A
+stream owns the requests it added and adopts requests nobody owns (samples imported here);
+it ends when none of its requests is left on this engine (finished, or every sample moved away).
+
 Spare-instance drafter training: the methods of ``training.SpareTrainingActor`` (harvest,
-train a round, publish); ``rollout`` announces itself there (``rollout_begins`` / ``_ends``).
+train a round, publish); ``rollout`` announces itself there (``rollout_begins`` / ``_ends``), and
+``import_sequences`` calls ``notify_work`` (samples arriving stop a round).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import os
 import threading
+import time
+from contextlib import contextmanager
 
 import ray
 import torch
 
 from specengine.api import LLM
 from specengine.distributed.training import SpareTrainingActor
+from specengine.migration import KVChunk, MigratedSequence
 from specengine.sampling import SamplingParams
 
 
@@ -40,6 +55,13 @@ class RolloutWorker(SpareTrainingActor):
             torch.set_num_threads(max(1, int(num_threads)))
         self.lock = threading.RLock()
         self.llm = LLM(**llm_kwargs)
+        self._turn = threading.Condition()  # callers waiting for the lock between steps
+        self._callers = 0
+        self._stream_ids = itertools.count()
+        self._owner: dict[str, int] = {}  # request id -> the stream that returns it
+        self._live: set[int] = set()  # streams running
+        self._outbox: dict[str, list] = {}  # finished outputs not yet taken by their stream
+        self._staged_in: dict[tuple[str, int], KVChunk] = {}  # stage-one chunks received
         self.objects_received: list[str] = []  # hex ids of the ObjectRefs fetched here
         self.init_spare_training()
 
@@ -48,24 +70,211 @@ class RolloutWorker(SpareTrainingActor):
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                 "num_threads": torch.get_num_threads()}
 
-    def rollout(self, items: list[tuple[int, object, SamplingParams]]):
-        """Generate ``items`` (``(index, prompt, params)``) in one batch; yields
-        ``(index, RequestOutput)`` as each request finishes (a Ray streaming generator, so the
-        pool keeps what finished if this actor dies later).
+    def rollout(self, items: list[tuple[str, object, SamplingParams]]):
+        """Generate ``items`` (``(request_id, prompt, params)``), one engine step per lock
+        hold; yields each finished ``RequestOutput`` of the requests this stream owns (its
+        items, and requests imported here that no stream owned) as a Ray streaming generator,
+        so the pool keeps what finished if this actor dies later. A request some of whose
+        samples moved to another engine comes back in parts (each engine returns the samples
+        that finished there; ``migration.merge_outputs`` joins them). Ends when none of its
+        requests is left here.
 
         Raises:
-            ValueError: a bad prompt or params (from ``LLM.generate_iter``); nothing runs then.
+            ValueError: a bad prompt or params, a request id in use; nothing is added then.
+            RuntimeError: an engine step failed (every request of this engine is dropped).
         """
         self.rollout_begins()  # a spare-instance training round here stops first
         try:
-            with self.lock:
-                index = [i for i, _, _ in items]
-                it = self.llm.generate_iter([p for _, p, _ in items], [s for _, _, s in items],
-                                            use_tqdm=False)
-                for k, out in it:
-                    yield index[k], out
+            for out in self._stream(items):  # noqa: UP028 - Ray's streaming send()s into it
+                yield out
         finally:
             self.rollout_ends()
+
+    def _stream(self, items: list[tuple[str, object, SamplingParams]]):
+        """``rollout``'s body: add ``items``, step, yield this stream's outputs."""
+        eng = self.llm.engine
+        with self.lock:
+            sid = next(self._stream_ids)
+            added = []
+            try:
+                for rid, prompt, params in items:
+                    added.append(self.llm.add_request(prompt, params, request_id=rid))
+            except BaseException:
+                for rid in added:
+                    eng.abort_request(rid)
+                raise
+            for rid in added:
+                self._owner[rid] = sid
+            self._live.add(sid)
+        try:
+            while True:
+                self._wait_for_callers()
+                with self.lock:
+                    ready, left = self._step_for(sid)
+                for out in ready:  # noqa: UP028 - Ray's streaming send()s into the generator
+                    yield out
+                if not left:
+                    return
+        finally:  # ended, failed or closed: what it still owned may be adopted by another
+            with self.lock:
+                for r in [r for r, s in self._owner.items() if s == sid]:
+                    del self._owner[r]
+                self._live.discard(sid)
+
+    def _step_for(self, sid: int) -> tuple[list, list]:
+        """One engine step (lock held) for every stream; returns stream ``sid``'s finished
+        outputs and its request ids still here."""
+        eng = self.llm.engine
+        if eng.has_unfinished():
+            try:
+                outs = self.llm.step()
+            except BaseException:
+                eng.abort_all()
+                self._outbox.clear()
+                raise
+            for out in outs:
+                self._outbox.setdefault(out.request_id, []).append(out)
+        for rid in self._unowned():  # samples imported while no stream ran
+            self._owner[rid] = sid
+        mine = [r for r, s in self._owner.items() if s == sid]
+        ready = [o for r in mine for o in self._outbox.pop(r, [])]
+        ready_now = {o.request_id for o in eng.outputs_ready}
+        left = [r for r in mine if r in eng.requests or r in ready_now]
+        for r in set(mine) - set(left):
+            del self._owner[r]
+        if not left:
+            self._live.discard(sid)
+        return ready, left
+
+    def _unowned(self) -> list[str]:
+        eng = self.llm.engine
+        held = set(eng.requests) | {o.request_id for o in eng.outputs_ready} | set(self._outbox)
+        return [r for r in held if r not in self._owner]
+
+    def _wait_for_callers(self) -> None:
+        """Before a step: let calls waiting for the lock (status, export, import) go first."""
+        with self._turn:
+            self._turn.wait_for(lambda: self._callers == 0, timeout=1.0)
+
+    @contextmanager
+    def _between_steps(self):
+        """Hold the engine between two steps of any running rollout."""
+        with self._turn:
+            self._callers += 1
+        try:
+            with self.lock:
+                yield
+        finally:
+            with self._turn:
+                self._callers -= 1
+                self._turn.notify_all()
+
+    def abort_requests(self, request_ids: list[str]) -> int:
+        """Drop these requests here (unknown ids are skipped) and any output of them not yet
+        returned; the streams owning them end. Returns how many were dropped."""
+        with self._between_steps():
+            eng = self.llm.engine
+            n = sum(bool(eng.abort_request(r)) for r in request_ids)
+            drop = set(request_ids)
+            eng.outputs_ready[:] = [o for o in eng.outputs_ready if o.request_id not in drop]
+            for r in request_ids:
+                self._outbox.pop(r, None)
+            return n
+
+    # ---- migration (specengine.migration; RolloutPool's MigrationController) ----------------
+    def migration_status(self) -> dict:
+        """``sequences``: ``LLM.running_sequences()`` (unfinished samples, predicted remaining
+        tokens, KV bytes); ``prefill_seconds_per_token``: this engine's predicted prefill
+        seconds per token (``LLM.prefill_seconds(1024) / 1024``); ``seconds``: time the engine
+        was held for it (not the wait for the step in progress)."""
+        with self._between_steps():
+            t0 = time.perf_counter()
+            seqs = self.llm.running_sequences()
+            rate = self.llm.prefill_seconds(1024) / 1024
+            seconds = time.perf_counter() - t0
+        return {"sequences": seqs, "prefill_seconds_per_token": rate, "seconds": seconds}
+
+    def export_prefixes(self, keys: list[tuple[str, int]]) -> list[KVChunk | None]:
+        """Stage one for each ``(request_id, sample index)``: ``LLM.export_prefix`` (the sample
+        keeps decoding here); None for a sample that finished or is not running."""
+        out = []
+        with self._between_steps():
+            for rid, i in keys:
+                try:
+                    out.append(self.llm.export_prefix(rid, i))
+                except ValueError:
+                    out.append(None)
+        return out
+
+    def export_sequences(self, keys: list[tuple[str, int]], with_kv: list[bool]
+                         ) -> list[MigratedSequence | None]:
+        """Stage two for each ``(request_id, sample index)``, all between the same two steps:
+        ``LLM.export_sequence`` (the sample leaves this engine); None for a sample that
+        finished meanwhile (it comes back from here)."""
+        out = []
+        with self._between_steps():
+            for (rid, i), kv in zip(keys, with_kv):
+                try:
+                    out.append(self.llm.export_sequence(rid, i, with_kv=kv))
+                except ValueError:
+                    self.llm.migration.cancel_export(rid, i)
+                    out.append(None)
+        return out
+
+    def stage_prefixes(self, keys: list[tuple[str, int]], chunks: list[KVChunk | None]) -> int:
+        """Receive stage one's chunks ahead of stage two (the pool passes the export call's
+        ObjectRef, so they travel from the source while it keeps decoding); kept for the next
+        ``import_sequences`` without ``prefixes``. Does not hold the engine. Returns how many."""
+        staged = {tuple(k): c for k, c in zip(keys, chunks) if c is not None}
+        with self._turn:
+            self._staged_in.update(staged)
+        return len(staged)
+
+    def cancel_exports(self, keys: list[tuple[str, int]]) -> None:
+        """Forget stage ones whose stage two will not come (``Migrator.cancel_export``)."""
+        with self._between_steps():
+            for rid, i in keys:
+                self.llm.migration.cancel_export(rid, i)
+
+    def import_sequences(self, states: list[MigratedSequence | None],
+                         prefixes: list[KVChunk | None] | None = None) -> dict:
+        """``LLM.import_sequence`` for each exported sample (None entries skipped), with its
+        stage-one chunk from ``prefixes`` or, when None, from ``stage_prefixes`` (every staged
+        chunk is dropped afterwards). A sample whose K/V finds no room (RuntimeError) is
+        queued for a re-prefill instead. Imported requests go to a running stream of this
+        actor, or to the next ``rollout`` started here.
+
+        Returns:
+            ``kv`` / ``reprefill``: samples continuing each way; ``bytes``: payload bytes
+            received; ``adopted``: whether a running stream owns them (else the caller starts
+            ``rollout([])`` here); ``keys``: ``(request_id, index, how)`` imported.
+
+        Raises:
+            ValueError: a payload this engine refuses (another weight version, ...).
+        """
+        self.notify_work()  # a spare-instance training round here stops
+        with self._turn:
+            staged, self._staged_in = self._staged_in, {}
+        if prefixes is None:
+            prefixes = [staged.get((s.request_id, s.index)) if s is not None else None
+                        for s in states]
+        got = {"kv": 0, "reprefill": 0, "bytes": 0, "keys": []}
+        with self._between_steps():
+            for state, prefix in zip(states, prefixes):
+                if state is None:
+                    continue
+                try:
+                    how = self.llm.import_sequence(state, prefix)
+                except RuntimeError:  # no KV room: recompute it when there is
+                    how = self.llm.import_sequence(
+                        dataclasses.replace(state, tail=None, num_cached=0), None)
+                got[how] += 1
+                got["bytes"] += state.nbytes + (prefix.nbytes if prefix is not None and
+                                                state.tail is not None and state.tail.start
+                                                else 0)
+                got["keys"].append((state.request_id, state.index, how))
+            got["adopted"] = bool(self._live)
+        return got
 
     def _fetch(self, refs: list):
         self.objects_received.append(refs[0].hex())
