@@ -112,8 +112,8 @@ class OnlineDrafter(TrainerCallback):
     ``DrafterTrainer.train_now(steps)`` fits the drafter on that buffer and publishes a new
     version, swapped in at once (the engine is idle), so step i+1 drafts with version i+1.
     Training seconds are wall seconds of ``train_now`` and the swap, kept out of generation
-    and TRL's step time. Training is EAGLE-3-style feature drafting (Li et al. 2025), as in
-    ``specengine.speculative.training``.
+    and TRL's step time. The loss is ``training.fit``'s (EAGLE arXiv 2401.15077, EAGLE-3's
+    training-time test arXiv 2503.01840), unrolled 2 steps here.
     """
 
     def __init__(self, llm: LLM, eagle, steps: int, rounds: int, window: int,
