@@ -28,13 +28,20 @@ from specengine.trace import RolloutTrace
 
 
 def default_policies(trace: RolloutTrace) -> list[str]:
-    """``off``, ``as-logged`` and the static form of the trace's most used strategy."""
+    """``off``, ``as-logged`` and the static form of the trace's most used strategy; for a
+    trace of several merged drafters (whose statistics are per source), the static form of
+    the source that proposed the most nodes at that branching (``,source=NAME``)."""
     used = Counter((st.get("depth", 0), st.get("topk", 0)) for st in trace.steps
                    if st.get("depth") and st["decode"])
     policies = ["off", "as-logged"]
     if used:
         (d, k), _ = used.most_common(1)[0]
-        policies.append(f"static:d={d}" + (f",k={k}" if k > 1 else ""))
+        static = f"static:d={d}" + (f",k={k}" if k > 1 else "")
+        stats = AcceptanceStats(trace)
+        nodes = {src: sum(v) for (src, kk), v in stats.overall.nodes.items() if kk == k}
+        if nodes and trace.meta.get("drafter") not in nodes:
+            static += f",source={max(nodes, key=nodes.get)}"
+        policies.append(static)
     return policies
 
 

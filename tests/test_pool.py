@@ -90,6 +90,11 @@ def test_balance_groups_identical_prompts_longest_first():
         assign(groups, [], model)
 
 
+def test_bad_speculative_config_is_refused_before_any_actor_starts():
+    with pytest.raises(ValueError, match="actor 1: speculative_config method='eagel'"):
+        RolloutPool("unused", num_actors=2, speculative_config=[None, {"method": "eagel"}])
+
+
 def test_seed_source_draws_what_the_engine_draws(dirs):
     llm = LLM(str(dirs[0]), seed=11, **KW)
     reqs = prepare([[1, 2, 3]] * 3, SamplingParams(max_tokens=4), SeedSource(11))

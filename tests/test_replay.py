@@ -317,3 +317,21 @@ def test_replay_cli(tmp_path):
     table.write_text(json.dumps(dict(TABLE, kind="guess")))
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 2 and "kind='guess'" in res.stderr
+
+
+def test_default_policies_name_a_source_for_merged_traces(traced):
+    """A trace whose nodes come from sources other than the drafter's name (a merged drafter:
+    here "a" and "b" under "ngram") gets a static policy of its busiest source, which replays."""
+    import importlib.util
+
+    path = Path(__file__).parent.parent / "bench" / "replay.py"
+    spec = importlib.util.spec_from_file_location("bench_replay", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    _, trace, _ = traced
+    policies = mod.default_policies(trace)
+    assert policies[:2] == ["off", "as-logged"]
+    assert policies[2].startswith("static:d=3") and policies[2].split("source=")[1] in {"a", "b"}
+    with pytest.raises(ValueError, match="no draft nodes from source 'ngram'"):
+        replay(trace, CostTable(TABLE), "static:d=3")
+    assert replay(trace, CostTable(TABLE), policies[2]).seconds > 0

@@ -62,6 +62,7 @@ from specengine.distributed.rollout import Rollout
 from specengine.distributed.training import SpareScheduler, SpareTraining, merge_tau
 from specengine.distributed.worker import RolloutWorker
 from specengine.outputs import RequestOutput
+from specengine.speculative.config import SpeculativeConfig
 
 
 class RolloutPool:
@@ -104,6 +105,11 @@ class RolloutPool:
             else [speculative_config] * num_actors
         if len(specs) != num_actors:
             raise ValueError(f"speculative_config: {len(specs)} configs for {num_actors} actors")
+        for i, spec in enumerate(specs):  # fail here, not after the actors started
+            try:
+                SpeculativeConfig.from_dict(spec)
+            except ValueError as e:
+                raise ValueError(f"actor {i}: {e}") from None
         if spare_training is not None and not isinstance(spare_training, SpareTraining):
             raise ValueError(f"spare_training is a {type(spare_training).__name__}; expected "
                              "a SpareTraining or None")
