@@ -19,7 +19,7 @@ from specengine.memory import MemoryManager
 from specengine.migration import KVChunk, MigratedSequence, Migrator, SequenceInfo
 from specengine.models.registry import DEFAULT_MODEL
 from specengine.outputs import RequestOutput
-from specengine.sampling import SamplingParams
+from specengine.sampling import SamplingParams, per_prompt
 from specengine.speculative.config import SpeculativeConfig
 from specengine.speculative.drafters import make_drafter
 from specengine.speculative.drafters.merged import share_calibration
@@ -462,16 +462,7 @@ class LLM:
                       | None = None, use_tqdm: bool = True):
         """Like ``generate``, but yields ``(prompt_index, RequestOutput)`` as each request
         finishes (so a batch job can save results as it goes). Validation happens first."""
-        if isinstance(prompts, (str, dict)) or (
-                isinstance(prompts, (list, tuple)) and prompts
-                and all(isinstance(t, int) for t in prompts)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        prompts, params = per_prompt(prompts, sampling_params)
         self.memory.check_ready()
         for i, p in enumerate(params):
             self._check_logprobs(p, f"prompt {i}")

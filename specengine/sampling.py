@@ -155,6 +155,35 @@ class SamplingParams:
         return cls(**d)
 
 
+
+def per_prompt(prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
+    """``generate``'s arguments as a list of prompts and one ``SamplingParams`` each.
+
+    Args:
+        prompts: one prompt (a string, a list of token ids, a dict) or a list of them.
+        sampling_params: one ``SamplingParams`` for all, a list with one per prompt, or None
+            (the defaults).
+
+    Raises:
+        ValueError: a params list of the wrong length, or an entry that is not
+            ``SamplingParams``.
+    """
+    if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple)) and prompts
+            and all(isinstance(t, int) for t in prompts)):
+        prompts = [prompts]
+    prompts = list(prompts)
+    params = sampling_params if sampling_params is not None else SamplingParams()
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    params = list(params)
+    if len(params) != len(prompts):
+        raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+    for i, p in enumerate(params):
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"sampling_params[{i}] is a {type(p).__name__}, not SamplingParams")
+    return prompts, params
+
 def noise_rows(key: int, positions: list[int], vocab: int) -> torch.Tensor:
     """``[len(positions), vocab]`` float32 ``Exp(1)`` noise of output ``positions`` of the noise
     stream ``key`` (a 62-bit int). Counter-based (``csrc/noise.cpp``: SplitMix64 of (key,

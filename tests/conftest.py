@@ -33,3 +33,13 @@ def tiny_llama_tok_dir(tmp_path_factory, default_model_dir):
     return save_random_model(tmp_path_factory.mktemp("tiny_llama_tok"),
                              {"tie_word_embeddings": True}, tokenizer_from=default_model_dir,
                              seed=2)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray for one test module (3 CPUs: two pool actors and one more actor), shut
+    down after it; modules using it skip when ray is not installed."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()

@@ -30,13 +30,6 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pool")
     return (save_random_model(root / "a", {"num_hidden_layers": 2}, seed=1),

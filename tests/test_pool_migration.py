@@ -20,13 +20,6 @@ KW = {"dtype": "float32", "block_size": 8, "kv_cache_memory_bytes": 8 << 20}
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return save_random_model(tmp_path_factory.mktemp("poolmig"), {"num_hidden_layers": 2},
                              seed=1)

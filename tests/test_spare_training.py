@@ -26,13 +26,6 @@ TRAIN = TrainConfig(steps=100, batch_tokens=256, warmup=1, lr=1e-3)
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return save_random_model(tmp_path_factory.mktemp("spare"), {"num_hidden_layers": 2}, seed=1)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specengine.sampling import SamplingParams
+from specengine.sampling import SamplingParams, per_prompt
 
 
 @dataclass
@@ -92,20 +92,7 @@ def prepare(prompts, sampling_params, seeds: SeedSource) -> list[PoolRequest]:
         ValueError: a prompt of the wrong type or empty, a params list of the wrong length,
             a params entry that is not ``SamplingParams``; no seed is drawn then.
     """
-    if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, (list, tuple)) and prompts
-            and all(isinstance(t, int) for t in prompts)):
-        prompts = [prompts]
-    prompts = list(prompts)
-    params = sampling_params if sampling_params is not None else SamplingParams()
-    if isinstance(params, SamplingParams):
-        params = [params] * len(prompts)
-    params = list(params)
-    if len(params) != len(prompts):
-        raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-    for i, p in enumerate(params):
-        if not isinstance(p, SamplingParams):
-            raise ValueError(f"sampling_params[{i}] is a {type(p).__name__}, not SamplingParams")
+    prompts, params = per_prompt(prompts, sampling_params)
     keyed = [_key_and_len(p, i) for i, p in enumerate(prompts)]
     out = []
     for i, (prompt, p, (key, n)) in enumerate(zip(prompts, params, keyed)):
