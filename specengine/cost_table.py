@@ -36,9 +36,10 @@ So one step costs ``forward(T, C) + pair_s * (A - C) + other + draft + policy`` 
 from __future__ import annotations
 
 import bisect
-import json
 import os
 from dataclasses import dataclass, field
+
+from specengine.jsonl import read_json, write_json_atomic
 
 TABLE_FORMAT = "specengine-step-costs"
 TABLE_VERSION = 1
@@ -175,21 +176,11 @@ class CostTable:
         Raises:
             FileNotFoundError: no such file. ValueError: not JSON, or an invalid table.
         """
-        path = os.fspath(path)
-        with open(path) as f:
-            try:
-                doc = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"cost table {path}: not JSON ({e})") from None
-        return cls(doc, f"cost table {path}")
+        return cls(read_json(path, "cost table"), f"cost table {os.fspath(path)}")
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the table as indented JSON, atomically."""
-        path = os.fspath(path)
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.doc, f, indent=1)
-        os.replace(tmp, path)
+        write_json_atomic(path, self.doc, indent=1)
 
     def forward_seconds(self, tokens: float, context: float, pairs: float | None = None) -> float:
         """Target forward seconds for ``tokens`` tokens reading ``context`` KV positions (one

@@ -1,4 +1,5 @@
-"""JSONL input and output for batch jobs: per-line errors instead of a failed job, atomic writes."""
+"""JSON and JSONL files: per-line errors instead of a failed batch job, atomic writes, and one
+JSON document read with a clear error."""
 
 from __future__ import annotations
 
@@ -36,3 +37,30 @@ def write_jsonl_atomic(path: str, records: list[dict]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: str | os.PathLike, doc, indent: int | None = None) -> None:
+    """Write ``doc`` as JSON to a temporary file beside ``path``, then rename it into place
+    (compact without ``indent``)."""
+    path = os.fspath(path)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=indent, separators=None if indent else (",", ":"))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_json(path: str | os.PathLike, what: str):
+    """The JSON document in ``path``.
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: not JSON (the message names ``what`` and
+            the path).
+    """
+    path = os.fspath(path)
+    with open(path, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{what} {path}: not JSON ({e})") from None

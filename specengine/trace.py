@@ -35,6 +35,7 @@ import json
 import os
 import time
 
+from specengine.jsonl import read_json, write_json_atomic
 from specengine.speculative.policy.base import strategy_name
 
 TRACE_FORMAT = "specengine-rollout-trace"
@@ -85,11 +86,7 @@ class RolloutTrace:
     def save(self, path: str | os.PathLike) -> None:
         """Write the trace as JSON to ``path`` atomically (a temporary file renamed into
         place)."""
-        path = os.fspath(path)
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.to_dict(), f, separators=(",", ":"))
-        os.replace(tmp, path)
+        write_json_atomic(path, self.to_dict())
 
     @classmethod
     def from_dict(cls, doc, what: str = "trace") -> RolloutTrace:
@@ -140,13 +137,7 @@ class RolloutTrace:
         Raises:
             FileNotFoundError: no such file. ValueError: not JSON, or not a valid trace.
         """
-        path = os.fspath(path)
-        with open(path) as f:
-            try:
-                doc = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"trace {path}: not JSON ({e})") from None
-        return cls.from_dict(doc, f"trace {path}")
+        return cls.from_dict(read_json(path, "trace"), f"trace {os.fspath(path)}")
 
 
 class TraceRecorder:
