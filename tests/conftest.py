@@ -43,3 +43,15 @@ def local_ray():
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def target_dir(tmp_path_factory):
+    """The tiny random target most engine tests share (2 layers, seed 1); read-only."""
+    return save_random_model(tmp_path_factory.mktemp("t"), {"num_hidden_layers": 2}, seed=1)
+
+
+@pytest.fixture(scope="session")
+def draft_dir(tmp_path_factory):
+    """A tiny random draft model for ``target_dir`` (1 layer, seed 2); read-only."""
+    return save_random_model(tmp_path_factory.mktemp("d"), {"num_hidden_layers": 1}, seed=2)

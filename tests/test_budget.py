@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from specengine import LLM, SamplingParams
-from specengine.models.loader import save_random_model
 from specengine.speculative.policy import AutoPolicy
 from specengine.speculative.policy.acceptance import AcceptanceModel
 from specengine.speculative.policy.budget import BudgetSpread, allocate, path_min
@@ -272,11 +271,6 @@ class ForcedAuto(AutoPolicy):
     def choose(self, num_running):
         self._predicted = self.rate
         return self.strategy
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return save_random_model(tmp_path_factory.mktemp("t"), {"num_hidden_layers": 2}, seed=1)
 
 
 def make(target_dir, spec=None):

@@ -25,11 +25,6 @@ from specengine.speculative.strategy import Strategy
 
 
 @pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return save_random_model(tmp_path_factory.mktemp("t"), {"num_hidden_layers": 2}, seed=1)
-
-
-@pytest.fixture(scope="module")
 def target(target_dir):
     return load_model(target_dir, dtype=torch.float32)
 

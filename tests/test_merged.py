@@ -15,7 +15,6 @@ from helpers import rand_prompts
 from reference_verify import verify_sampling
 
 from specengine import LLM, SamplingParams
-from specengine.models.loader import save_random_model
 from specengine.speculative.config import SpeculativeConfig
 from specengine.speculative.drafters.base import Drafter, prune_tree
 from specengine.speculative.drafters.merged import MergedDrafter, merge_trees
@@ -183,11 +182,6 @@ def test_merged_drafter_forwards_hooks_and_names_itself():
 
 
 # ---- exactness in the engine ---------------------------------------------------------------
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return save_random_model(tmp_path_factory.mktemp("t"), {"num_hidden_layers": 2}, seed=1)
-
-
 def make(target_dir, spec=None, **kw):
     kw.setdefault("kv_cache_memory_bytes", 8 << 20)
     return LLM(str(target_dir), dtype="float32", block_size=8, speculative_config=spec, **kw)

@@ -21,11 +21,6 @@ SPECS = {
 }
 
 
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return save_random_model(tmp_path_factory.mktemp("t"), {"num_hidden_layers": 2}, seed=1)
-
-
 def make(target_dir, spec=None, **kw):
     kw.setdefault("kv_cache_memory_bytes", 8 << 20)
     return LLM(str(target_dir), dtype="float32", block_size=8, speculative_config=SPECS[spec],

@@ -11,7 +11,6 @@ import torch
 from helpers import rand_prompts
 
 from specengine import LLM, SamplingParams
-from specengine.models.loader import save_random_model
 from specengine.penalties import PenaltyCounts, committed_counts, penalize, tree_paths
 from specengine.sampling import SampleNoise
 from specengine.sequence import Sequence
@@ -169,16 +168,6 @@ def test_mixed_rows_and_reduced_draft_vocabulary_and_coupled_drafting():
 
 
 # ---- the engine --------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return save_random_model(tmp_path_factory.mktemp("t"), {"num_hidden_layers": 2}, seed=1)
-
-
-@pytest.fixture(scope="module")
-def draft_dir(tmp_path_factory):
-    return save_random_model(tmp_path_factory.mktemp("d"), {"num_hidden_layers": 1}, seed=2)
-
-
 def make(target_dir, spec=None, **kw):
     kw.setdefault("kv_cache_memory_bytes", 8 << 20)
     if spec is not None:  # the configured tree every step

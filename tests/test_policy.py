@@ -244,11 +244,6 @@ class CyclePolicy(Policy):
 SWITCH = [None, Strategy(3), Strategy(1), Strategy(4, 2, 6), Strategy(2)]
 
 
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return save_random_model(tmp_path_factory.mktemp("t"), {"num_hidden_layers": 2}, seed=1)
-
-
 def make(target_dir, spec=None, **kw):
     kw.setdefault("kv_cache_memory_bytes", 8 << 20)
     return LLM(str(target_dir), dtype="float32", block_size=8, speculative_config=spec, **kw)

@@ -9,16 +9,6 @@ from specengine.models.loader import save_random_model
 from specengine.speculative.drafters import draft_model
 
 
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return save_random_model(tmp_path_factory.mktemp("t"), {"num_hidden_layers": 2}, seed=1)
-
-
-@pytest.fixture(scope="module")
-def draft_dir(tmp_path_factory):
-    return save_random_model(tmp_path_factory.mktemp("d"), {"num_hidden_layers": 1}, seed=2)
-
-
 def make(target_dir, spec=None, **kw):
     """An engine on ``target_dir``; speculation runs every step (static policy) so the tests
     exercise it whatever the cost model would choose."""

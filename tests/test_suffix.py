@@ -9,7 +9,6 @@ from helpers import rand_prompts
 
 from specengine import LLM, SamplingParams
 from specengine._ext import ext
-from specengine.models.loader import save_random_model
 from specengine.sampling import noise_rows
 from specengine.speculative.config import METHODS, SpeculativeConfig
 from specengine.speculative.drafters import make_drafter
@@ -264,11 +263,6 @@ def test_drafter_depth_is_capped_and_timers_use_the_clock():
 
 
 # ---- in the engine ------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return save_random_model(tmp_path_factory.mktemp("t"), {"num_hidden_layers": 2}, seed=1)
-
-
 def make(target_dir, spec=None, **kw):
     kw.setdefault("kv_cache_memory_bytes", 8 << 20)
     if spec is not None:

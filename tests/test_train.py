@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specengine import LLM, SamplingParams
-from specengine.models.loader import load_model, save_random_model
+from specengine.models.loader import load_model
 from specengine.speculative.drafters.eagle import EagleConfig, EagleModel, load_drafter
 from specengine.speculative.training.distill import read_prompts
 from specengine.speculative.training.fit import (
@@ -19,11 +19,6 @@ from specengine.speculative.training.fit import (
 )
 from specengine.speculative.training.harvest import HiddenBuffer, Rollout, harvest, teacher_force
 from specengine.speculative.training.online import DrafterTrainer
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return save_random_model(tmp_path_factory.mktemp("t"), {"num_hidden_layers": 2}, seed=1)
 
 
 @pytest.fixture(scope="module")
