@@ -10,12 +10,10 @@ its token tree plus the bonus token) and admits waiting requests; finished reque
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
 
-from specengine import kernels
 from specengine.attention import make_backend
 from specengine.batch import BatchEntry
 from specengine.config import EngineConfig
@@ -266,11 +264,7 @@ class Engine:
         strategy, entries = self._schedule()
         if self.trace is not None:
             self.trace.begin_step(entries)
-        rows = self._max_forward_tokens(entries, strategy)
-        covered = kernels.packed_covers(rows)  # every layer in the kernels: adapt their threads
-        threads = self.threads.choose(rows) if covered else None
-        timed = self.threads.timed(rows, threads) if covered else contextlib.nullcontext()
-        with kernels.kernel_threads(covered, threads), timed:
+        with self.threads.step(self._max_forward_tokens(entries, strategy)):
             times = StepTimes()
             num_proposed = self._draft(entries, strategy)
             times.mark("drafted")

@@ -39,6 +39,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from specengine import kernels
+
 
 def adaptive_from_env() -> bool:
     """False when ``SPECENGINE_ADAPTIVE_THREADS`` is ``0``/``false``/``off``/``no``, else True.
@@ -185,6 +187,20 @@ class ThreadTuner:
         t0 = self.clock()
         yield
         self.record(rows, threads, self.clock() - t0)
+
+    @contextlib.contextmanager
+    def step(self, rows: int):
+        """Run the block as an engine step of at most ``rows`` forward tokens: when every layer
+        runs in the extension's kernels (``kernels.packed_covers``), inside
+        ``kernels.kernel_threads`` at the count ``choose`` gives, timed and ``record``-ed;
+        otherwise inside ``kernels.kernel_threads(False)`` (torch's threads), untimed."""
+        if not kernels.packed_covers(rows):
+            with kernels.kernel_threads(False):
+                yield
+            return
+        threads = self.choose(rows)
+        with kernels.kernel_threads(True, threads), self.timed(rows, threads):
+            yield
 
     def stats(self) -> dict:
         """``kernel_threads`` (bucket's token range ``"lo-hi"`` -> the count its steps use,
