@@ -199,6 +199,56 @@ const int* reduce16_order() {
   return order;
 }
 
+// slot_key[i]: the key whose dot product goes into reduce16's input i, so that lane j of the
+// sum is key j's score (the inverse of reduce16_order).
+const int* reduce16_slot_keys() {
+  static int inv[16];
+  static const bool done = [] {
+    const int* order = reduce16_order();
+    for (int o = 0; o < 16; ++o) inv[order[o]] = o;
+    return true;
+  }();
+  (void)done;
+  return inv;
+}
+
+// Scores of one query row (bf16 q, DCT 32-wide chunks) against 16 keys at element offsets
+// kr[0..15] of kc: lane j is key j's dot product (lanes >= valid: a copy of a valid key's,
+// for the caller to mask). Each key's sum runs over the chunks in order from zero, as the
+// generic loop does; the 16 accumulators stay in registers (compile-time DCT) and reduce16
+// adds them up without a per-key horizontal sum.
+template <int DCT>
+SE_ATTN_TARGET inline __m512 qk16_fixed(const uint16_t* q, const uint16_t* kc, const int64_t* kr,
+                                        int valid, const int* slot_key) {
+  __m512bh qv[DCT];
+  for (int c = 0; c < DCT; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+  __m512 dots[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) {
+    const int o = std::min(slot_key[i], valid - 1);
+    const uint16_t* k = kc + kr[o];
+    __m512 s = _mm512_setzero_ps();
+    for (int c = 0; c < DCT; ++c)
+      s = _mm512_dpbf16_ps(s, qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+    dots[i] = s;
+  }
+  return reduce16(dots);
+}
+
+SE_ATTN_TARGET inline __m512 qk16(const uint16_t* q, const uint16_t* kc, const int64_t* kr,
+                                  int valid, const int* slot_key, int64_t DC) {
+  switch (DC) {
+    case 1: return qk16_fixed<1>(q, kc, kr, valid, slot_key);
+    case 2: return qk16_fixed<2>(q, kc, kr, valid, slot_key);
+    case 3: return qk16_fixed<3>(q, kc, kr, valid, slot_key);
+    case 4: return qk16_fixed<4>(q, kc, kr, valid, slot_key);
+    case 5: return qk16_fixed<5>(q, kc, kr, valid, slot_key);
+    case 6: return qk16_fixed<6>(q, kc, kr, valid, slot_key);
+    case 7: return qk16_fixed<7>(q, kc, kr, valid, slot_key);
+    default: return qk16_fixed<8>(q, kc, kr, valid, slot_key);  // DC <= kMaxD / 32 = 8
+  }
+}
+
 // Scratch floats attend_fast needs for R rows and head_dim D.
 int64_t fast_scratch_floats(int64_t R, int64_t D) {
   return R * D + 2 * R + R * kTileKeys + R * kTileKeys / 2 + 2 * (kTileKeys * D / 2) +
@@ -217,6 +267,60 @@ SE_ATTN_TARGET inline void interleave_v(const uint16_t* vc, const int64_t* offs,
                                    : _mm512_setzero_si512();
       _mm512_storeu_si512(vi + ((kp * DC + c) * 2) * 32, _mm512_unpacklo_epi16(v0, v1));
       _mm512_storeu_si512(vi + ((kp * DC + c) * 2 + 1) * 32, _mm512_unpackhi_epi16(v0, v1));
+    }
+  }
+}
+
+constexpr int64_t kPvRows = 4;  // rows sharing one V pair load in P @ V
+
+// acc[r] += P[r] @ V for rows r0 .. r0 + NR - 1 over `np` key pairs of the interleaved V tile
+// `vt`. Per row and 32-wide chunk c: even pairs into one accumulator set, odd pairs into a
+// second (more independent chains), the last odd-count pair into the first, then their sum.
+template <int NR>
+SE_ATTN_TARGET inline void pv_rows(const uint16_t* pb, float* acc, int64_t r0, int64_t np,
+                                   int64_t DC, int64_t D, const uint16_t* vt) {
+  const int32_t* pairs[NR];
+  for (int i = 0; i < NR; ++i) pairs[i] = reinterpret_cast<const int32_t*>(pb + (r0 + i) * kTileKeys);
+  for (int64_t c = 0; c < DC; ++c) {
+    __m512 lo0[NR], hi0[NR], lo1[NR], hi1[NR];
+    for (int i = 0; i < NR; ++i) {
+      float* ar = acc + (r0 + i) * D + 32 * c;
+      lo0[i] = _mm512_loadu_ps(ar);
+      hi0[i] = _mm512_loadu_ps(ar + 16);
+      lo1[i] = _mm512_setzero_ps();
+      hi1[i] = _mm512_setzero_ps();
+    }
+    int64_t kp = 0;
+    for (; kp + 1 < np; kp += 2) {
+      const uint16_t* v0 = vt + ((kp * DC + c) * 2) * 32;
+      const uint16_t* v1 = vt + (((kp + 1) * DC + c) * 2) * 32;
+      const __m512bh v0l = (__m512bh)_mm512_loadu_si512(v0);
+      const __m512bh v0h = (__m512bh)_mm512_loadu_si512(v0 + 32);
+      const __m512bh v1l = (__m512bh)_mm512_loadu_si512(v1);
+      const __m512bh v1h = (__m512bh)_mm512_loadu_si512(v1 + 32);
+      for (int i = 0; i < NR; ++i) {
+        const __m512bh p0v = (__m512bh)_mm512_set1_epi32(pairs[i][kp]);
+        const __m512bh p1v = (__m512bh)_mm512_set1_epi32(pairs[i][kp + 1]);
+        lo0[i] = _mm512_dpbf16_ps(lo0[i], p0v, v0l);
+        hi0[i] = _mm512_dpbf16_ps(hi0[i], p0v, v0h);
+        lo1[i] = _mm512_dpbf16_ps(lo1[i], p1v, v1l);
+        hi1[i] = _mm512_dpbf16_ps(hi1[i], p1v, v1h);
+      }
+    }
+    if (kp < np) {
+      const uint16_t* v0 = vt + ((kp * DC + c) * 2) * 32;
+      const __m512bh v0l = (__m512bh)_mm512_loadu_si512(v0);
+      const __m512bh v0h = (__m512bh)_mm512_loadu_si512(v0 + 32);
+      for (int i = 0; i < NR; ++i) {
+        const __m512bh p0v = (__m512bh)_mm512_set1_epi32(pairs[i][kp]);
+        lo0[i] = _mm512_dpbf16_ps(lo0[i], p0v, v0l);
+        hi0[i] = _mm512_dpbf16_ps(hi0[i], p0v, v0h);
+      }
+    }
+    for (int i = 0; i < NR; ++i) {
+      float* ar = acc + (r0 + i) * D + 32 * c;
+      _mm512_storeu_ps(ar, _mm512_add_ps(lo0[i], lo1[i]));
+      _mm512_storeu_ps(ar + 16, _mm512_add_ps(hi0[i], hi1[i]));
     }
   }
 }
@@ -280,7 +384,7 @@ SE_ATTN_TARGET void attend_fast(const FastArgs& f, int64_t item, float* scratch)
   std::fill(m, m + R, ninf);  // row r: token t0 + r / group, query head g * group + r % group
   std::fill(l, l + R, 0.f);
   std::fill(acc, acc + R * D, 0.f);
-  const int* order = reduce16_order();  // key j goes into slot order[j]: lane j of the sum
+  const int* slot_key = reduce16_slot_keys();  // slot i of reduce16 holds key slot_key[i]
   const __m512 scale = _mm512_set1_ps(f.scale);
   for (int64_t p0 = 0; p0 < n_max; p0 += kTileKeys) {
     const int64_t n = std::min<int64_t>(kTileKeys, n_max - p0);
@@ -309,20 +413,12 @@ SE_ATTN_TARGET void attend_fast(const FastArgs& f, int64_t item, float* scratch)
         for (int64_t j = 0; j < n16; ++j) {
           const int64_t valid = std::min<int64_t>(16, nk - 16 * j);
           const __mmask16 vis = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
-          __m512 dots[16];
-          for (int o = 0; o < 16; ++o) {
-            __m512 s = _mm512_setzero_ps();
-            if (o < valid)
-              for (int64_t c = 0; c < DC; ++c)
-                s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(q + 32 * c),
-                                     (__m512bh)_mm512_loadu_si512(kc + kr[16 * j + o] + 32 * c));
-            dots[order[o]] = s;
-          }
-          const __m512 sv = _mm512_mul_ps(reduce16(dots), scale);
+          const __m512 dots = qk16(q, kc, kr + 16 * j, static_cast<int>(valid), slot_key, DC);
+          const __m512 sv = _mm512_mul_ps(dots, scale);
           _mm512_storeu_ps(sr + 16 * j, _mm512_mask_mov_ps(_mm512_set1_ps(ninf), vis, sv));
         }
       }
-      // online softmax over the tile, then P @ V (a second pass: the rows' chains overlap)
+      // online softmax over the tile for each of the group's rows, then P @ V
       for (int64_t h = 0; h < group; ++h) {
         const int64_t r = tok * group + h;
         const float* sr = sc + r * kTileKeys;
@@ -356,31 +452,19 @@ SE_ATTN_TARGET void attend_fast(const FastArgs& f, int64_t item, float* scratch)
                                          _mm512_slli_epi32(_mm512_cvtepu16_epi32(p16), 16)));
         }
         l[r] += _mm512_reduce_add_ps(lsum);
-        const auto* pairs = reinterpret_cast<const int32_t*>(pr);
-        const int64_t np = (nk + 1) / 2;
-        for (int64_t c = 0; c < DC; ++c) {
-          // two accumulator sets (even / odd key pairs) for more independent chains
-          __m512 lo0 = _mm512_loadu_ps(ar + 32 * c), hi0 = _mm512_loadu_ps(ar + 32 * c + 16);
-          __m512 lo1 = _mm512_setzero_ps(), hi1 = _mm512_setzero_ps();
-          int64_t kp = 0;
-          for (; kp + 1 < np; kp += 2) {
-            const __m512bh p0v = (__m512bh)_mm512_set1_epi32(pairs[kp]);
-            const __m512bh p1v = (__m512bh)_mm512_set1_epi32(pairs[kp + 1]);
-            const uint16_t* v0 = vt + ((kp * DC + c) * 2) * 32;
-            const uint16_t* v1 = vt + (((kp + 1) * DC + c) * 2) * 32;
-            lo0 = _mm512_dpbf16_ps(lo0, p0v, (__m512bh)_mm512_loadu_si512(v0));
-            hi0 = _mm512_dpbf16_ps(hi0, p0v, (__m512bh)_mm512_loadu_si512(v0 + 32));
-            lo1 = _mm512_dpbf16_ps(lo1, p1v, (__m512bh)_mm512_loadu_si512(v1));
-            hi1 = _mm512_dpbf16_ps(hi1, p1v, (__m512bh)_mm512_loadu_si512(v1 + 32));
-          }
-          if (kp < np) {
-            const __m512bh p0v = (__m512bh)_mm512_set1_epi32(pairs[kp]);
-            const uint16_t* v0 = vt + ((kp * DC + c) * 2) * 32;
-            lo0 = _mm512_dpbf16_ps(lo0, p0v, (__m512bh)_mm512_loadu_si512(v0));
-            hi0 = _mm512_dpbf16_ps(hi0, p0v, (__m512bh)_mm512_loadu_si512(v0 + 32));
-          }
-          _mm512_storeu_ps(ar + 32 * c, _mm512_add_ps(lo0, lo1));
-          _mm512_storeu_ps(ar + 32 * c + 16, _mm512_add_ps(hi0, hi1));
+      }
+      // P @ V for the group's rows (same token: same keys and V pairs), up to kPvRows at a
+      // time so each V pair is loaded once for them and their chains run side by side; each
+      // row's sums are taken in exactly the order of one row alone (bit-identical results)
+      const int64_t np = (nk + 1) / 2;
+      for (int64_t h0 = 0; h0 < group; h0 += kPvRows) {
+        const int64_t nr = std::min<int64_t>(kPvRows, group - h0);
+        const int64_t r0 = tok * group + h0;
+        switch (nr) {
+          case 4: pv_rows<4>(pb, acc, r0, np, DC, D, vt); break;
+          case 3: pv_rows<3>(pb, acc, r0, np, DC, D, vt); break;
+          case 2: pv_rows<2>(pb, acc, r0, np, DC, D, vt); break;
+          default: pv_rows<1>(pb, acc, r0, np, DC, D, vt); break;
         }
       }
     }

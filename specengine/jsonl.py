@@ -41,8 +41,9 @@ def write_jsonl_atomic(path: str, records: list[dict]) -> None:
 
 def write_json_atomic(path: str | os.PathLike, doc, indent: int | None = None) -> None:
     """Write ``doc`` as JSON to a temporary file beside ``path``, then rename it into place
-    (compact without ``indent``)."""
+    (compact without ``indent``; missing parent directories are created)."""
     path = os.fspath(path)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=indent, separators=None if indent else (",", ":"))
