@@ -385,10 +385,14 @@ class Engine:
         if self.drafter is None or not self.drafter.wants_hidden:
             return
         accepted = {id(c.entry): c.accepted for c in commits if c.is_verified}
+        rows, spans = [], []
         for i, e in enumerate(layout.entries):
-            rows = layout.committed_token_rows(i, accepted.get(id(e)))
-            start, feats = self.blocks.observe_features(  # + the cached prefix after a hit
-                e.seq, e.seq.num_cached - len(rows), hidden[rows], e.is_prefill)
+            r = layout.committed_token_rows(i, accepted.get(id(e)))
+            rows += r
+            spans.append((e.seq, e.seq.num_cached - len(r), len(r)))
+        observed = self.blocks.observe_features(  # + the cached prefix after a hit
+            spans, hidden[rows], [e.is_prefill for e in layout.entries])
+        for e, (start, feats) in zip(layout.entries, observed):
             for s in e.samplers or [e.seq]:
                 self.drafter.observe(s, start, feats)
 

@@ -291,19 +291,29 @@ class BlockManager:
             self.features = BlockFeatures(self.num_blocks, self.block_size, hidden_size, dtype,
                                           device)
 
-    def observe_features(self, seq: Sequence, start: int, feats: torch.Tensor,
-                         is_prefill: bool) -> tuple[int, torch.Tensor]:
-        """Record the target features ``feats`` ``[r, H]`` of ``seq``'s positions
-        ``start .. start+r-1`` (when tracked). Returns what a drafter should observe: for a
-        prefill after a prefix-cache hit (``start`` > 0), the cached features of positions
-        ``0 .. start-1`` prepended and start 0; else ``(start, feats)`` unchanged."""
-        if self.features is None:
-            return start, feats
-        self.features.write(self.slots(seq, start, start + feats.shape[0]), feats)
-        if is_prefill and start > 0:
-            prefix = self.features.read(self.slots(seq, 0, start)).to(feats.device, feats.dtype)
-            return 0, torch.cat([prefix, feats])
-        return start, feats
+    def observe_features(self, spans: list[tuple[Sequence, int, int]], feats: torch.Tensor,
+                         prefills: list[bool]) -> list[tuple[int, torch.Tensor]]:
+        """Record the target features of one step: ``spans[i] = (seq, start, r)`` names the
+        positions ``start .. start+r-1`` of ``seq`` whose features are the next ``r`` rows of
+        ``feats`` ``[sum r, H]`` (stored when tracked, in one write for the whole step).
+        Returns per span what a drafter should observe: for a prefill after a prefix-cache
+        hit (``start`` > 0, ``prefills[i]``), the cached features of positions ``0 .. start-1``
+        prepended and start 0; else ``(start, its rows of feats)``."""
+        if self.features is not None:  # all writes first: a prefill may hit a prefix
+            slots = []  # another entry of this step computed
+            for seq, start, r in spans:
+                slots += self.slots(seq, start, start + r)
+            self.features.write(slots, feats)
+        out, row = [], 0
+        for (seq, start, r), prefill in zip(spans, prefills):
+            rows = feats[row:row + r]
+            row += r
+            if self.features is not None and prefill and start > 0:
+                prefix = self.features.read(self.slots(seq, 0, start)).to(rows.device, rows.dtype)
+                out.append((0, torch.cat([prefix, rows])))
+            else:
+                out.append((start, rows))
+        return out
 
     # ---- sequences ---------------------------------------------------------------------------
     def blocks_to_grow(self, seq: Sequence, num_new: int) -> int:
