@@ -693,3 +693,40 @@ def test_rescoring_is_spaced_by_the_decision_budget(monkeypatch):
     assert pol.rescore_every == 21 and calls == [8, 8, 3, 4]
     pol.choose(4)
     assert calls == [8, 8, 3, 4, 4]
+
+
+def test_correction_cells_without_evidence_borrow_from_the_nearest_measured_one():
+    """A strategy never run in a bucket is scored with the correction its measured sibling
+    earned there (the models' miss is shared), and a bucket never seen borrows the same
+    candidate's from the nearest bucket; with no evidence anywhere every factor is 1."""
+    from specengine.speculative.policy.parts import CorrectionTable
+
+    t = CorrectionTable(4)  # off, d=1, d=2, d=3
+    assert t.factors(8) == 1.0
+    for _ in range(40):
+        t.observe(8, 1, observed=70.0, modelled=100.0)  # d=1 runs at 0.7 of its model
+        t.observe(8, 0, observed=100.0, modelled=100.0)
+    f8 = t.factors(8)
+    assert 0.7 <= f8[1] <= 0.8  # the moving average, its fade towards 1 included
+    assert f8[2] == pytest.approx(f8[1]) and f8[3] == pytest.approx(f8[1])  # borrowed
+    assert f8[0] == pytest.approx(1.0, abs=0.03)
+    f32 = t.factors(32)  # an unseen bucket: each candidate from bucket 8
+    assert f32[1] == pytest.approx(f8[1]) and f32[2] == pytest.approx(f8[1])
+    for _ in range(40):  # d=2 measured in bucket 8 too: its own factor wins
+        t.observe(8, 2, observed=120.0, modelled=100.0)
+    assert 1.1 <= t.factors(8)[2] <= 1.2
+
+
+def test_speculation_is_turned_off_without_the_hysteresis_margin():
+    """The margin protects a switch that costs (speculation on: the drafter catches up), not
+    turning it off: once no speculation scores above the running strategy, it is chosen."""
+    pol = AutoPolicy([Strategy(1)], probe_every=0, hysteresis=0.5)
+    pol.current = Strategy(1)
+    rates = {None: 101.0, Strategy(1): 100.0}
+    pol.model_rates = lambda batch, context: np.array([rates[c] for c in pol.candidates])
+    assert pol.choose(4) is None
+    rates = {None: 100.0, Strategy(1): 140.0}  # on needs the 50% margin
+    pol.rescore.every = 0
+    assert pol.choose(4) is None
+    rates = {None: 100.0, Strategy(1): 160.0}
+    assert pol.choose(5) == Strategy(1)

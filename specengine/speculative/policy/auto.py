@@ -45,10 +45,13 @@ class AutoPolicy(Policy):
     ``AcceptanceModel`` and ``T`` from the ``LatencyModel`` (draft + verify forward of
     ``B*(1+E[nodes|s])`` tokens, plus the rest), times the bucket's observed/modelled factor
     (``correction``, a ``CorrectionTable``). The current strategy is kept unless another
-    scores ``hysteresis`` better. A tree shape never run is predicted from the chain's rates
-    (``acceptance.tree_prior``), so trees compete only once the chain has been measured on
-    ``min_chain_trials`` sequences. With probes disabled the acceptance statistics decay
-    towards the prior while speculation is off (``AcceptanceModel.age``) so it is retried.
+    scores ``hysteresis`` better, or no speculation scores better at all (switching
+    speculation on costs a drafter its catch-up on the tokens it did not see; switching
+    it off costs nothing, so a losing strategy is not kept for the margin's sake). A tree
+    shape never run is predicted from the chain's rates (``acceptance.tree_prior``), so trees
+    compete only once the chain has been measured on ``min_chain_trials`` sequences. With
+    probes disabled the acceptance statistics decay towards the prior while speculation is
+    off (``AcceptanceModel.age``) so it is retried.
 
     Its parts, each with its own state:
 
@@ -168,6 +171,8 @@ class AutoPolicy(Policy):
         current = self.current if self.current in scores else None
         if scores[best] > scores[current] * (1 + self.hysteresis):
             current = best
+        elif current is not None and scores[None] > scores[current]:
+            current = None  # turning speculation off costs nothing: no margin needed
         choice = self.probes.pick(self.current, current, scores)
         self.current = current
         self._predicted = scores[choice]

@@ -134,31 +134,75 @@ class RescoreBudget:
 class CorrectionTable:
     """Per batch-size bucket (``batch_bucket``) and candidate, the moving average of observed
     over modelled committed tokens per second of the steps that candidate ran: what the
-    latency and acceptance models miss (e.g. a drafter's real cost). A candidate not run in a
-    bucket has 1, and each step that updates a bucket first fades all its factors 1% back
-    towards 1, so a strategy judged on another workload is tried again.
+    latency and acceptance models miss (e.g. a drafter's real cost). Each step that updates a
+    bucket first fades all its factors 1% back towards 1, so a strategy judged on another
+    workload is tried again.
+
+    A cell with little evidence (``evidence`` below 1: fewer than ~10 recent steps) borrows,
+    in proportion to what it lacks, from the nearest cell that has it: for a speculative
+    candidate, the measured speculative candidate nearest in the candidate order in the same
+    bucket, else the same candidate in the nearest bucket, else the nearest measured
+    speculative cell; for no speculation, the nearest bucket; 1 when nothing is measured.
+    The models' errors are shared that way (a drafter's cost they miss at depth 1 they also
+    miss at depth 2 and one bucket up), so a strategy never run is not preferred just
+    because nothing has corrected it yet.
 
     Args:
-        num_candidates: factors per bucket (indexed in the policy's candidate order).
+        num_candidates: factors per bucket (indexed in the policy's candidate order; index 0
+            is no speculation).
     """
+
+    FADE = 0.01  # per update of a bucket, of every factor towards 1 and of every evidence
+    RATE = 0.1  # weight of one step's ratio in its cell's moving average
 
     def __init__(self, num_candidates: int):
         self.num_candidates = num_candidates
         self.per_bucket: dict[int, np.ndarray] = {}  # bucket -> [num_candidates] factors
+        self.evidence: dict[int, np.ndarray] = {}  # bucket -> [num_candidates], ~steps / 10
 
     def factors(self, batch: int) -> np.ndarray | float:
         """The ``[num_candidates]`` factors for a batch of ``batch`` sequences (1.0 before any
-        step of its bucket)."""
-        return self.per_bucket.get(batch_bucket(batch), 1.0)
+        step was observed)."""
+        if not self.per_bucket:
+            return 1.0
+        b = batch_bucket(batch)
+        n = self.num_candidates
+        own = self.per_bucket.get(b, np.ones(n))
+        w = np.minimum(self.evidence.get(b, np.zeros(n)), 1.0)
+        if (w >= 1.0).all():
+            return own
+        return w * own + (1.0 - w) * np.array([self._borrowed(b, i) for i in range(n)])
+
+    def _borrowed(self, bucket: int, i: int) -> float:
+        """The factor cell ``(bucket, i)`` borrows (see the class docstring)."""
+        ev = self.evidence.get(bucket)
+        if i > 0 and ev is not None:
+            measured = [j for j in range(1, self.num_candidates) if ev[j] >= 1.0 and j != i]
+            if measured:
+                return float(self.per_bucket[bucket][min(measured, key=lambda j: abs(j - i))])
+        near = [k for k, e in self.evidence.items() if e[i] >= 1.0 and k != bucket]
+        if near:
+            return float(self.per_bucket[min(near, key=lambda k: (abs(k - bucket), k))][i])
+        if i > 0:  # the nearest measured speculative cell of any bucket
+            cells = [(abs(k - bucket), abs(j - i), k, j) for k, e in self.evidence.items()
+                     for j in range(1, self.num_candidates) if e[j] >= 1.0]
+            if cells:
+                _, _, k, j = min(cells)
+                return float(self.per_bucket[k][j])
+        return 1.0
 
     def observe(self, batch: int, index: int, observed: float, modelled: float) -> None:
         """A step of ``batch`` sequences under candidate ``index`` committed ``observed``
         tokens/s where the models predicted ``modelled`` (> 0); the ratio is clipped to
         [0.25, 4] per step."""
-        corr = self.per_bucket.setdefault(batch_bucket(batch), np.ones(self.num_candidates))
-        corr += (1.0 - corr) * 0.01  # unrefreshed corrections fade (the workload changes)
+        b = batch_bucket(batch)
+        corr = self.per_bucket.setdefault(b, np.ones(self.num_candidates))
+        ev = self.evidence.setdefault(b, np.zeros(self.num_candidates))
+        corr += (1.0 - corr) * self.FADE  # unrefreshed corrections fade (the workload changes)
+        ev *= 1.0 - self.FADE
         ratio = min(max(observed / modelled, 0.25), 4.0)
-        corr[index] = 0.9 * corr[index] + 0.1 * ratio
+        corr[index] = (1.0 - self.RATE) * corr[index] + self.RATE * ratio
+        ev[index] += self.RATE
 
 
 class TreeCutter:
