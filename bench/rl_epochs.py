@@ -11,7 +11,9 @@ a policy update moves it: ``--drift-steps`` AdamW steps of the transformers mode
 ``--drift-lr``) on other text (HumanEval prompts, next-token loss), pushed into every engine
 with ``LLM.update_weights`` (the weight version goes up; the rollout memory ages its history).
 
-Engines (bfloat16, one per row, each alone on the machine in turn, ``policy: auto``):
+Engines (bfloat16, one per row, ``policy: auto``), run in lockstep: each round runs
+``--burst`` steps of every row's engine in turn, so all rows see the machine within seconds of
+each other, and each row's wall time counts only its own steps:
 ``off`` (no speculation), ``suffix`` (rollout memory: siblings + history + own text),
 ``eagle`` (the shipped drafter, frozen), ``suffix+eagle`` (one merged tree). Each engine sees
 the same prompts, seeds and weights, so every row samples the same tokens (checked: ``mismatch``
@@ -83,23 +85,37 @@ class Drift:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
 
-def rollout(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> dict:
-    """Run one rollout through ``add_request`` / ``step``, timing each step with the number
-    of samples running before it. Returns outputs (per request, per sample token ids), wall
-    seconds and per-step ``(end second, running, tokens committed)``."""
-    eng = llm.engine
-    ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
-    done, steps = {}, []
-    t0 = time.perf_counter()
-    while llm.has_unfinished_requests():
-        running = len(eng.scheduler.running) + sum(len(g) for g in eng.scheduler.waiting)
-        before = eng.metrics.generated_tokens
-        for out in llm.step():
-            done[out.request_id] = [list(c.token_ids) for c in out.outputs]
-        steps.append((time.perf_counter() - t0, running,
-                      eng.metrics.generated_tokens - before))
-    wall = time.perf_counter() - t0
-    return {"outputs": [done[i] for i in ids], "wall_s": wall, "steps": steps}
+def rollout(llms: dict[str, LLM], prompts: list[list[int]], params: list[SamplingParams],
+            burst: int) -> dict[str, dict]:
+    """Run one rollout on every engine in lockstep: each round runs up to ``burst`` steps of
+    every engine that still has work, in turn, so the rows see the same machine within
+    seconds of each other (a slow minute of the machine slows them all alike; ratios come
+    from one run). Each row's clock counts only its own steps. Returns per row:
+    outputs (per request, per sample token ids), wall seconds and per-step ``(end second on
+    the row's clock, running, tokens committed)``."""
+    state = {}
+    for name, llm in llms.items():
+        state[name] = {"ids": [llm.add_request(p, sp) for p, sp in zip(prompts, params)],
+                       "done": {}, "steps": [], "clock": 0.0}
+    busy = list(llms)
+    while busy:
+        for name in busy:
+            llm, st = llms[name], state[name]
+            eng = llm.engine
+            for _ in range(burst):
+                if not llm.has_unfinished_requests():
+                    break
+                running = len(eng.scheduler.running) + sum(len(g) for g in eng.scheduler.waiting)
+                before = eng.metrics.generated_tokens
+                t0 = time.perf_counter()
+                outs = llm.step()
+                st["clock"] += time.perf_counter() - t0
+                for out in outs:
+                    st["done"][out.request_id] = [list(c.token_ids) for c in out.outputs]
+                st["steps"].append((st["clock"], running, eng.metrics.generated_tokens - before))
+        busy = [n for n in busy if llms[n].has_unfinished_requests()]
+    return {name: {"outputs": [st["done"][i] for i in st["ids"]], "wall_s": st["clock"],
+                   "steps": st["steps"]} for name, st in state.items()}
 
 
 def tail_seconds(steps: list[tuple], tail_batch: int) -> float:
@@ -200,6 +216,8 @@ def main(argv=None) -> int:
     ap.add_argument("--drift-steps", type=int, default=4)
     ap.add_argument("--drift-lr", type=float, default=1e-5)
     ap.add_argument("--tail-batch", type=int, default=8)
+    ap.add_argument("--burst", type=int, default=1,
+                    help="steps each engine runs per lockstep round (see rollout)")
     ap.add_argument("--rows", default="off,suffix,eagle,suffix+eagle")
     ap.add_argument("--quick", action="store_true", help="4 prompts x 4 samples, 256 tokens")
     ap.add_argument("--trace", help="directory for per-epoch rollout traces (replay input)")
@@ -237,15 +255,16 @@ def main(argv=None) -> int:
                 llm.update_weights(weights)
         params = [SamplingParams(n=a.n, temperature=1.0, max_tokens=a.max_tokens,
                                  seed=10_000 * epoch + i) for i in range(len(prompts))]
-        runs, rows_out = {}, []
-        for name, llm in llms.items():
-            before = counters(llm)
+        before = {name: counters(llm) for name, llm in llms.items()}
+        for llm in llms.values():
             llm.start_trace()
-            runs[name] = rollout(llm, prompts, params)
+        runs = rollout(llms, prompts, params, a.burst)
+        rows_out = []
+        for name, llm in llms.items():
             trace = llm.stop_trace()
             if a.trace:
                 trace.save(f"{a.trace}/epoch{epoch}_{name}.json")
-            rows_out.append(epoch_row(name, runs[name], before, counters(llm),
+            rows_out.append(epoch_row(name, runs[name], before[name], counters(llm),
                                       None if name == "off" else runs["off"], a.tail_batch))
             rows_out[-1]["gpu_projection"] = projection(trace, gpu)
             print(f"epoch {epoch} {name}: {runs[name]['wall_s']:.1f} s, "
