@@ -6,11 +6,15 @@ torch (``F.linear``), ours (``kernels.linear`` on the prepacked weight: AMX tile
 on AMX CPUs, else the plain C++ kernel; ``-`` where kernels.linear would hand the rows to torch) and
 plain (the C++ kernel on the unpacked weight, M <= 8).
 
+With ``--attention``: the paged attention kernel over the 30 layers, per batch, context and
+query tokens per sequence (decode: 1; verifying a draft chain: more).
+
 With ``--forward``: the whole model (SmolLM2-135M, real weights) per forward of T tokens at
 batch 1 after a 200-token context: T=1 is a decode step, T=9 a 1+8 token verify (ms, median).
 
     python bench/bench_kernels.py [--dtype bfloat16|float32] [--ms 1,4,8,16,32] [--threads N]
                                   [--isa generic|avx2|avx512] [--forward [--ts 1,9,17]]
+                                  [--attention]
 
 ``--isa avx2`` caps both sides at AVX2 + FMA, as on a CPU without AVX-512: specengine's dispatch
 (``SPECENGINE_ISA``) and torch's (``ATEN_CPU_CAPABILITY``, oneDNN's ``ONEDNN_MAX_CPU_ISA``, MKL's
@@ -81,6 +85,8 @@ def main() -> None:
                     help="cap specengine's and torch's instruction set (see the docstring)")
     ap.add_argument("--forward", action="store_true", help="time whole-model forwards")
     ap.add_argument("--ts", default="1,9,17", help="tokens per forward for --forward")
+    ap.add_argument("--attention", action="store_true",
+                    help="time paged attention (bf16) per batch, context and query tokens")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -94,6 +100,8 @@ def main() -> None:
           f"torch_capability={torch.backends.cpu.get_cpu_capability()}")
     if args.forward:
         return bench_forward(dtype, [int(t) for t in args.ts.split(",")])
+    if args.attention:
+        return bench_attention()
     print(f"{'shape':>8} {'N x K':>12} {'M':>3} {'torch us':>9} {'ours us':>9} {'plain us':>9} "
           f"{'torch GB/s':>10} {'ours GB/s':>10} {'speedup':>7}")
     step = {m: [0.0, 0.0] for m in ms}
@@ -153,6 +161,35 @@ def bench_forward(dtype: torch.dtype, ts: list[int], context: int = 200) -> None
     for t in ts:
         sec = time_call(lambda t=t: forward(context, t), min_time=1.0)
         print(f"  T={t:>2}: {sec * 1e3:7.2f} ms")
+
+
+def bench_attention(shapes=((1, 768), (8, 768), (16, 768), (24, 512)),
+                    queries=(1, 2, 3, 5)) -> None:
+    """Paged attention of SmolLM2-135M's shape (9 query heads, 3 KV heads, head_dim 64, bf16,
+    block size 16) over its 30 layers: ms per forward for ``B`` sequences of ``C`` cached
+    tokens, each with ``q`` query tokens (1: a decode step; more: a draft chain being
+    verified), on the kernels' threads as the engine runs a decode step; the median of
+    repeats, and each ``q``'s time over ``q = 1``'s."""
+    mod = ext()
+    heads, kv_heads, dim, bs, layers = 9, 3, 64, 16, 30
+    print(f"paged attention x {layers} layers, bf16 (ms per forward; ratio to q=1):")
+    for batch, ctx in shapes:
+        row = []
+        for q in queries:
+            per = (ctx + q) // bs + 2
+            k = torch.randn(batch * per, bs, kv_heads, dim).to(torch.bfloat16)
+            v = torch.randn_like(k)
+            table = torch.arange(batch * per, dtype=torch.int32).view(batch, per)
+            query = torch.randn(batch * q, heads, dim).to(torch.bfloat16)
+            qseq = torch.arange(batch, dtype=torch.int32).repeat_interleave(q)
+            lens = torch.tensor([ctx + 1 + j for _ in range(batch) for j in range(q)],
+                                dtype=torch.int32)
+            args = (query, k, v, table, qseq, lens, dim ** -0.5, None, None)
+            with kernels.kernel_threads(True):
+                sec = time_call(lambda args=args: mod.paged_attention(*args))
+            row.append(sec * layers * 1e3)
+        print(f"  B={batch:>2} C={ctx:>4}: " + "  ".join(
+            f"q={q} {t:6.2f} ({t / row[0]:.2f})" for q, t in zip(queries, row)))
 
 
 if __name__ == "__main__":
