@@ -86,7 +86,8 @@ def main() -> None:
     ap.add_argument("--forward", action="store_true", help="time whole-model forwards")
     ap.add_argument("--ts", default="1,9,17", help="tokens per forward for --forward")
     ap.add_argument("--attention", action="store_true",
-                    help="time paged attention (bf16) per batch, context and query tokens")
+                    help="time paged attention per batch, context and query tokens (always "
+                         "bf16, whatever --dtype)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

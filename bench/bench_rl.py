@@ -240,13 +240,23 @@ def mean(xs):
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0].startswith("--rollout-epochs"):  # the multi-epoch rollout mode
+    mode = [i for i, x in enumerate(argv) if x.split("=", 1)[0] == "--rollout-epochs"]
+    if mode:  # the multi-epoch rollout mode (rl_epochs.py), wherever the flag stands
         import rl_epochs
 
-        first = argv.pop(0)
-        epochs = first.split("=", 1)[1] if "=" in first else argv.pop(0)
+        i = mode[0]
+        flag = argv.pop(i)
+        if "=" in flag:
+            epochs = flag.split("=", 1)[1]
+        elif i < len(argv) and not argv[i].startswith("--"):
+            epochs = argv.pop(i)
+        else:
+            raise SystemExit("bench_rl.py: --rollout-epochs needs a number of epochs (>= 1)")
         return rl_epochs.main(["--epochs", epochs, *argv])
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="--rollout-epochs N [options]: multi-epoch RL rollouts instead (bench/rl_epochs.py;"
+               " `python bench/rl_epochs.py --help` lists its options)")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=2, help="prompts per step")
     ap.add_argument("--generations", type=int, default=4, help="samples per prompt")

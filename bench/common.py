@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import platform
 import time
 
@@ -111,8 +109,8 @@ def stderr_logger(start: float):
 
 def write_json(path: str, doc: dict) -> None:
     """Write ``doc`` to ``path`` as indented JSON, atomically (a temporary file renamed into
-    place), so an interrupted run never leaves a half-written results file."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, path)
+    place, missing parent directories created), so an interrupted run never leaves a
+    half-written results file."""
+    from specengine.jsonl import write_json_atomic
+
+    write_json_atomic(path, doc, indent=1)

@@ -208,7 +208,8 @@ def projection(trace, table) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--epochs", "--rollout-epochs", type=int, default=3,
+                    help="epochs (RL steps) over the same prompts, >= 1")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--n", type=int, default=8, help="samples per prompt (the GRPO group)")
     ap.add_argument("--max-tokens", type=int, default=1024)
@@ -227,6 +228,15 @@ def main(argv=None) -> int:
                          "roofline, a projection, not a measurement)")
     ap.add_argument("--out", help="write results as JSON here")
     a = ap.parse_args(argv)
+    known = rows(a.spec_depth)
+    names = [r for r in a.rows.split(",") if r]
+    bad = [r for r in names if r not in known]
+    if bad or len(set(names)) != len(names) or "off" not in names:
+        ap.error(f"--rows {a.rows!r}: a comma-separated subset of {','.join(known)} without "
+                 "repeats, including off (the baseline)")
+    for name in ("epochs", "prompts", "n", "max_tokens", "spec_depth"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} {getattr(a, name)}: must be >= 1")
     from specengine.cost_table import CostTable
 
     gpu = CostTable.load(a.gpu_table)
@@ -241,9 +251,7 @@ def main(argv=None) -> int:
                                            tokenize=False, add_generation_prompt=True),
                    add_special_tokens=False).input_ids
                for q in gsm_questions(a.prompts, seed=EVAL_GSM_SEED)]
-    specs = {k: v for k, v in rows(a.spec_depth).items() if k in a.rows.split(",")}
-    if "off" not in specs:
-        raise SystemExit("--rows must include off (the baseline)")
+    specs = {k: known[k] for k in names}
     llms = {k: LLM(MODEL, dtype="bfloat16", speculative_config=v, seed=0)
             for k, v in specs.items()}
     drift = Drift(model_dir, tok, a.drift_lr) if a.epochs > 1 and a.drift_steps else None

@@ -94,11 +94,14 @@ def replay(prompts: list[list[int]], rollouts: list[list[list[int]]],
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=1024)
+    ap.add_argument("--prompts", type=int, default=8, help="held-out GSM prompts (>= 1)")
+    ap.add_argument("--n", type=int, default=8, help="samples per prompt: the group (>= 1)")
+    ap.add_argument("--max-tokens", type=int, default=1024, help="output cap per sample (>= 1)")
     ap.add_argument("--out", help="write results as JSON here")
     a = ap.parse_args(argv)
+    for name in ("prompts", "n", "max_tokens"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} {getattr(a, name)}: must be >= 1")
     quiet_transformers()
     from rl_epochs import EVAL_GSM_SEED
     from transformers import AutoTokenizer
@@ -122,7 +125,7 @@ def main(argv=None) -> int:
         r = res[k]
         print(f"{k:14s} matched {r['matched']:.3f}  in tree {r['in_tree']:.3f}  "
               f"top-1 {r['top1']:.3f}  heaviest chain {r['chain_len_mean']:.3f} tokens")
-    print(f"{res['output_tokens']} output tokens, {res['at_cap']} samples at the cap")
+    print(f"{res['output_tokens']} output tokens; samples at the cap: {res['at_cap']}")
     if a.out:
         write_json(a.out, {"bench": "rollout_overlap", "machine": machine_info(),
                            "args": vars(a), "results": res})
