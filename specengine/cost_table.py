@@ -136,24 +136,24 @@ class CostTable:
             coef[key] = self._coefficient(doc.get(key, 0.0), key, bad)
         self.pair_s, self.step_s = coef["pair_s"], coef["step_s"]
         self.sequence_s, self.node_s = coef["sequence_s"], coef["node_s"]
-        draft = doc.get("draft", {})
-        if not isinstance(draft, dict):
-            raise bad("'draft' must map source names to coefficient objects")
-        self.draft = {}
-        for src, c in draft.items():
-            if not isinstance(c, dict) or set(c) - set(DRAFT_KEYS):
-                raise bad(f"draft.{src} must be an object with keys among {DRAFT_KEYS}")
-            self.draft[src] = {k: self._coefficient(c.get(k, 0.0), f"draft.{src}.{k}", bad)
-                               for k in DRAFT_KEYS}
-        policy = doc.get("policy", {})
-        if not isinstance(policy, dict):
-            raise bad("'policy' must map policy names to coefficient objects")
-        self.policy = {}
-        for name, c in policy.items():
-            if not isinstance(c, dict) or set(c) - set(POLICY_KEYS):
-                raise bad(f"policy.{name} must be an object with keys among {POLICY_KEYS}")
-            self.policy[name] = {k: self._coefficient(c.get(k, 0.0), f"policy.{name}.{k}", bad)
-                                 for k in POLICY_KEYS}
+        self.draft = self._coefficient_maps(doc, "draft", "source", DRAFT_KEYS, bad)
+        self.policy = self._coefficient_maps(doc, "policy", "policy", POLICY_KEYS, bad)
+
+    @classmethod
+    def _coefficient_maps(cls, doc: dict, field: str, what: str, keys: tuple, bad
+                          ) -> dict[str, dict[str, float]]:
+        """``doc[field]``: names -> ``{key: coefficient}`` with keys among ``keys`` (missing
+        ones 0), checked like the top-level coefficients."""
+        maps = doc.get(field, {})
+        if not isinstance(maps, dict):
+            raise bad(f"'{field}' must map {what} names to coefficient objects")
+        out = {}
+        for name, c in maps.items():
+            if not isinstance(c, dict) or set(c) - set(keys):
+                raise bad(f"{field}.{name} must be an object with keys among {keys}")
+            out[name] = {k: cls._coefficient(c.get(k, 0.0), f"{field}.{name}.{k}", bad)
+                         for k in keys}
+        return out
 
     @staticmethod
     def _coefficient(v, key: str, bad) -> float:
