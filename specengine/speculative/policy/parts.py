@@ -139,10 +139,10 @@ class CorrectionTable:
     workload is tried again.
 
     A cell with little evidence (``evidence`` below 1: fewer than ~10 recent steps) borrows,
-    in proportion to what it lacks, from the nearest cell that has it: for a speculative
-    candidate, the measured speculative candidate nearest in the candidate order in the same
-    bucket, else the same candidate in the nearest bucket, else the nearest measured
-    speculative cell; for no speculation, the nearest bucket; 1 when nothing is measured.
+    in proportion to what it lacks, from the nearest cell that has it (``_borrowed``): nearest
+    in bucket first, then the same candidate, then nearest in candidate order; speculative
+    candidates borrow only from speculative ones, no speculation only from itself in another
+    bucket; 1 when nothing is measured.
     The models' errors are shared that way (a drafter's cost they miss at depth 1 they also
     miss at depth 2 and one bucket up), so a strategy never run is not preferred just
     because nothing has corrected it yet.
@@ -174,22 +174,17 @@ class CorrectionTable:
         return w * own + (1.0 - w) * np.array([self._borrowed(b, i) for i in range(n)])
 
     def _borrowed(self, bucket: int, i: int) -> float:
-        """The factor cell ``(bucket, i)`` borrows (see the class docstring)."""
-        ev = self.evidence.get(bucket)
-        if i > 0 and ev is not None:
-            measured = [j for j in range(1, self.num_candidates) if ev[j] >= 1.0 and j != i]
-            if measured:
-                return float(self.per_bucket[bucket][min(measured, key=lambda j: abs(j - i))])
-        near = [k for k, e in self.evidence.items() if e[i] >= 1.0 and k != bucket]
-        if near:
-            return float(self.per_bucket[min(near, key=lambda k: (abs(k - bucket), k))][i])
-        if i > 0:  # the nearest measured speculative cell of any bucket
-            cells = [(abs(k - bucket), abs(j - i), k, j) for k, e in self.evidence.items()
-                     for j in range(1, self.num_candidates) if e[j] >= 1.0]
-            if cells:
-                _, _, k, j = min(cells)
-                return float(self.per_bucket[k][j])
-        return 1.0
+        """The factor cell ``(bucket, i)`` borrows: the measured cell nearest in bucket, then
+        the same candidate, then nearest in candidate order (speculative candidates borrow
+        from speculative ones only, no speculation from itself); 1 when there is none."""
+        spec = i > 0
+        cells = [(abs(k - bucket), j != i, abs(j - i), k, j) for k, e in self.evidence.items()
+                 for j in range(self.num_candidates)
+                 if e[j] >= 1.0 and (j > 0) == spec and (k, j) != (bucket, i)]
+        if not cells:
+            return 1.0
+        *_, k, j = min(cells)
+        return float(self.per_bucket[k][j])
 
     def observe(self, batch: int, index: int, observed: float, modelled: float) -> None:
         """A step of ``batch`` sequences under candidate ``index`` committed ``observed``
