@@ -11,9 +11,9 @@ a policy update moves it: ``--drift-steps`` AdamW steps of the transformers mode
 ``--drift-lr``) on other text (HumanEval prompts, next-token loss), pushed into every engine
 with ``LLM.update_weights`` (the weight version goes up; the rollout memory ages its history).
 
-Engines (bfloat16, one per row, ``policy: auto``), run in lockstep: each round runs
-``--burst`` steps of every row's engine in turn, so all rows see the machine within seconds of
-each other, and each row's wall time counts only its own steps:
+Engines (bfloat16, one per row, ``policy: auto``), run in lockstep: each round steps every
+row's engine once, in turn, so all rows see the machine at the same moments, and each row's
+wall time counts only its own steps:
 ``off`` (no speculation), ``suffix`` (rollout memory: siblings + history + own text),
 ``eagle`` (the shipped drafter, frozen), ``suffix+eagle`` (one merged tree). Each engine sees
 the same prompts, seeds and weights, so every row samples the same tokens (checked: ``mismatch``
@@ -85,12 +85,12 @@ class Drift:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
 
-def rollout(llms: dict[str, LLM], prompts: list[list[int]], params: list[SamplingParams],
-            burst: int) -> dict[str, dict]:
-    """Run one rollout on every engine in lockstep: each round runs up to ``burst`` steps of
-    every engine that still has work, in turn, so the rows see the same machine within
-    seconds of each other (a slow minute of the machine slows them all alike; ratios come
-    from one run). Each row's clock counts only its own steps. Returns per row:
+def rollout(llms: dict[str, LLM], prompts: list[list[int]],
+            params: list[SamplingParams]) -> dict[str, dict]:
+    """Run one rollout on every engine in lockstep: each round steps every engine that still
+    has work once, in turn, so the rows see the same machine at the same moments (a slow
+    minute of the machine slows them all alike; ratios come from one run). Each row's clock
+    counts only its own steps. Returns per row:
     outputs (per request, per sample token ids), wall seconds and per-step ``(end second on
     the row's clock, running, tokens committed)``."""
     state = {}
@@ -102,17 +102,14 @@ def rollout(llms: dict[str, LLM], prompts: list[list[int]], params: list[Samplin
         for name in busy:
             llm, st = llms[name], state[name]
             eng = llm.engine
-            for _ in range(burst):
-                if not llm.has_unfinished_requests():
-                    break
-                running = len(eng.scheduler.running) + sum(len(g) for g in eng.scheduler.waiting)
-                before = eng.metrics.generated_tokens
-                t0 = time.perf_counter()
-                outs = llm.step()
-                st["clock"] += time.perf_counter() - t0
-                for out in outs:
-                    st["done"][out.request_id] = [list(c.token_ids) for c in out.outputs]
-                st["steps"].append((st["clock"], running, eng.metrics.generated_tokens - before))
+            running = len(eng.scheduler.running) + sum(len(g) for g in eng.scheduler.waiting)
+            before = eng.metrics.generated_tokens
+            t0 = time.perf_counter()
+            outs = llm.step()
+            st["clock"] += time.perf_counter() - t0
+            for out in outs:
+                st["done"][out.request_id] = [list(c.token_ids) for c in out.outputs]
+            st["steps"].append((st["clock"], running, eng.metrics.generated_tokens - before))
         busy = [n for n in busy if llms[n].has_unfinished_requests()]
     return {name: {"outputs": [st["done"][i] for i in st["ids"]], "wall_s": st["clock"],
                    "steps": st["steps"]} for name, st in state.items()}
@@ -217,8 +214,6 @@ def main(argv=None) -> int:
     ap.add_argument("--drift-steps", type=int, default=4)
     ap.add_argument("--drift-lr", type=float, default=1e-5)
     ap.add_argument("--tail-batch", type=int, default=8)
-    ap.add_argument("--burst", type=int, default=1,
-                    help="steps each engine runs per lockstep round (see rollout)")
     ap.add_argument("--rows", default="off,suffix,eagle,suffix+eagle")
     ap.add_argument("--quick", action="store_true", help="4 prompts x 4 samples, 256 tokens")
     ap.add_argument("--trace", help="directory for per-epoch rollout traces (replay input)")
@@ -266,7 +261,7 @@ def main(argv=None) -> int:
         before = {name: counters(llm) for name, llm in llms.items()}
         for llm in llms.values():
             llm.start_trace()
-        runs = rollout(llms, prompts, params, a.burst)
+        runs = rollout(llms, prompts, params)
         rows_out = []
         for name, llm in llms.items():
             trace = llm.stop_trace()
