@@ -32,8 +32,14 @@ import torch.nn.functional as F
 
 from specengine._ext import ext
 
+# Batch invariance (on by default; ``set_batch_invariant`` / SPECENGINE_BATCH_INVARIANT=0 turn
+# it off): every linear layer runs the extension's kernel for its weight whatever the number of
+# rows, so a row's result never depends on how many rows share the call (Thinking Machines,
+# "Defeating Nondeterminism in LLM Inference", 2025). Off, the row limits below send larger
+# calls to torch's GEMM where that is faster, and a row's bits then change with the batch.
 # linear() uses the plain C++ kernel (unpacked weight) up to this many rows per dtype; above it
-# torch's GEMM is faster. Rows the C++ kernels compute are batch-invariant.
+# torch's GEMM is faster (batch invariance off). Rows the C++ kernels compute are
+# batch-invariant.
 LINEAR_MAX_M = {torch.bfloat16: 4, torch.float32: 8}
 # With a prepacked weight, up to this many rows go to the packed kernel (AMX tiles, or the
 # AVX-512 64-feature groups on CPUs without AMX); more go to torch. Measured with
@@ -51,6 +57,7 @@ AVX512_MAX_M = 4096
 AVX2_MAX_M = {torch.bfloat16: 4096, torch.float32: 8}
 
 ISAS = ("generic", "avx2", "avx512")  # instruction-set caps, lowest first
+_batch_invariant = True  # see set_batch_invariant
 _isa_epoch = 0  # bumped by set_isa: weights packed before are stale (PackedWeight.is_current)
 
 _FLOATS = (torch.float32, torch.bfloat16)
@@ -92,6 +99,40 @@ def set_isa(isa: str | None) -> str:
         mod.set_isa_cap(ISAS.index(isa))
         _isa_epoch += 1
     return active_isa()
+
+
+def set_batch_invariant(on: bool) -> bool:
+    """Turn batch invariance on (the default) or off for this process; returns the previous
+    setting.
+
+    On: every ``linear`` / ``linear_glu`` call with a prepacked weight runs the packed kernel,
+    and one with a plain CPU weight the plain C++ kernel, for any number of rows: one
+    reduction order per output element, so row ``i`` of the result equals
+    ``linear(x[i:i+1])`` bit for bit whatever else is in the call. Together with the
+    attention kernel's absolute-position KV chunks this makes a sequence's logits independent
+    of the batch, prefill chunking, prefix cache and kernel thread count. Off: calls above the
+    kernels' row limits (``AMX_MAX_M``, ``AVX512_MAX_M``, ``AVX2_MAX_M``, ``LINEAR_MAX_M``)
+    go to torch's GEMM, faster for large prefills on some CPUs (see the README's
+    "Exactness" section for measured costs), and results then depend on the batch.
+    The environment variable ``SPECENGINE_BATCH_INVARIANT=0`` turns it off at import."""
+    global _batch_invariant
+    old, _batch_invariant = _batch_invariant, bool(on)
+    return old
+
+
+@contextlib.contextmanager
+def batch_invariance(on: bool):
+    """``set_batch_invariant(on)`` within the block, the previous setting after it."""
+    old = set_batch_invariant(on)
+    try:
+        yield
+    finally:
+        set_batch_invariant(old)
+
+
+def batch_invariant() -> bool:
+    """Whether batch invariance is on (``set_batch_invariant``)."""
+    return _batch_invariant
 
 
 def active_isa() -> str:
@@ -174,6 +215,8 @@ class PackedWeight:
                 or not x.shape[-1] or self.epoch != _isa_epoch):
             return 0
         rows = x.numel() // x.shape[-1]
+        if _batch_invariant:
+            return rows
         limit = (AMX_MAX_M if self.kind == "amx" else AVX512_MAX_M if self.kind == "avx512"
                  else AVX2_MAX_M[x.dtype])
         return rows if 0 < rows <= limit else 0
@@ -207,6 +250,37 @@ def _repack_avx512_(out: torch.Tensor, w: torch.Tensor, glu: bool) -> None:
         out[full, :, :rest].copy_(w[full * 64:].t())
 
 
+def _repack_amx_(out: torch.Tensor, w: torch.Tensor, glu: bool) -> None:
+    """Write bfloat16 ``w`` ``[N, K]`` (K even) into ``out`` in ``pack_weight_amx``'s tile
+    layout, in place (the torch twin of ``amx_pack`` in csrc/linear_amx.cpp). Layout ``[P, Kb,
+    2, 16, 32]``: pair ``p``, 32-wide K step ``kb``, tile ``t``, K pair ``kp``, feature ``n``
+    and the two K elements of the pair; feature row ``p*32 + t*16 + n`` (``glu``: ``t*I +
+    p*16 + n``), K element ``kb*32 + 2*kp + e``. A K pair is one 4-byte unit, moved as int32.
+    Padding (rows past N, K past the last whole step) is left as it is (zeros)."""
+    o = out.view(torch.int32).permute(0, 2, 4, 1, 3)  # [P, t, n, Kb, kp]
+    u = w.view(torch.int32)  # [N, K/2]
+    N, Kh = u.shape
+    full_kb, k_rest = divmod(Kh, 16)
+
+    def put(dst: torch.Tensor, src: torch.Tensor) -> None:  # dst [..., Kb, 16], src [..., Kh]
+        if full_kb:
+            dst[..., :full_kb, :].copy_(src[..., :full_kb * 16].unflatten(-1, (full_kb, 16)))
+        if k_rest:
+            dst[..., full_kb, :k_rest].copy_(src[..., full_kb * 16:])
+
+    if glu:
+        P = N // 32
+        put(o, u.view(2, P, 16, Kh).transpose(0, 1))
+        return
+    full, rest = divmod(N, 32)
+    if full:
+        put(o[:full], u[:full * 32].view(full, 2, 16, Kh))
+    for t in range(2):
+        rows = min(max(rest - 16 * t, 0), 16)
+        if rows:
+            put(o[full, t, :rows], u[full * 32 + 16 * t:full * 32 + 16 * t + rows])
+
+
 def prepack(weight: torch.Tensor, glu: bool = False,
             reuse: PackedWeight | None = None) -> PackedWeight:
     """Prepare ``weight`` ``[N, K]`` for ``linear`` (``glu=False``) or ``linear_glu``.
@@ -221,21 +295,22 @@ def prepack(weight: torch.Tensor, glu: bool = False,
 
     ``reuse``: a stale ``PackedWeight`` of a weight with this shape and dtype (e.g. this one
     before an in-place weight update); its AVX-512 buffer is rewritten in place instead of
-    allocating a new one (no fresh pages: several times faster for a whole model). The
-    result is the same as without it.
+    allocating a new one (no fresh pages: several times faster for a whole model); AMX
+    tiles too. The result is the same as without it.
     """
     packed, kind = None, None
     glu = glu and weight.dim() == 2 and weight.shape[0] % 64 == 0  # else: plain layout
     want = _packed_kind(weight.dtype) if weight.device.type == "cpu" else None
-    if (reuse is not None and reuse.kind in ("avx512", "avx2") and reuse.kind == want
+    if (reuse is not None and reuse.kind is not None and reuse.kind == want
             and reuse.packed is not None
-            and reuse.glu == glu and weight.device.type == "cpu"
+            and reuse.glu == glu and weight.device.type == "cpu" and weight.is_contiguous()
             and reuse.weight.shape == weight.shape and reuse.weight.dtype == weight.dtype
             and (weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0)):
         # a copy packed lazily inside a forward (after sleep/wake) is an inference tensor:
         # rewrite it in inference mode, where in-place updates to it are allowed
+        repack = _repack_amx_ if want == "amx" else _repack_avx512_
         with torch.no_grad(), torch.inference_mode(reuse.packed.is_inference()):
-            _repack_avx512_(reuse.packed, weight.detach(), glu)
+            repack(reuse.packed, weight.detach(), glu)
         return PackedWeight(weight, reuse.packed, glu, _version(weight), weight.data_ptr(),
                             want, _isa_epoch)
     if want is not None and weight.dim() == 2:
@@ -268,11 +343,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight,
     in x's dtype (``out_f32``: float32, rounded once from the float32 accumulator when a packed
     kernel runs; used for logits).
 
-    With a ``PackedWeight`` (``prepack``) and at most ``AMX_MAX_M`` (AMX), ``AVX512_MAX_M``
-    (AVX-512) or ``AVX2_MAX_M[dtype]`` (AVX2) rows, the packed kernel runs: float32
-    accumulation in a fixed order, one rounding, so row ``i`` equals ``linear(x[i:i+1])`` bit
-    for bit. Otherwise, on CPU with at most ``LINEAR_MAX_M[dtype]`` rows the plain C++ kernel
-    (same guarantee); else torch.
+    With a ``PackedWeight`` (``prepack``) the packed kernel runs: float32 accumulation in a
+    fixed order, one rounding, so row ``i`` equals ``linear(x[i:i+1])`` bit for bit. With a
+    plain CPU float32/bfloat16 weight the plain C++ kernel runs (same guarantee). With batch
+    invariance off (``set_batch_invariant``), calls over ``AMX_MAX_M`` (AMX),
+    ``AVX512_MAX_M`` (AVX-512), ``AVX2_MAX_M[dtype]`` (AVX2) or ``LINEAR_MAX_M[dtype]``
+    (plain) rows go to torch instead; other devices and dtypes always do.
     """
     if isinstance(weight, PackedWeight):
         rows = weight.rows_for(x)
@@ -281,8 +357,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight,
         weight = weight.weight
     mod = _cpp(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (mod is None or rows == 0 or rows > LINEAR_MAX_M[x.dtype] or weight.dtype != x.dtype
-            or not weight.is_contiguous()):
+    if (mod is None or rows == 0 or weight.dtype != x.dtype or not weight.is_contiguous()
+            or (rows > LINEAR_MAX_M[x.dtype] and not _batch_invariant)):
         y = F.linear(x, weight, bias)
     else:
         y = mod.linear(x.reshape(rows, x.shape[-1]), weight, bias).view(
@@ -309,6 +385,10 @@ def linear_glu(x: torch.Tensor, gate_up: torch.Tensor | PackedWeight) -> torch.T
 def packed_covers(rows: int) -> bool:
     """True when a forward of ``rows`` tokens runs all its linear layers in the extension's
     packed kernels on this CPU (so torch's own threads are not needed for it)."""
+    if _packed_kind(torch.bfloat16) is None and _packed_kind(torch.float32) is None:
+        return False
+    if _batch_invariant:
+        return True
     if amx_available():
         return rows <= AMX_MAX_M
     if avx512_available(torch.bfloat16):
@@ -415,6 +495,12 @@ def _isa_from_env() -> None:
     isa = os.environ.get("SPECENGINE_ISA", "").strip().lower()
     if isa:
         set_isa(isa)
+    inv = os.environ.get("SPECENGINE_BATCH_INVARIANT", "").strip().lower()
+    if inv:
+        if inv not in ("0", "1", "false", "true", "off", "on"):
+            raise ValueError(f"SPECENGINE_BATCH_INVARIANT={inv!r}: use 1 (on, the default) "
+                             "or 0 (off)")
+        set_batch_invariant(inv in ("1", "true", "on"))
 
 
 _isa_from_env()

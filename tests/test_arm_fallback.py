@@ -56,17 +56,21 @@ def test_prepack_keeps_weights_unpacked(arm_like, dtype):
     assert not kernels.packed_covers(1) and not kernels.packed_covers(64)
 
 
+@pytest.mark.parametrize("invariant", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_takes_portable_kernel_then_torch(arm_like, dtype):
+def test_linear_takes_portable_kernel_then_torch(arm_like, dtype, invariant):
+    """The portable C++ kernel for every row count (batch invariance, the default), or up to
+    ``LINEAR_MAX_M`` rows and torch above (invariance off)."""
     torch.manual_seed(0)
     w, b = torch.randn(96, 64, dtype=dtype), torch.randn(96, dtype=dtype)
     pw, pg = kernels.prepack(w), kernels.prepack(w, glu=True)
     small = kernels.LINEAR_MAX_M[dtype]
     for rows in (1, small, small + 1, 64):
         x = torch.randn(rows, 64, dtype=dtype)
-        y = kernels.linear(x, pw, b)
-        assert torch.equal(y, kernels.linear(x, w, b))
-        if rows <= small:  # the portable C++ kernel: row i alone gives the same row
+        with kernels.batch_invariance(invariant):
+            y = kernels.linear(x, pw, b)
+            assert torch.equal(y, kernels.linear(x, w, b))
+        if rows <= small or invariant:  # the portable C++ kernel: row i alone gives the row
             assert torch.equal(y, arm_like.linear(x, w, b))
             assert torch.equal(y[-1:], arm_like.linear(x[-1:], w, b))
             tol = 1e-5 if dtype == torch.float32 else 2e-2

@@ -17,6 +17,7 @@ from specengine._ext import ext
 from specengine.attention.base import AttentionBackend, AttentionMetadata
 from specengine.attention.cpu import CpuAttention, paged_attention_masked_ref
 from specengine.attention.torch_ref import paged_attention_ref
+from specengine.kernels import batch_invariance
 
 needs_ext = pytest.mark.skipif(ext() is None, reason="specengine._C is not built "
                                "(pip install --no-build-isolation -e .)")
@@ -221,7 +222,10 @@ def test_ops_linear_dispatch():
     w = torch.randn(32, 64).bfloat16()
     assert torch.equal(kernels.linear(x, w), ext().linear(x.view(4, 64), w).view(2, 2, 32))
     big = torch.randn(kernels.LINEAR_MAX_M[torch.bfloat16] + 1, 64).bfloat16()
-    assert torch.equal(kernels.linear(big, w), F.linear(big, w))
+    assert kernels.batch_invariant()  # the default: the C++ kernel for every row count
+    assert torch.equal(kernels.linear(big, w), ext().linear(big, w))
+    with batch_invariance(False):  # off: torch's GEMM above the row limit
+        assert torch.equal(kernels.linear(big, w), F.linear(big, w))
 
 
 @needs_ext
@@ -278,6 +282,8 @@ packed_dtype = pytest.mark.parametrize(
 
 
 def max_rows(pw, dtype) -> int:
+    if kernels.batch_invariant():
+        return 1 << 30
     return {"amx": kernels.AMX_MAX_M, "avx512": kernels.AVX512_MAX_M,
             "avx2": kernels.AVX2_MAX_M[dtype]}[pw.kind]
 
