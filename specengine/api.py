@@ -49,6 +49,9 @@ class LLM:
             ``"processed_logprobs"`` (of the distribution sampled from).
         device: ``"auto"`` (CUDA when available, else CPU), ``"cpu"`` or ``"cuda"``.
         attention_backend: ``"auto"``, ``"cpu"`` (C++), ``"cuda"``, ``"triton"`` or ``"torch"``.
+        head_dtype: ``"float32"``: logits of a bfloat16 model from a float32 copy of the LM
+            head over float32 hidden states (vLLM's ``head_dtype``; closer to a trainer that
+            computes its logits in float32); None / ``"auto"``: the model dtype.
         speculative_config: e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``; see
             ``specengine.speculative.config.SpeculativeConfig``. Outputs are unchanged by it: greedy
             output is identical, sampled output has the same distribution.
@@ -98,7 +101,8 @@ class LLM:
                  seed: int = 0, block_size: int = 16, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None,
                  logprobs_mode: str = "raw_logprobs", speculative_config: dict | None = None,
-                 device: str = "auto", attention_backend: str = "auto", **engine_args):
+                 device: str = "auto", attention_backend: str = "auto",
+                 head_dtype: str | torch.dtype | None = None, **engine_args):
         from specengine.models.loader import load_model
 
         args = self.engine_args = parse_engine_args(engine_args)
@@ -106,8 +110,11 @@ class LLM:
         torch_dtype = parse_dtype(_vllm_dtype(dtype, model))
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        head = _head_dtype(head_dtype, torch_dtype)
         loaded = load_model(model, dtype=torch_dtype, device=device,
                             dummy=args.load_format == "dummy")
+        loaded.model.head_dtype = head
+        self.head_dtype = head or torch_dtype
         self.model_name = model
         self.model_dir = loaded.model_dir
         self.tokenizer = None if args.skip_tokenizer_init else loaded.tokenizer
@@ -561,6 +568,23 @@ class LLM:
         finally:
             self.engine.abort_all()  # no-op after a normal finish; frees KV after an error
             self._wall_time += time.perf_counter() - t0
+
+
+def _head_dtype(head_dtype, model_dtype: torch.dtype) -> torch.dtype | None:
+    """``LLM``'s ``head_dtype`` -> torch.float32, or None for the model dtype.
+
+    Raises ValueError for anything but None, ``"auto"``, float32 or the model dtype."""
+    if head_dtype is None or head_dtype == "auto":
+        return None
+    names = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}
+    dt = names.get(head_dtype) if isinstance(head_dtype, str) else head_dtype
+    if dt == model_dtype:
+        return None
+    if dt != torch.float32:
+        raise ValueError(f"head_dtype={head_dtype!r}: use 'float32' or 'auto' (the model "
+                         f"dtype, {str(model_dtype)[6:]})")
+    return torch.float32
 
 
 def _vllm_dtype(dtype, model) -> str | torch.dtype:

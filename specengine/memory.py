@@ -107,9 +107,7 @@ class MemoryManager:
     def _drop_packed(self) -> None:
         """Forget the kernels' packed copies of the target's weights (and an EAGLE drafter's
         copies of the shared LM head); they are rebuilt on first use."""
-        for layer in self.model.layers:
-            layer._packed.clear()
-        self.model._lm_head_packed = None
+        self.model.drop_packed()
         eagle = getattr(_unwrap(self.engine.drafter), "model", None)
         if hasattr(eagle, "_packs"):
             eagle._packs.clear()
@@ -119,8 +117,7 @@ class MemoryManager:
         """Bytes held now: ``weights`` (the target's parameters), ``packed`` (their kernel
         copies), ``kv_cache`` (the target's and drafter's KV pools), and ``total``."""
         w = sum(_nbytes(t) for t in self._weight_tensors())
-        packs = [pw for layer in self.model.layers for pw in layer._packed.values()]
-        packs.append(self.model._lm_head_packed)
+        packs = self.model.packed_weights()
         eagle = getattr(_unwrap(self.engine.drafter), "model", None)
         packs += list(getattr(eagle, "_packs", {}).values())
         p = sum(_nbytes(pw.packed) for pw in packs if pw is not None and pw.packed is not None)

@@ -161,6 +161,10 @@ class LlamaForCausalLM(nn.Module):
         # float32 whatever the model dtype: RoPE runs in float32 with one rounding
         self.register_buffer("rope_cache", rope_cache(c), persistent=False)
         self._lm_head_packed: kernels.PackedWeight | None = None
+        # float32: logits from a float32 copy of the LM head over float32-cast hidden states
+        # (vLLM's head_dtype, #48390); None: the model dtype
+        self.head_dtype: torch.dtype | None = None
+        self._head_f32: tuple[int, int, kernels.PackedWeight] | None = None  # version, ptr, copy
 
     @property
     def dtype(self) -> torch.dtype:
@@ -198,11 +202,46 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden_size]`` hidden states -> ``[N, vocab_size]`` float32 logits."""
+        """``[N, hidden_size]`` hidden states (model dtype) -> ``[N, vocab_size]`` float32
+        logits: float32 accumulation rounded once to float32 in the model dtype's kernel, or,
+        with ``head_dtype = torch.float32`` on a bfloat16 model, the float32 hidden states
+        times a float32 copy of the LM head (refreshed when the head's weights change)."""
+        if self.head_dtype == torch.float32 and self.dtype != torch.float32:
+            return kernels.linear(hidden.float(), self._float_head())
         pw = self._lm_head_packed
         if pw is None or not pw.is_current(self.lm_head):
             pw = self._lm_head_packed = kernels.prepack(self.lm_head, reuse=pw)
         return kernels.linear(hidden, pw, out_f32=True)
+
+    def _float_head(self) -> kernels.PackedWeight:
+        """The packed float32 copy of ``lm_head``, rebuilt when the head was modified."""
+        w = self.lm_head
+        key = (kernels._version(w), w.data_ptr())
+        if self._head_f32 is None or self._head_f32[:2] != key:
+            old = self._head_f32[2] if self._head_f32 is not None else None
+            copy = w.detach().float()
+            self._head_f32 = (*key, kernels.prepack(copy, reuse=old))
+        pw = self._head_f32[2]
+        if not pw.is_current(pw.weight):  # the instruction-set cap changed
+            pw = kernels.prepack(pw.weight, reuse=pw)
+            self._head_f32 = (*key, pw)
+        return pw
+
+    def drop_packed(self) -> None:
+        """Forget the kernels' packed copies of the weights (and the float32 head copy); they
+        are rebuilt on first use (``specengine.memory``'s sleep frees them this way)."""
+        for layer in self.layers:
+            layer._packed.clear()
+        self._lm_head_packed = None
+        self._head_f32 = None
+
+    def packed_weights(self) -> list[kernels.PackedWeight]:
+        """The packed copies held now (for memory accounting)."""
+        packs = [pw for layer in self.layers for pw in layer._packed.values()]
+        packs.append(self._lm_head_packed)
+        if self._head_f32 is not None:
+            packs.append(self._head_f32[2])
+        return [pw for pw in packs if pw is not None]
 
     def prepack(self) -> None:
         """Pack the linear weights for the fast kernels (``kernels.prepack``); ``load_weights``
