@@ -6,9 +6,9 @@
 """
 
 from specengine.api import LLM
-from specengine.outputs import CompletionOutput, RequestOutput
+from specengine.outputs import CompletionOutput, RequestOutput, ScoreOutput
 from specengine.sampling import SamplingParams
 from specengine.sequence import Logprob
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "ScoreOutput", "Logprob"]
 __version__ = "0.1.0"

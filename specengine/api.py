@@ -18,8 +18,9 @@ from specengine.llm_args import parse_engine_args
 from specengine.memory import MemoryManager
 from specengine.migration import KVChunk, MigratedSequence, Migrator, SequenceInfo
 from specengine.models.registry import DEFAULT_MODEL
-from specengine.outputs import RequestOutput
+from specengine.outputs import RequestOutput, ScoreOutput
 from specengine.sampling import SamplingParams, per_prompt
+from specengine.sequence import ScoreSpec
 from specengine.speculative.config import SpeculativeConfig
 from specengine.speculative.drafters import make_drafter
 from specengine.speculative.drafters.merged import share_calibration
@@ -480,9 +481,72 @@ class LLM:
 
     def _check_logprobs(self, p: SamplingParams, what: str) -> None:
         cap = self.engine_args.max_logprobs
-        if cap >= 0 and p.logprobs is not None and p.logprobs > cap:
-            raise ValueError(f"{what}: logprobs={p.logprobs} is above max_logprobs="
-                             f"{cap} (raise it with LLM(max_logprobs=...))")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(p, name)
+            if cap >= 0 and k is not None and k > cap:
+                raise ValueError(f"{what}: {name}={k} is above max_logprobs={cap} (raise it "
+                                 "with LLM(max_logprobs=...))")
+
+    def score(self, prompts, completions: list[list[int]],
+              sampling_params: SamplingParams | list[SamplingParams] | None = None,
+              logprobs: int | None = None, use_tqdm: bool = False) -> list[ScoreOutput]:
+        """Teacher-forced logprobs of given completions: the trainer's replay of a rollout.
+
+        For each prompt and completion (token ids, as ``CompletionOutput.token_ids``), one
+        prefill of the prompt and all completion tokens but the last gives the logits before
+        every completion token; each goes through generation's own pipeline (``min_tokens``
+        mask, penalties, temperature / top-k / top-p / min-p with ``sampling_params``: the
+        params the completion was sampled with). With batch invariance on (the default,
+        ``kernels.set_batch_invariant``), the values equal bit for bit the logprobs
+        ``generate`` returned for those tokens, with or without speculation, whatever the
+        batch (``SamplingParams.prompt_logprobs`` is the same computation over the prompt).
+
+        Args:
+            prompts: as ``generate`` takes them (text, token ids or dicts), one per completion.
+            completions: one list of token ids per prompt.
+            sampling_params: the params the completions were sampled with (one for all or
+                one per prompt; default ``SamplingParams()``); ``n``, ``seed``,
+                ``max_tokens`` and ``logprobs`` are not used.
+            logprobs: also return, per token, the top-``logprobs`` entries (the engine's
+                ``logprobs_mode``), as ``CompletionOutput.logprobs``.
+
+        Returns:
+            One ``ScoreOutput`` per prompt, in order.
+
+        Raises:
+            ValueError: lengths that differ, a bad prompt or token id, a sequence of
+                ``max_model_len`` tokens or more, ``logprobs`` above ``max_logprobs``;
+                nothing is run then.
+        """
+        prompts, params = per_prompt(prompts, sampling_params)
+        if len(completions) != len(prompts):
+            raise ValueError(f"got {len(completions)} completions for {len(prompts)} prompts")
+        self.memory.check_ready()
+        self._check_logprobs(SamplingParams(logprobs=logprobs), "score")
+        tokenized = [self._to_token_ids(p, i) for i, p in enumerate(prompts)]
+        specs = []
+        for i, ((_, ids), comp, p) in enumerate(zip(tokenized, completions, params)):
+            if not isinstance(comp, (list, tuple)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in comp):
+                raise ValueError(f"completions[{i}] must be a list of token ids")
+            self.engine.validate_prompt(ids + list(comp)[:-1], f"prompt {i} + completion")
+            specs.append(ScoreSpec(len(ids), list(comp), p, logprobs))
+        greedy = SamplingParams(temperature=0, max_tokens=1)
+        index = {}
+        try:
+            for i, ((_, ids), spec) in enumerate(zip(tokenized, specs)):
+                if spec.completion:
+                    rid = self.engine.add_request(ids + spec.completion[:-1], greedy,
+                                                  score=spec)
+                    index[rid] = i
+            with tqdm(total=len(index), desc="score", disable=not use_tqdm) as bar:
+                while self.engine.has_unfinished():
+                    bar.update(len(self.engine.step()))
+        finally:
+            self.engine.abort_all()
+        return [ScoreOutput(ids, s.completion, s.raw or [], s.processed or [],
+                            s.entries if logprobs is not None else None)
+                for (_, ids), s in zip(tokenized, specs)]
 
     # ---- step by step, and samples moving between engines (specengine.migration) -----------
     def add_request(self, prompt, sampling_params: SamplingParams | None = None,

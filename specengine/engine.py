@@ -31,12 +31,14 @@ from specengine.outputs import RequestOutput, request_output
 from specengine.sampler import Sampler
 from specengine.sampling import SampleNoise, SamplingParams
 from specengine.scheduler import Scheduler
-from specengine.sequence import Request, Sequence, SequenceStatus
+from specengine.sequence import Request, ScoreSpec, Sequence, SequenceStatus
 from specengine.speculative.drafters.base import Drafter, prune_tree
 from specengine.speculative.policy import StaticPolicy
 from specengine.speculative.strategy import Strategy
 from specengine.step import Commit, ForwardLayout
 from specengine.threads import ThreadTuner, adaptive_from_env
+
+PROMPT_ROWS = 256  # logits rows computed at once for prompt logprobs and scores
 
 
 class Engine:
@@ -108,8 +110,10 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, request_id: str | None = None) -> str:
-        """Queue a prompt; returns its request id.
+                    prompt: str | None = None, request_id: str | None = None,
+                    score: ScoreSpec | None = None) -> str:
+        """Queue a prompt; returns its request id. ``score`` (``LLM.score``): the prefill
+        also fills it with the teacher-forced logprobs of its completion.
 
         Raises:
             ValueError: empty prompt, prompt not shorter than ``max_model_len``, a token id
@@ -134,8 +138,10 @@ class Engine:
             seed = int(torch.randint(0, 2**62, (1,), generator=self.seed_rng))
         seqs = [Sequence(request_id, i, list(prompt_token_ids), params, SampleNoise(seed, i))
                 for i in range(params.n)]
+        for s in seqs:  # every prompt position's logits are needed: no prefix-cache hit
+            s.full_prefill = params.prompt_logprobs is not None or score is not None
         self.requests[request_id] = Request(request_id, prompt, list(prompt_token_ids), params,
-                                            seqs, time.perf_counter())
+                                            seqs, time.perf_counter(), score=score)
         self.scheduler.add(seqs)
         self.metrics.record_request(len(prompt_token_ids))
         return request_id
@@ -270,6 +276,7 @@ class Engine:
             times.mark("drafted")
             layout = ForwardLayout.of(entries)
             logits, hidden = self._forward(entries)
+            self._prompt_logprobs(layout, hidden)
             times.mark("forwarded")
             commits = self._sample(layout, logits)
             self._commit_kv(layout, commits)
@@ -334,6 +341,40 @@ class Engine:
         """
         logits, hidden = self.runner.run(entries, self.blocks)
         return logits.cpu(), hidden
+
+    def _prompt_logprobs(self, layout: ForwardLayout, hidden: torch.Tensor) -> None:
+        """The first prefill of a request that asks for them computes the logits of every
+        prompt position, ``PROMPT_ROWS`` rows at a time (bounded memory; the rows of a
+        batch-invariant forward do not depend on the grouping): ``prompt_logprobs``
+        entries (``Sampler.prompt_rows``) and an ``LLM.score`` request's completion logprobs
+        (``Sampler.score_rows``)."""
+        for i, e in enumerate(layout.entries):
+            req = self.requests.get(e.seq.request_id)
+            if (not e.is_prefill or req is None or e.seq.num_cached or e.seq.num_output_tokens
+                    or (req.params.prompt_logprobs is None and req.score is None)
+                    or req.prompt_logprobs is not None):
+                continue
+            ids, off, spec = e.seq.token_ids, layout.token_offsets[i], req.score
+            entries: list = [None]
+            first = len(ids) if spec is None else spec.prompt_len - 1  # first row scored
+            if spec is not None:
+                spec.raw, spec.processed, spec.entries = [], [], []
+                context = Sequence(req.request_id, 0, ids[:spec.prompt_len], spec.params, None)
+            for a in range(0, len(ids), PROMPT_ROWS):
+                b = min(a + PROMPT_ROWS, len(ids))
+                logits = self.runner.model.compute_logits(hidden[off + a:off + b]).cpu()
+                if req.params.prompt_logprobs is not None and a < len(ids) - 1:
+                    rows = min(b, len(ids) - 1) - a
+                    entries += self.sampler.prompt_rows(logits[:rows], req.params,
+                                                        ids[a + 1:a + 1 + rows])
+                if spec is not None and b > first:
+                    j0 = max(a, first)
+                    raw, proc, ents = self.sampler.score_rows(
+                        logits[j0 - a:], context, spec.completion, j0 - first, spec.logprobs)
+                    spec.raw += raw
+                    spec.processed += proc
+                    spec.entries += ents
+            req.prompt_logprobs = entries if req.params.prompt_logprobs is not None else []
 
     def _sample(self, layout: ForwardLayout, logits: torch.Tensor) -> list[Commit]:
         """Draw every plain row in one ``Sampler.sample`` (each of a prefill's samples from the

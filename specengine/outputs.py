@@ -51,6 +51,10 @@ class CompletionOutput:
 class RequestOutput:
     """All samples of one prompt, plus the request's timing metrics (seconds, tokens).
 
+    ``prompt_logprobs``: with ``SamplingParams.prompt_logprobs``, one ``{token_id:
+    Logprob}`` per prompt token (the prompt token's and the top ones; None for the first
+    token), as vLLM; else None.
+
     ``weight_version``: the version of the target's weights that generated it (0: as loaded;
     +1 per weight update, see ``LLM.weight_version``; updates wait for requests to finish, so
     one version produced the whole request).
@@ -63,6 +67,7 @@ class RequestOutput:
     finished: bool = True
     metrics: dict = field(default_factory=dict)
     weight_version: int | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 def request_output(req: Request, metrics: dict, weight_version: int | None = None
@@ -76,8 +81,32 @@ def request_output(req: Request, metrics: dict, weight_version: int | None = Non
         hidden_states=None if s.hidden_states is None else _stack(s.hidden_states))
         for s in req.seqs]
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, True, metrics,
-                         weight_version=weight_version)
+                         weight_version=weight_version,
+                         prompt_logprobs=req.prompt_logprobs
+                         if req.params.prompt_logprobs is not None else None)
 
 
 def _stack(chunks: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(chunks) if chunks else torch.empty(0, 0)
+
+
+@dataclass
+class ScoreOutput:
+    """``LLM.score``'s result for one prompt and completion.
+
+    Attributes:
+        prompt_token_ids, token_ids: the prompt and the completion scored.
+        logprobs: per completion token, its raw log-probability (``log_softmax`` of the
+            model's float32 logits, before temperature and filters).
+        processed_logprobs: per completion token, its log-probability under the distribution
+            sampled from (after the ``min_tokens`` mask, penalties, temperature, top-k, top-p,
+            min-p of the params given).
+        top_logprobs: with ``score(logprobs=k)``, per token ``{token_id: Logprob}`` as
+            ``CompletionOutput.logprobs`` (the engine's ``logprobs_mode``); else None.
+    """
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    processed_logprobs: list[float]
+    top_logprobs: list[dict[int, Logprob]] | None = None

@@ -203,6 +203,56 @@ class Sampler:
             entries[i] = self.logprob_entry(lps[j], tokens[i], params[rows[i]].logprobs)
         return entries
 
+    def prompt_rows(self, logits: torch.Tensor, params: SamplingParams, tokens: list[int]
+                    ) -> list[LogprobEntry]:
+        """vLLM's ``prompt_logprobs``: one entry per prompt token, from the row that precedes
+        it. ``logits`` ``[R, V]`` float32 rows of the prompt's positions, ``tokens`` the ``R``
+        tokens that follow them; ``params.prompt_logprobs`` top tokens per entry. The
+        engine's ``logprobs_mode`` applies (processed: temperature / top-k / top-p / min-p, no
+        output-dependent masks or penalties: no output exists yet)."""
+        if self.logprobs_mode == "raw_logprobs":
+            src = logits
+        else:
+            src = self.process(logits, [params] * len(tokens))
+        lps = torch.log_softmax(src.float(), dim=-1)
+        return [self.logprob_entry(lps[j], t, params.prompt_logprobs)
+                for j, t in enumerate(tokens)]
+
+    def score_rows(self, logits: torch.Tensor, seq: Sequence, completion: list[int],
+                   first: int, k: int | None) -> tuple[list[float], list[float],
+                                                       list[LogprobEntry | None]]:
+        """Teacher-forced logprobs of ``completion[first:first + R]`` (a sample of ``seq``'s
+        prompt drawn with ``seq.params``), from ``logits`` ``[R, V]`` float32, row ``j``
+        preceding ``completion[first + j]``: exactly what generation returned for those tokens.
+
+        Each row goes through generation's own pieces (``mask_stop_ids`` at its output
+        position, ``penalize`` with the completion so far as the row's context, ``process``)
+        so the values equal, bit for bit, the generation-time logprobs of a batch-invariant
+        engine.
+
+        Returns:
+            ``(raw, processed, entries)``: per token the raw log-probability
+            (``log_softmax(logits)``), the processed one (of the distribution sampled from),
+            and a logprob entry with the top ``k`` tokens in the engine's ``logprobs_mode``
+            (None entries when ``k`` is None).
+        """
+        R = logits.shape[0]
+        positions = list(range(first, first + R))
+        tokens = completion[first:first + R]
+        params = [seq.params] * R
+        masked = self.mask_stop_ids(logits, [seq] * R, positions)
+        masked = penalize(masked, [seq] * R, paths=[completion[:o] for o in positions])
+        processed = self.process(masked, params)
+        raw_lp = torch.log_softmax(logits.float(), dim=-1)
+        proc_lp = torch.log_softmax(processed.float(), dim=-1)
+        idx = torch.tensor(tokens, dtype=torch.int64).unsqueeze(1)
+        raw = raw_lp.gather(1, idx).squeeze(1).tolist()
+        proc = proc_lp.gather(1, idx).squeeze(1).tolist()
+        src = raw_lp if self.logprobs_mode == "raw_logprobs" else proc_lp
+        entries = [None] * R if k is None else [
+            self.logprob_entry(src[j], t, k) for j, t in enumerate(tokens)]
+        return raw, proc, entries
+
     def logprob_entry(self, lp: torch.Tensor, token: int, k: int) -> LogprobEntry:
         """``{token_id: Logprob}`` from one row of log-probabilities ``lp`` ``[V]``: the sampled
         ``token`` (rank 1 + the number of tokens strictly more likely) and the ``k`` most likely

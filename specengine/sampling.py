@@ -47,6 +47,10 @@ class SamplingParams:
         ignore_eos: keep generating after EOS.
         logprobs: number of top log-probabilities to return per token (the sampled token's is
             always included); None returns none.
+        prompt_logprobs: number of top log-probabilities to return per prompt token (the
+            prompt token's is always included; the first token has none: ``None``), from a
+            prefill of the whole prompt (a request asking for them takes no prefix-cache
+            hit); None returns none (vLLM's name; ``RequestOutput.prompt_logprobs``).
         skip_special_tokens: drop special tokens from ``text``.
         repetition_penalty: > 0 (1 disables): the logit of every token that occurs in the
             prompt or the output so far is divided by it when positive, multiplied by it
@@ -76,6 +80,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -121,6 +126,9 @@ class SamplingParams:
             raise bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}]")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise bad("logprobs", "must be None or an integer >= 0")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
+                                                 or self.prompt_logprobs < 0):
+            raise bad("prompt_logprobs", "must be None or an integer >= 0")
         if not isinstance(self.return_hidden_states, bool):
             raise bad("return_hidden_states", "must be True or False")
         if self.seed is not None and not is_int(self.seed):

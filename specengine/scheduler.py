@@ -55,7 +55,8 @@ class Scheduler:
                 raise RuntimeError(
                     f"request {leader.request_id} needs {need} KV blocks for {len(leader)} tokens "
                     f"but the pool has only {self.blocks.num_blocks}; raise kv_cache_memory_bytes")
-            hit = self.blocks.match(leader)  # leading blocks found in the prefix cache
+            # leading blocks found in the prefix cache
+            hit = [] if leader.full_prefill else self.blocks.match(leader)
             need = self.blocks.admission_cost(leader, hit)
             num_new = len(leader) - self.blocks.cached_tokens(leader, hit)
             # keep one free block per running sequence so admitted work can keep decoding
@@ -83,11 +84,12 @@ class Scheduler:
     def _take_same(self, leader: Sequence, room: int) -> list[Sequence]:
         """Remove from the waiting queue, and return, the groups whose tokens equal
         ``leader``'s, as long as they fit in ``room`` more sequences (prefix caching only)."""
-        if self.blocks.cache is None or room <= 0:
+        if self.blocks.cache is None or room <= 0 or leader.full_prefill:
             return []
         taken, keep = [], deque()
         for g in self.waiting:
-            if len(g) <= room and len(g[0]) == len(leader) and g[0].token_ids == leader.token_ids:
+            if (len(g) <= room and len(g[0]) == len(leader) and not g[0].full_prefill
+                    and g[0].token_ids == leader.token_ids):
                 taken += g
                 room -= len(g)
             else:

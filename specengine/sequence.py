@@ -53,6 +53,9 @@ class Sequence:
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0
         self.num_preemptions = 0  # times the scheduler freed its KV for recomputation
+        # the prefill needs every prompt position's logits (prompt logprobs, LLM.score): the
+        # scheduler gives it no prefix-cache hit and no shared prefill with other requests
+        self.full_prefill = False
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         # target hidden states [r, H] per step that appended r tokens (return_hidden_states)
@@ -116,3 +119,23 @@ class Request:
     seqs: list[Sequence]
     arrival_time: float
     first_token_time: float | None = None
+    # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), filled
+    # by the prefill
+    prompt_logprobs: list | None = None
+    # LLM.score: the completion scored (the prompt holds all its tokens but the last), the
+    # params it was sampled with, the top-k entries wanted, and the result
+    score: ScoreSpec | None = None
+
+
+@dataclass
+class ScoreSpec:
+    """What ``LLM.score`` asks of a request: the teacher-forced logprobs of ``completion``
+    as sampled with ``params`` after the prompt (``Sampler.score_rows``)."""
+
+    prompt_len: int
+    completion: list[int]
+    params: SamplingParams
+    logprobs: int | None = None
+    raw: list[float] | None = None
+    processed: list[float] | None = None
+    entries: list | None = None
