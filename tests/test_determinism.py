@@ -312,3 +312,42 @@ def test_negative_control(wide_dir, dtype, monkeypatch):
         alone = run(llm, NEEDLES, params())
         among = run(llm, batch, params())[-len(alone):]
     assert among != alone
+
+
+def test_server_answers_the_same_chat_twice_in_bfloat16(tiny_llama_tok_dir):
+    """``specengine serve`` in bfloat16: the same T=0 chat asked again (alone, then beside
+    other requests, with the prefix cache warm) gives the same tokens and logprobs."""
+    pytest.importorskip("fastapi")
+    requests = pytest.importorskip("requests")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_server import Server
+
+    from specengine.server.app import build_app
+
+    llm = LLM(str(tiny_llama_tok_dir), dtype="bfloat16", kv_cache_memory_bytes=16 << 20,
+              max_model_len=256)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Name three colours."}],
+            "temperature": 0, "max_tokens": 24, "logprobs": True, "top_logprobs": 3,
+            "ignore_eos": True}
+    other = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 40,
+             "temperature": 1.0, "seed": 3, "ignore_eos": True}
+    with Server(build_app(llm, "tiny")) as s:
+        def chat():
+            r = requests.post(f"{s.url}/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            c = r.json()["choices"][0]
+            return c["message"]["content"], c["logprobs"]
+
+        def complete(_):
+            r = requests.post(f"{s.url}/v1/completions", json=other, timeout=60)
+            assert r.status_code == 200, r.text
+
+        first = chat()
+        assert chat() == first
+        with ThreadPoolExecutor(6) as pool:
+            busy = [pool.submit(complete, i) for i in range(5)]
+            again = pool.submit(chat)
+            assert again.result() == first
+            for f in busy:
+                f.result()
