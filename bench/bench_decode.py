@@ -14,6 +14,13 @@ on the default model in bfloat16 and float32, at several batch sizes. Per row:
   weight bytes read per step / measured memory read bandwidth.
 
     python bench/bench_decode.py [--quick] [--out results.json] [--profile]
+
+``--invariance`` measures instead what batch invariance costs (``kernels.set_batch_invariant``):
+the engine alone, each batch run with invariance on and off in alternation on one engine (best
+of ``--repeats`` each), decode tok/s and the prefill time of the batch's prompts (one
+prefill step of every prompt) side by side:
+
+    python bench/bench_decode.py --invariance --out results/invariance.json
 """
 
 from __future__ import annotations
@@ -140,6 +147,47 @@ def profile_decode_step(llm: LLM, prompt: list[int]) -> str:
     return text + "\n" + s.getvalue()
 
 
+def invariance(dtypes: list[str], batches: list[int], all_ids: list[list[int]],
+               max_tokens: int, repeats: int, info: dict, out: str | None) -> None:
+    """Batch invariance on vs off per dtype and batch (``--invariance``): decode tok/s and
+    prefill seconds, each the best of ``repeats`` runs, on and off alternating on one engine."""
+    from specengine import kernels
+
+    results = []
+    for dtype in dtypes:
+        llm = engine_llm(dtype, all_ids[:max(batches)], max_tokens)
+        run_engine(llm, all_ids[:min(8, max(batches))], 8, 1)  # warm up
+        for b in batches:
+            runs = {True: [], False: []}
+            for _ in range(repeats):
+                for mode in (True, False):
+                    with kernels.batch_invariance(mode):
+                        runs[mode].append(run_engine(llm, all_ids[:b], max_tokens, 1))
+            on, off = ({"decode_tok_s": max(r["decode_tok_s"] for r in runs[m]),
+                        "prefill_best_s": min(r["prefill_s"] for r in runs[m]),
+                        "first_output": runs[m][0]["first_output"]} for m in (True, False))
+            row = {"dtype": dtype, "batch": b,
+                   "prefill_tokens": sum(len(p) for p in all_ids[:b]),
+                   "decode_tok_s_on": on["decode_tok_s"], "decode_tok_s_off": off["decode_tok_s"],
+                   "decode_ratio": on["decode_tok_s"] / off["decode_tok_s"],
+                   "prefill_s_on": on["prefill_best_s"], "prefill_s_off": off["prefill_best_s"],
+                   "prefill_ratio": off["prefill_best_s"] / on["prefill_best_s"],
+                   "same_tokens": on["first_output"] == off["first_output"]}
+            results.append(row)
+            print(f"# {dtype} b={b}: decode {row['decode_ratio']:.3f}x, prefill "
+                  f"{row['prefill_ratio']:.3f}x of invariance off", file=sys.stderr)
+    print(markdown_table(
+        ["dtype", "batch", "prefill tokens", "decode tok/s on", "off", "on/off",
+         "prefill s on", "off", "speed on/off"],
+        [[r["dtype"], r["batch"], r["prefill_tokens"], f"{r['decode_tok_s_on']:.1f}",
+          f"{r['decode_tok_s_off']:.1f}", f"{r['decode_ratio']:.2f}", f"{r['prefill_s_on']:.3f}",
+          f"{r['prefill_s_off']:.3f}", f"{r['prefill_ratio']:.2f}"] for r in results]))
+    if out:
+        from specengine.jsonl import write_json_atomic
+        write_json_atomic(out, {"machine": info, "max_tokens": max_tokens, "repeats": repeats,
+                                "rows": results})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
@@ -152,6 +200,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, help="runs per row, best kept (default 2)")
     ap.add_argument("--profile", action="store_true",
                     help="profile one batch-1 decode step (also done when slower than HF)")
+    ap.add_argument("--invariance", action="store_true",
+                    help="batch invariance on vs off, engine only (see the docstring)")
     args = ap.parse_args()
     q = args.quick
     max_tokens = args.max_tokens or (16 if q else 128)
@@ -177,6 +227,8 @@ def main() -> None:
     texts = [p["prompt"] for p in humaneval_prompts(max(batches + hf_batches))]
     all_ids = [tok(t).input_ids for t in texts]
 
+    if args.invariance:
+        return invariance(dtypes, batches, all_ids, max_tokens, repeats, info, args.out)
     rows, results, floors, profile_text = [], [], {}, None
     for dtype in dtypes:
         llm = engine_llm(dtype, all_ids[:max(batches)], max_tokens)
