@@ -53,6 +53,9 @@ class LLM:
         head_dtype: ``"float32"``: logits of a bfloat16 model from a float32 copy of the LM
             head over float32 hidden states (vLLM's ``head_dtype``; closer to a trainer that
             computes its logits in float32); None / ``"auto"``: the model dtype.
+        prefix_cache_policy: after a weight update, ``"reset"`` (forget the prefix cache,
+            the default) or ``"keep_versioned"`` (keep it; each cached block is found only by
+            requests of the weight version that computed it).
         speculative_config: e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``; see
             ``specengine.speculative.config.SpeculativeConfig``. Outputs are unchanged by it: greedy
             output is identical, sampled output has the same distribution.
@@ -103,7 +106,8 @@ class LLM:
                  max_num_batched_tokens: int | None = None,
                  logprobs_mode: str = "raw_logprobs", speculative_config: dict | None = None,
                  device: str = "auto", attention_backend: str = "auto",
-                 head_dtype: str | torch.dtype | None = None, **engine_args):
+                 head_dtype: str | torch.dtype | None = None,
+                 prefix_cache_policy: str = "reset", **engine_args):
         from specengine.models.loader import load_model
 
         args = self.engine_args = parse_engine_args(engine_args)
@@ -142,7 +146,8 @@ class LLM:
             max_model_len=max_model_len, block_size=block_size, num_kv_blocks=num_blocks,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or max(4096, max_model_len),
-            enable_prefix_caching=bool(args.enable_prefix_caching))
+            enable_prefix_caching=bool(args.enable_prefix_caching),
+            prefix_cache_policy=prefix_cache_policy)
         self.speculative_config = SpeculativeConfig.from_dict(speculative_config)
         drafter = make_drafter(self.speculative_config, loaded, num_blocks, block_size) \
             if self.speculative_config else None
@@ -353,9 +358,9 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached KV block (vLLM's ``LLM.reset_prefix_cache``; RL trainers call
-        it after a weight push, weight updates do it themselves). Returns False, changing
-        nothing, while requests are in flight (a ``generate_iter`` not run to its end); else
-        True."""
+        it after a weight push; weight updates follow ``prefix_cache_policy``). Also while
+        requests are in flight: running samples keep their blocks, and what they cache later
+        is never found by requests admitted after the reset. Returns True."""
         return self.engine.reset_prefix_cache()
 
     # ---- memory lifecycle (specengine.memory) -----------------------------------------------

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+PREFIX_CACHE_POLICIES = ("reset", "keep_versioned")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -36,6 +37,12 @@ class EngineConfig:
         max_num_batched_tokens: most tokens in one forward (prefill budget).
         enable_prefix_caching: reuse the KV of full blocks already computed for the same
             leading tokens (``kv/prefix_cache.py``).
+        prefix_cache_policy: after a weight update, ``"reset"`` (forget every cached block,
+            vLLM's behaviour) or ``"keep_versioned"`` (keep them, each found only by requests
+            of the weight version that computed it: prime-rl's per-version salt).
+
+    Raises:
+        ValueError: an unknown ``prefix_cache_policy``.
     """
 
     max_model_len: int
@@ -44,3 +51,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
     enable_prefix_caching: bool = True
+    prefix_cache_policy: str = "reset"
+
+    def __post_init__(self) -> None:
+        if self.prefix_cache_policy not in PREFIX_CACHE_POLICIES:
+            raise ValueError(f"prefix_cache_policy={self.prefix_cache_policy!r}: use one of "
+                             f"{PREFIX_CACHE_POLICIES}")

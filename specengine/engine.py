@@ -105,6 +105,7 @@ class Engine:
     @weight_version.setter
     def weight_version(self, version: int) -> None:
         self._weight_version = version
+        self.blocks.set_weight_version(version)  # new requests: this version's cached blocks
         if self.drafter is not None:
             self.drafter.set_weight_version(version)
 
@@ -248,12 +249,22 @@ class Engine:
             self.scheduler.add([seq])
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached KV block (vLLM's ``reset_prefix_cache``). Returns False, and
-        changes nothing, while requests are in flight; True otherwise (also without caching)."""
-        if self.has_unfinished():
-            return False
+        """Forget every cached KV block (vLLM's ``reset_prefix_cache``), also while requests
+        run: running samples keep their blocks, and the blocks they fill later are never found
+        by requests admitted after the reset (``BlockManager.reset_prefix_cache``). Returns
+        True (also without caching)."""
         self.blocks.reset_prefix_cache()
         return True
+
+    def weights_changed(self, version: int) -> None:
+        """The target's weights changed (``weights.WeightUpdater``): outputs carry
+        ``version`` from now on, the drafter is told, and the prefix cache follows
+        ``EngineConfig.prefix_cache_policy``: ``"reset"`` forgets every cached block,
+        ``"keep_versioned"`` keeps them for the requests of their own version (new requests
+        look up only blocks of ``version``; old ones are evicted least recently used)."""
+        self.weight_version = version
+        if self.config.prefix_cache_policy == "reset":
+            self.blocks.reset_prefix_cache()
 
     # ---- the step loop --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

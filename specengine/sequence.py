@@ -51,6 +51,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_cached = 0
         self.block_hashes: list[bytes] = []
+        self.cache_salt = b""  # the prefix-cache namespace of its blocks (BlockManager.salt)
         self.num_registered_blocks = 0
         self.num_preemptions = 0  # times the scheduler freed its KV for recomputation
         # the prefill needs every prompt position's logits (prompt logprobs, LLM.score): the

@@ -61,9 +61,14 @@ def assert_baseline(llm):
         assert b.allocator.refcount(blk) == 1  # the cache's own reference, not on the free list
 
 
+def hashes(llm, tokens, n):
+    """Chain hashes of the first ``n`` blocks of ``tokens`` in the engine's namespace."""
+    return chain_hashes(tokens, BS, n, root=llm.engine.blocks.salt)
+
+
 def cached_block(llm, tokens, i):
     """The cached block holding block ``i`` of ``tokens`` (None if not cached)."""
-    return llm.engine.blocks.cache.lookup(chain_hashes(tokens, BS, i + 1)[i])
+    return llm.engine.blocks.cache.lookup(hashes(llm, tokens, i + 1)[i])
 
 
 def reference_kv(model, tokens):
@@ -152,7 +157,7 @@ def test_block_manager_keeps_cached_blocks_off_the_free_list_until_evicted():
 
 
 def cached_lookup(bm, tokens, i):
-    return bm.cache.lookup(chain_hashes(tokens, bm.block_size, i + 1)[i])
+    return bm.cache.lookup(chain_hashes(tokens, bm.block_size, i + 1, root=bm.salt)[i])
 
 
 def test_unconfirmed_blocks_are_dropped_when_the_prefill_never_ran():
@@ -274,7 +279,7 @@ def test_cached_blocks_hold_exactly_their_tokens_kv_after_rejected_drafts(tiny_d
         # the prompt's partial last block, written past by its owner's decode (drafts too):
         # cached as the prompt left it, so only the prompt's slots are compared
         k = len(p) // BS
-        b = llm.engine.blocks.cache.lookup(hash_partial(chain_hashes(p, BS, k)[k - 1], p[k * BS:]))
+        b = llm.engine.blocks.cache.lookup(hash_partial(hashes(llm, p, k)[k - 1], p[k * BS:]))
         assert b is not None and b != cached_block(llm, tokens, k)
         torch.testing.assert_close(llm.engine.runner.kv_cache[:, :, b, :len(p) % BS],
                                    ref[:, :, k, :len(p) % BS], atol=1e-4, rtol=1e-4)
@@ -296,7 +301,7 @@ def test_lru_eviction_under_a_small_pool(tiny_dir, off):
     out_a = llm.generate([a], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
     ta = a + out_a  # 49 tokens, K/V of 48: 6 full blocks cached
     assert [cached_block(llm, ta, i) is not None for i in range(6)] == [True] * 6
-    partial = llm.engine.blocks.cache.lookup(hash_partial(chain_hashes(a, BS, 5)[4], a[40:]))
+    partial = llm.engine.blocks.cache.lookup(hash_partial(hashes(llm, a, 5)[4], a[40:]))
     assert partial is not None  # a's prompt's last block, as the prompt left it
     assert llm.engine.blocks.allocator.num_free == 12 - 7
     out_b = llm.generate([b], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
@@ -304,7 +309,7 @@ def test_lru_eviction_under_a_small_pool(tiny_dir, off):
     # block (released when a's first decode copied it), then a's tail (b's partial block is
     # copied at its first decode too: one more block)
     assert llm.engine.blocks.cache.lookup(
-        hash_partial(chain_hashes(a, BS, 5)[4], a[40:])) is None
+        hash_partial(hashes(llm, a, 5)[4], a[40:])) is None
     assert [cached_block(llm, ta, i) is not None for i in range(6)] == [True] * 3 + [False] * 3
     assert_baseline(llm)
     h = llm.get_metrics()["prefix_cache_hit_tokens"]
@@ -353,9 +358,10 @@ def test_reset_prefix_cache(tiny_dir):
     assert blocks.num_cached_blocks == (30 + 12 - 1) // BS + 1  # + the prompt's partial block
     it = llm.generate_iter([p, p[:20]], [greedy(), greedy(40)], use_tqdm=False)
     next(it)  # the first request is done, the second one is still in flight
-    assert llm.reset_prefix_cache() is False
-    assert blocks.num_cached_blocks >= (30 + 12 - 1) // BS
-    list(it)
+    assert llm.reset_prefix_cache() is True  # works while requests run
+    assert blocks.num_cached_blocks == 0
+    list(it)  # the running one's later blocks go to its old namespace
+    assert blocks.allocator.num_free + blocks.num_evictable == blocks.num_blocks
     assert llm.reset_prefix_cache() is True
     assert blocks.num_cached_blocks == 0 and blocks.allocator.num_free == blocks.num_blocks
     h = llm.get_metrics()["prefix_cache_hit_tokens"]

@@ -63,6 +63,8 @@ class BlockManager:
         # the sequence is freed before that forward completed (an error, an abort)
         self._unconfirmed: dict[int, tuple[list[int], int]] = {}
         self._pending: set[int] = set()  # the blocks in ``_unconfirmed``
+        self._version = 0  # weight version and resets so far: the namespace (``salt``)
+        self._resets = 0
 
     @property
     def num_free(self) -> int:
@@ -125,10 +127,32 @@ class BlockManager:
         self._release(block)
 
     # ---- prefix caching ----------------------------------------------------------------------
+    @property
+    def salt(self) -> bytes:
+        """The prefix-cache namespace of sequences admitted now: the weight version
+        (``set_weight_version``) and the number of resets (``reset_prefix_cache``). A sequence
+        keeps the namespace it was admitted under (``Sequence.cache_salt``): the blocks it
+        registers later are found only by requests of that namespace (prime-rl's salting of
+        the cache per policy version), so KV of old weights is never served to new requests."""
+        return f"{self._version}/{self._resets}".encode()
+
+    def set_weight_version(self, version: int) -> None:
+        """Requests admitted from now on look up and register blocks of weight ``version``
+        only; blocks of other versions stay until evicted (least recently used first)."""
+        self._version = version
+
     def _hashes(self, seq: Sequence, n: int) -> list[bytes]:
-        """Chain hashes of (at least) ``seq``'s first ``n`` full blocks (``seq.block_hashes``,
-        extended in place)."""
-        return chain_hashes(seq.token_ids, self.block_size, n, seq.block_hashes)
+        """Chain hashes of (at least) ``seq``'s first ``n`` full blocks in its namespace
+        (``seq.block_hashes``, extended in place)."""
+        return chain_hashes(seq.token_ids, self.block_size, n, seq.block_hashes,
+                            root=seq.cache_salt)
+
+    def _enter_namespace(self, seq: Sequence) -> None:
+        """A sequence not holding blocks takes the current namespace (its hashes of another
+        one are dropped)."""
+        if not seq.block_table and seq.cache_salt != self.salt:
+            seq.cache_salt = self.salt
+            seq.block_hashes = []
 
     def match(self, seq: Sequence) -> list[int]:
         """Cached blocks holding ``seq``'s leading blocks, in order (nothing is changed): full
@@ -143,6 +167,7 @@ class BlockManager:
         """
         if self.cache is None or len(seq) < 2:
             return []
+        self._enter_namespace(seq)
         size, bs = len(seq), self.block_size
         last, n = (size - 1) // bs, size // bs
         hashes = self._hashes(seq, n)
@@ -153,7 +178,7 @@ class BlockManager:
                 break
             hit.append(b)
         if len(hit) == n and size % bs:
-            b = self.cache.lookup(hash_partial(hashes[n - 1] if n else b"",
+            b = self.cache.lookup(hash_partial(hashes[n - 1] if n else seq.cache_salt,
                                                seq.token_ids[n * bs:]))
             if b is not None and self._usable(b, True, size % bs):
                 hit.append(b)
@@ -194,6 +219,7 @@ class BlockManager:
         """
         hit = list(hit or [])
         leader, bs = seqs[0], self.block_size
+        self._enter_namespace(leader)
         size = len(leader)
         cost = self.admission_cost(leader, hit)
         if cost > self.num_free:
@@ -227,7 +253,8 @@ class BlockManager:
         hashes = self._hashes(leader, full)
         pending = [blocks[i] for i in range(len(hit), full) if self._register(hashes[i], blocks[i])]
         if size % bs and self._register(
-                hash_partial(hashes[full - 1] if full else b"", leader.token_ids[full * bs:]),
+                hash_partial(hashes[full - 1] if full else leader.cache_salt,
+                             leader.token_ids[full * bs:]),
                 blocks[full]):
             pending.append(blocks[full])
         if pending:
@@ -235,6 +262,7 @@ class BlockManager:
             self._pending.update(pending)
         for s in seqs:
             s.block_hashes = hashes if s is leader else list(hashes)
+            s.cache_salt = leader.cache_salt
             s.num_registered_blocks = full
 
     def commit(self, seq: Sequence) -> None:
@@ -256,8 +284,11 @@ class BlockManager:
         seq.num_registered_blocks = full
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached block (blocks in use stay with their sequences, unregistered);
-        returns how many were forgotten."""
+        """Forget every cached block (blocks in use stay with their sequences, unregistered)
+        and start a new namespace (``salt``): sequences running now register their later
+        blocks in their old one, which no request admitted from now on looks up. Returns how
+        many blocks were forgotten."""
+        self._resets += 1
         if self.cache is None:
             return 0
         blocks = self.cache.blocks()

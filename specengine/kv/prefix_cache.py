@@ -47,11 +47,13 @@ def hash_partial(parent: bytes, tokens: Seq[int]) -> bytes:
 
 
 def chain_hashes(token_ids: Seq[int], block_size: int, num_blocks: int,
-                 known: list[bytes] | None = None) -> list[bytes]:
+                 known: list[bytes] | None = None, root: bytes = b"") -> list[bytes]:
     """Hashes of the first ``num_blocks`` full blocks of ``token_ids``.
 
-    ``known`` (hashes of a leading part, e.g. computed earlier for the same tokens) is extended
-    in place and returned; pass None for a fresh list.
+    ``known`` (hashes of a leading part, e.g. computed earlier for the same tokens and
+    ``root``) is extended in place and returned; pass None for a fresh list. ``root``: the
+    parent of block 0, a namespace (``BlockManager.salt``: blocks computed under another
+    weight version never match).
 
     Raises:
         ValueError: ``num_blocks`` full blocks do not fit in ``token_ids``.
@@ -62,7 +64,7 @@ def chain_hashes(token_ids: Seq[int], block_size: int, num_blocks: int,
     hashes = [] if known is None else known
     while len(hashes) < num_blocks:
         i = len(hashes)
-        hashes.append(hash_block(hashes[-1] if hashes else b"",
+        hashes.append(hash_block(hashes[-1] if hashes else root,
                                  token_ids[i * block_size:(i + 1) * block_size]))
     return hashes
 
