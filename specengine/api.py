@@ -477,6 +477,9 @@ class LLM:
         finishes (so a batch job can save results as it goes). Validation happens first."""
         prompts, params = per_prompt(prompts, sampling_params)
         self.memory.check_ready()
+        if self.engine.paused:
+            raise RuntimeError(f"generation is paused ({self.engine.paused!r}): call "
+                               "resume_generation() first")
         for i, p in enumerate(params):
             self._check_logprobs(p, f"prompt {i}")
         tokenized = [self._to_token_ids(p, i) for i, p in enumerate(prompts)]
@@ -524,6 +527,8 @@ class LLM:
                 nothing is run then.
         """
         prompts, params = per_prompt(prompts, sampling_params)
+        if self.engine.paused:
+            raise RuntimeError("generation is paused: call resume_generation() first")
         if len(completions) != len(prompts):
             raise ValueError(f"got {len(completions)} completions for {len(prompts)} prompts")
         self.memory.check_ready()
@@ -587,9 +592,29 @@ class LLM:
         """Whether ``step`` has work (or finished requests to return)."""
         return self.engine.has_unfinished()
 
-    def abort_request(self, request_id: str) -> bool:
-        """Drop an unfinished request (its KV blocks go back); False if unknown."""
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop an unfinished request (its KV blocks go back). Returns what it made so far
+        (``Engine.abort_request``: samples cut short have ``finish_reason="abort"`` and their
+        tokens, logprobs and weight versions until now), or None if unknown or finished."""
         return self.engine.abort_request(request_id)
+
+    def pause_generation(self, mode: str = "keep") -> dict:
+        """Stop generating until ``resume_generation`` (vLLM's and SGLang's pause modes):
+        ``"abort"`` (partial outputs returned under ``"aborted"``), ``"keep"`` (running
+        samples stay; weights may be updated meanwhile and they continue with the new
+        version) or ``"retract"`` (their KV is released; they are re-prefilled on resume).
+        ``step`` returns nothing while paused, and ``generate`` refuses to run. Returns the
+        report of ``Engine.pause`` (``mode``, ``requests``, ``running``, ``retracted``,
+        ``aborted``). Raises ValueError for an unknown mode."""
+        return self.engine.pause(mode)
+
+    def resume_generation(self) -> None:
+        """Generate again after ``pause_generation`` (no-op when not paused)."""
+        self.engine.resume()
+
+    def is_paused(self) -> bool:
+        """Whether ``pause_generation`` is in force."""
+        return self.engine.paused is not None
 
     def running_sequences(self) -> list[SequenceInfo]:
         """Every unfinished sample with its predicted remaining work

@@ -10,6 +10,8 @@ its token tree plus the bonus token) and admits waiting requests; finished reque
 
 from __future__ import annotations
 
+import logging
+import numbers
 import time
 
 import torch
@@ -17,7 +19,7 @@ import torch
 from specengine.attention import make_backend
 from specengine.batch import BatchEntry
 from specengine.config import EngineConfig
-from specengine.kv.block_manager import BlockManager
+from specengine.kv.block_manager import BlockManager, cdiv
 from specengine.metrics import (
     EngineMetrics,
     StepTimes,
@@ -38,7 +40,25 @@ from specengine.speculative.strategy import Strategy
 from specengine.step import Commit, ForwardLayout
 from specengine.threads import ThreadTuner, adaptive_from_env
 
+PAUSE_MODES = ("abort", "keep", "retract")
 PROMPT_ROWS = 256  # logits rows computed at once for prompt logprobs and scores
+
+logger = logging.getLogger("specengine.engine")
+
+
+class InvalidRequestError(ValueError):
+    """A request ``Engine.add_request`` refuses before admitting it (a ``ValueError``: the
+    server answers 400). ``param`` names the field at fault: ``"prompt"``, ``"n"``,
+    ``"stop_token_ids"``, ``"logprobs"``, ``"prompt_logprobs"``, ``"max_tokens"``, ``"stop"``
+    or ``"request_id"``."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 class Engine:
@@ -95,6 +115,7 @@ class Engine:
         # finished requests not returned by a step yet: the last unfinished sample of a request
         # left the engine (``detach``), the others had finished; the next ``step`` returns them
         self.outputs_ready: list[RequestOutput] = []
+        self.paused: str | None = None  # the pause mode while paused (``pause``)
 
     @property
     def weight_version(self) -> int:
@@ -116,10 +137,17 @@ class Engine:
         """Queue a prompt; returns its request id. ``score`` (``LLM.score``): the prefill
         also fills it with the teacher-forced logprobs of its completion.
 
+        Everything the request carries is checked first (``validate_prompt`` with
+        ``params``), so that nothing it asks for can make a later ``step`` fail or leave it
+        unschedulable; nothing is queued when a check fails.
+
         Raises:
-            ValueError: empty prompt, prompt not shorter than ``max_model_len``, a token id
-                outside the vocabulary, a stop string without a tokenizer, or a
-                ``request_id`` that an unfinished request already has.
+            ValueError (``InvalidRequestError``, ``param`` naming the field): empty prompt,
+                prompt not shorter than ``max_model_len``, a prompt token or stop token id
+                that is not an integer in the vocabulary, ``n`` above ``max_num_seqs``,
+                ``logprobs`` / ``prompt_logprobs`` above the vocabulary size, a sample that
+                could not fit the KV pool at its longest, a stop string without a tokenizer,
+                or a ``request_id`` that an unfinished request already has.
             RuntimeError: from ``ready_check`` (the engine is asleep, see ``memory.py``).
         """
         if self.ready_check is not None:
@@ -130,10 +158,12 @@ class Engine:
             request_id = str(self._next_id)
             self._next_id += 1
         elif request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        self.validate_prompt(prompt_token_ids, f"request {request_id}")
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use",
+                                      "request_id")
+        self.validate_prompt(prompt_token_ids, f"request {request_id}", params)
         if params.stop_strings and self.tokenizer is None:
-            raise ValueError(f"request {request_id}: stop strings need a tokenizer")
+            raise InvalidRequestError(f"request {request_id}: stop strings need a tokenizer",
+                                      "stop")
         seed = params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self.seed_rng))
@@ -147,18 +177,65 @@ class Engine:
         self.metrics.record_request(len(prompt_token_ids))
         return request_id
 
-    def validate_prompt(self, ids: list[int], what: str) -> None:
-        """Raise ValueError naming ``what`` if ``ids`` cannot be generated from."""
+    def validate_prompt(self, ids: list[int], what: str,
+                        params: SamplingParams | None = None) -> None:
+        """Raise ``InvalidRequestError`` (a ValueError) naming ``what`` and the field if
+        ``ids`` cannot be generated from: empty, not shorter than ``max_model_len``, or a
+        token id that is not an integer in ``[0, V)`` (V: the model's ``vocab_size``).
+
+        With ``params``, also everything else a request carries that could make a ``step``
+        fail or could never be scheduled:
+
+        - ``n`` above ``max_num_seqs`` (a prompt's samples are admitted together);
+        - ``stop_token_ids`` not integers in ``[0, V)`` (the ``min_tokens`` mask indexes the
+          logits with them);
+        - ``logprobs`` / ``prompt_logprobs`` above V (the top-k of a row of V);
+        - one sample at its longest (``min(len(ids) + max_tokens, max_model_len)`` tokens)
+          needing more KV blocks than the pool has (it could never finish).
+        """
         if len(ids) == 0:
-            raise ValueError(f"{what}: the prompt is empty")
+            raise InvalidRequestError(f"{what}: the prompt is empty", "prompt")
         limit = self.config.max_model_len
         if len(ids) >= limit:
-            raise ValueError(f"{what}: the prompt has {len(ids)} tokens; it must be shorter "
-                             f"than max_model_len={limit}")
+            raise InvalidRequestError(f"{what}: the prompt has {len(ids)} tokens; it must be "
+                                      f"shorter than max_model_len={limit}", "prompt")
         vocab = self.runner.model.config.vocab_size
+        bad = [t for t in ids if not _is_int(t)]
+        if bad:
+            raise InvalidRequestError(f"{what}: token ids {bad[:5]!r} are not integers",
+                                      "prompt")
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"{what}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            raise InvalidRequestError(f"{what}: token ids {bad[:5]} are outside the vocabulary "
+                                      f"[0, {vocab})", "prompt")
+        if params is None:
+            return
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"{what}: the sampling params are a "
+                                      f"{type(params).__name__}, not SamplingParams", "params")
+        cap = self.config.max_num_seqs
+        if params.n > cap:
+            raise InvalidRequestError(
+                f"{what}: n={params.n} samples can never be scheduled: the engine runs at most "
+                f"max_num_seqs={cap} sequences at once", "n")
+        stops = params.stop_token_ids
+        bad = [t for t in stops if not _is_int(t) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"{what}: stop_token_ids {bad[:5]!r} are outside the "
+                                      f"vocabulary [0, {vocab})", "stop_token_ids")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > vocab:
+                raise InvalidRequestError(f"{what}: {name}={k} is more than the vocabulary "
+                                          f"size {vocab}", name)
+        bs, pool = self.config.block_size, self.blocks.num_blocks
+        total = min(len(ids) + params.max_tokens, limit)
+        need = cdiv(total, bs)
+        if need > pool:
+            field = "prompt" if cdiv(len(ids), bs) > pool else "max_tokens"
+            raise InvalidRequestError(
+                f"{what}: {total} tokens (prompt + max_tokens) need {need} KV blocks but the "
+                f"pool has {pool}; send a shorter prompt or a smaller max_tokens", field)
 
     def abort_all(self) -> None:
         """Drop every unfinished request and return its KV blocks to the pool (and any finished
@@ -171,13 +248,19 @@ class Engine:
         self.requests.clear()
         self.outputs_ready.clear()
 
-    def abort_request(self, request_id: str) -> bool:
-        """Drop one unfinished request (all its samples, running or waiting) and return its KV
-        blocks to the pool; the other requests are untouched. Returns False if ``request_id``
-        is unknown or already finished."""
-        req = self.requests.pop(request_id, None)
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop one unfinished request (all its samples, running or waiting) and return its KV
+        blocks to the pool; the other requests are untouched.
+
+        Returns:
+            What it made so far (SkyRL's partial rollouts): a finished ``RequestOutput`` whose
+            unfinished samples have ``finish_reason="abort"`` and the tokens, logprobs and
+            weight versions generated until now (samples that had finished keep theirs); None
+            if ``request_id`` is unknown or already finished.
+        """
+        req = self.requests.get(request_id)
         if req is None:
-            return False
+            return None
         for s in req.seqs:
             if not s.is_finished:
                 s.finish_reason = "abort"
@@ -186,12 +269,168 @@ class Engine:
         kept = [g for g in waiting if g[0].request_id != request_id]
         waiting.clear()
         waiting.extend(kept)
-        return True
+        return self._request_output(req, now=time.perf_counter())
+
+    def pause(self, mode: str = "keep") -> dict:
+        """Stop generating until ``resume`` (vLLM's ``pause_generation``, SGLang's pause
+        modes); ``step`` does nothing meanwhile and new requests wait.
+
+        Args:
+            mode: ``"abort"``: every unfinished request is aborted (``abort_request``: their
+                partial outputs are returned). ``"keep"``: running samples keep their state
+                and KV; weights may be updated meanwhile and decoding continues with the new
+                version (its KV so far stays: PipelineRL's in-flight update). ``"retract"``:
+                running samples release their KV and are re-prefilled from their tokens so far
+                on resume (with the weights then in place: exact recompute, the forward being
+                batch-invariant).
+
+        Returns:
+            ``{"mode", "requests" (unfinished before), "running" (samples), "retracted"
+            (samples), "aborted" (list of partial ``RequestOutput``s)}``.
+
+        Raises:
+            ValueError: an unknown ``mode``.
+        """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r}: use one of {PAUSE_MODES}")
+        report = {"mode": mode, "requests": len(self.requests),
+                  "running": len(self.scheduler.running), "retracted": 0, "aborted": []}
+        if mode == "abort":
+            report["aborted"] = [o for rid in list(self.requests)
+                                 if (o := self.abort_request(rid)) is not None]
+        elif mode == "retract":
+            for seq in reversed(self.scheduler.running):  # the first admitted ends up first
+                self.scheduler.preempt(seq)
+                report["retracted"] += 1
+        self.paused = mode
+        return report
+
+    def resume(self) -> None:
+        """Generate again after ``pause`` (no-op when not paused)."""
+        self.paused = None
 
     def has_unfinished(self) -> bool:
         """Whether a sample is waiting or running, or a finished request was not returned by
         ``step`` yet (``outputs_ready``)."""
         return self.scheduler.has_work() or bool(self.outputs_ready)
+
+    # ---- a step that raised: recovery and isolation ---------------------------------------
+    def recover_from_failed_step(self) -> list[str]:
+        """Bring the engine back to a consistent state after ``step`` raised, so that every
+        unfinished request continues token for token (and logprob for logprob) as if the
+        failed step had never run; returns the ids of the unfinished requests, the most
+        recently added first (the likeliest culprits: ``isolate`` runs them one at a time).
+
+        The step may have failed in any phase, leaving sequences scheduled with KV reserved,
+        draft trees built, KV written past ``num_cached`` or tokens appended for some of them.
+        None of that is undone; instead, every running sequence is preempted (its KV blocks
+        freed, full blocks of committed tokens kept in the prefix cache, and queued first for
+        recompute from the tokens it has: tokens appended by the failed step are genuine
+        samples and stay), as are sequences the failed admission left neither running nor
+        waiting. Their drafter state is dropped (``Drafter.discard``; rebuilt when they run
+        again) and their penalty counts are rebuilt from their tokens. Exact because the
+        engine is batch-invariant and recompute after preemption gives the same logits bit
+        for bit (README, "Exactness"). A sample the failed step finished is released; a
+        request whose samples have all finished is queued in ``outputs_ready`` (the next
+        ``step`` returns it).
+
+        Requests the failed step had already turned into outputs (and dropped from
+        ``requests``) are not known here any more: the caller keeps their ``Request`` if it
+        wants to rebuild them (``server.async_engine`` does).
+
+        Raises:
+            Whatever releasing a finished sample raises (the drafter or the policy): the
+            engine is then not consistent; ``abort_all`` is the way out.
+        """
+        sched = self.scheduler
+        for req in list(self.requests.values()):
+            for s in req.seqs:  # finished in the failed step, but not released
+                if s.finish_reason is not None and not s.is_finished:
+                    self._release(s)
+        requeued = list(sched.running)
+        for s in reversed(requeued):  # appendleft: the queue's head keeps admission order
+            sched.preempt(s)
+        queued = {id(s) for g in sched.waiting for s in g}
+        for req in self.requests.values():  # left out by an admission that raised
+            for s in req.seqs:
+                if not s.is_finished and id(s) not in queued:
+                    self.blocks.free(s)
+                    s.status = SequenceStatus.WAITING
+                    sched.waiting.append([s])
+                    requeued.append(s)
+        for s in requeued:
+            s.penalty_counts = None
+            if self.drafter is not None:
+                self.drafter.discard(s)
+        now = time.perf_counter()
+        for req in list(self.requests.values()):
+            if req.seqs and all(s.is_finished for s in req.seqs):
+                self.outputs_ready.append(self._request_output(req, now=now))
+        suspects = [rid for rid, req in reversed(self.requests.items())
+                    if any(not s.is_finished for s in req.seqs)]
+        logger.warning("a step failed: %d sequences requeued for recompute, %d requests in "
+                       "flight", len(requeued), len(suspects))
+        return suspects
+
+    def isolate(self, request_id: str) -> list[list[Sequence]]:
+        """Hold every waiting group of the other requests out of the queue, so that the next
+        steps run ``request_id`` alone (to find the request that makes steps fail, after
+        ``recover_from_failed_step``); ``end_isolation`` puts them back.
+
+        Returns:
+            The groups held, in queue order.
+
+        Raises:
+            ValueError: a sequence of another request is running (recover first).
+        """
+        sched = self.scheduler
+        others = [s for s in sched.running if s.request_id != request_id]
+        if others:
+            raise ValueError(f"cannot isolate request {request_id!r}: {len(others)} sequences "
+                             "of other requests are running")
+        held = [g for g in sched.waiting if g[0].request_id != request_id]
+        kept = [g for g in sched.waiting if g[0].request_id == request_id]
+        sched.waiting.clear()
+        sched.waiting.extend(kept)
+        return held
+
+    def end_isolation(self, held: list[list[Sequence]]) -> None:
+        """End ``isolate``: the isolated request's running sequences are preempted (recomputed
+        later from their tokens, exactly) and the ``held`` groups go back to the front of the
+        queue, ahead of it; normal batching resumes with the next ``step``."""
+        sched = self.scheduler
+        for s in reversed(list(sched.running)):
+            sched.preempt(s)
+        rest = list(sched.waiting)
+        sched.waiting.clear()
+        sched.waiting.extend(held + rest)
+
+    def fail_request(self, request_id: str) -> bool:
+        """Drop the unfinished request ``request_id`` because running it failed: like
+        ``abort_request`` (``finish_reason`` ``"abort"``, KV blocks back to the pool, out of
+        the waiting queue), but a drafter or policy that raises while forgetting a sample is
+        logged and passed over, so the pool always gets its blocks back. Returns False if the
+        id is unknown."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for s in req.seqs:
+            if s.is_finished:
+                continue
+            s.finish_reason = "abort"
+            self.scheduler.finish(s)
+            try:
+                if self.drafter is not None:
+                    self.drafter.release(s)
+                self.policy.finished(s)
+            except Exception:  # noqa: BLE001 - the request is gone either way
+                logger.exception("forgetting sample %s#%d of failed request", request_id,
+                                 s.index)
+        waiting = self.scheduler.waiting
+        kept = [g for g in waiting if g[0].request_id != request_id]
+        waiting.clear()
+        waiting.extend(kept)
+        return True
 
     # ---- samples moving between engines (specengine.migration) ----------------------------
     def detach(self, seq: Sequence) -> None:
@@ -276,7 +515,7 @@ class Engine:
         ``outputs_ready`` come first; with nothing waiting or running, only they come back.
         """
         ready, self.outputs_ready = self.outputs_ready, []
-        if not self.scheduler.has_work():
+        if not self.scheduler.has_work() or self.paused:
             return ready
         strategy, entries = self._schedule()
         if self.trace is not None:
@@ -467,6 +706,7 @@ class Engine:
             n = 0
             for tok, lp in zip(c.tokens, c.logprobs):
                 num_appended += 1
+                c.seq.weight_versions.append(self._weight_version)
                 n += 1
                 if self.output.append(c.seq, tok, lp):
                     self._release(c.seq)

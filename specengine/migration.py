@@ -50,7 +50,8 @@ from specengine.sequence import Request, Sequence, SequenceStatus
 from specengine.speculative.policy.remaining import FINISHED, RemainingLength
 
 STATS = ("num_forwards", "num_spec_steps", "num_drafted", "num_accepted", "accepted_per_depth",
-         "calib_accepted", "calib_predicted")  # per-sample statistics that move along
+         "calib_accepted", "calib_predicted",
+         "weight_versions")  # per-sample statistics (and per-token weight versions) that move
 
 
 @dataclass

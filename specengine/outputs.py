@@ -22,6 +22,9 @@ class CompletionOutput:
         cumulative_logprob: sum of the sampled tokens' log-probabilities (None without logprobs).
         finish_reason: ``"stop"`` (EOS, stop token or stop string) or ``"length"``.
         stop_reason: the stop string or stop token id that ended it; None for EOS or length.
+        weight_versions: per generated token, the weight version of the target that sampled
+            it (AReaL's per-token policy version; differs within a sample only when the
+            weights were updated while it ran).
         hidden_states: with ``SamplingParams.return_hidden_states``, the target's last hidden
             states (after the final norm, the model's dtype, CPU) ``[len(token_ids), H]``: row
             j is the state at the position before token j, whose logits produced it (the last
@@ -37,6 +40,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     hidden_states: torch.Tensor | None = None
+    weight_versions: list[int] = field(default_factory=list)
 
     @property
     def sampled_logprobs(self) -> list[float] | None:
@@ -78,7 +82,8 @@ def request_output(req: Request, metrics: dict, weight_version: int | None = Non
         index=s.index, text=s.text, token_ids=s.output_token_ids, logprobs=s.logprobs,
         cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
         finish_reason=s.finish_reason, stop_reason=s.stop_reason,
-        hidden_states=None if s.hidden_states is None else _stack(s.hidden_states))
+        hidden_states=None if s.hidden_states is None else _stack(s.hidden_states),
+        weight_versions=s.weight_versions[:len(s.output_token_ids)])
         for s in req.seqs]
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, True, metrics,
                          weight_version=weight_version,

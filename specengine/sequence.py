@@ -59,6 +59,7 @@ class Sequence:
         self.full_prefill = False
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
+        self.weight_versions: list[int] = []  # per output token: the weights that sampled it
         # target hidden states [r, H] per step that appended r tokens (return_hidden_states)
         self.hidden_states: list | None = [] if params.return_hidden_states else None
         self.text = ""

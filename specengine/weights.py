@@ -13,8 +13,10 @@ names are split into q/k/v and gate/up), the shape, a floating-point dtype (any:
 engine's dtype) and finite values (a NaN or inf weight is refused, naming the tensor: it would
 make the model emit token 0 forever). A bad chunk raises and aborts the session: nothing of it
 (nor of earlier chunks) is applied and the old weights keep serving. ``finish`` also invalidates
-the prefix cache (``engine.reset_prefix_cache()``) and increments the weight version that
-``RequestOutput.weight_version`` reports.
+the prefix cache (``Engine.weights_changed``: reset, or re-keyed by version with
+``prefix_cache_policy="keep_versioned"``) and increments the weight version that
+``RequestOutput.weight_version`` reports. While generation is paused
+(``LLM.pause_generation``), updates are applied with requests in flight.
 """
 
 from __future__ import annotations
@@ -296,9 +298,10 @@ class WeightUpdater:
                                            or isinstance(weight_version, bool)
                                            or weight_version < 0):
             raise ValueError(f"weight_version must be an int >= 0, got {weight_version!r}")
-        if self.engine.has_unfinished():
+        if self.engine.has_unfinished() and not self.engine.paused:
             raise RuntimeError("finish_weight_update: requests are in flight; finish or abort "
-                               "them first (the session stays open)")
+                               "them, or pause generation (LLM.pause_generation), first (the "
+                               "session stays open)")
         staged, self._staged = self._staged, None
         return self._apply(staged, weight_version, time.perf_counter())
 
@@ -315,9 +318,9 @@ class WeightUpdater:
         if self._staged is not None:
             raise RuntimeError("update_weights: a weight update session is open; finish or "
                                "abort it first")
-        if self.engine.has_unfinished():
-            raise RuntimeError("update_weights: requests are in flight; finish or abort them "
-                               "first (between generate calls)")
+        if self.engine.has_unfinished() and not self.engine.paused:
+            raise RuntimeError("update_weights: requests are in flight; finish or abort them, "
+                               "or pause generation (LLM.pause_generation), first")
         t0 = time.perf_counter()
         return self._apply(dict(self._check(weights, "defer")), None, t0)
 
@@ -338,10 +341,9 @@ class WeightUpdater:
             self.memory.mark_loaded(names)
         m = self.engine.metrics
         # the engine tells its drafter (Drafter.set_weight_version: the suffix drafter ages its
-        # rollout history by it)
-        self.engine.weight_version = self.version + 1 if version is None else version
+        # rollout history by it) and resets or re-keys its prefix cache (prefix_cache_policy)
+        self.engine.weights_changed(self.version + 1 if version is None else version)
         self._marks.append((self.version, m.spec_steps, m.accepted_tokens))
-        self.engine.reset_prefix_cache()
         self.last_update_time = time.perf_counter() - t0
         self.update_time += self.last_update_time
         self.updates += 1
