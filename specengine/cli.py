@@ -1,14 +1,23 @@
 """The ``specengine`` command: ``generate`` (below), ``serve`` (``specengine.server``) and
 ``train-drafter`` (its arguments here, the job in ``specengine.speculative.training.distill``).
 
-``specengine generate``: offline batch generation from a JSONL file.
+``specengine generate``: offline batch generation from a JSONL file, resumable.
 
-Each input line is a JSON object with ``prompt`` (text) or ``messages`` (a chat). Each output
-line keeps every input field and adds ``outputs`` (one per sample: ``text``, ``token_ids``,
-``finish_reason``, ``stop_reason``). A bad line is reported, written with an ``error`` field, and
-skipped; the rest completes. Finished lines are streamed to ``<output>.part``; the final file is
-written in input order and moved into place atomically, so a crash never leaves a half-written
-output and never loses what was already generated.
+Each input line is a JSON object with ``prompt`` (text), ``messages`` (a chat) or
+``prompt_token_ids``, and optionally ``id``. Each output line keeps every input field, adds
+``line`` (its line number in the input) and ``outputs`` (one per sample: ``text``,
+``token_ids``, ``finish_reason``, ``stop_reason``). A bad line, whatever the reason (not UTF-8,
+not JSON, a missing or ill-typed field, a lone surrogate, a chat-template error, a prompt too
+long, token ids outside the vocabulary, a repeated id), is reported on stderr, written with an
+``error`` field instead of ``outputs``, and skipped; the rest completes.
+
+A record's key is its ``id`` (a string or an integer, unique in the file) if it has one, else
+its line number. Each finished record is appended to ``<output>.part`` as one whole, fsync'd
+line, so Ctrl-C, a crash or a kill keeps everything finished so far; the final file is written
+in input order and renamed into place at the end, so it is never half-written. ``--resume``
+skips the records whose key has ``outputs`` in the output or its ``.part`` (a torn last line is
+ignored; error lines are tried again) and generates the rest; without it an existing output (or
+``.part``) is an error unless ``--overwrite`` is given.
 """
 
 from __future__ import annotations
@@ -16,12 +25,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 
-from specengine.jsonl import read_records, write_jsonl_atomic
+from specengine.jsonl import (
+    JsonlAppender,
+    dump_line,
+    read_jsonl_tolerant,
+    read_records,
+    write_jsonl_atomic,
+)
 from specengine.models.registry import DEFAULT_MODEL
 from specengine.sampling import SamplingParams
+
+GENERATE_EXIT = (
+    "generate exits with 0 when the job finished, also if some input lines failed (each is in "
+    "the output with an 'error' field and listed in the summary), with 2 for bad arguments or "
+    "an output that exists (see --resume, --overwrite), and with 130 on Ctrl-C (what finished "
+    "is kept in OUTPUT.part; rerun with --resume).")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -29,15 +51,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="specengine", description="Offline batch generation (generate), an OpenAI- and "
         "TRL-compatible HTTP server (serve) and EAGLE drafter training (train-drafter), with "
         "lossless speculative decoding.",
-        epilog="generate exits with 0 when the job finished, also if some input lines failed "
-        "(each is in the output with an 'error' field and listed in the summary), and with 2 "
-        "for bad arguments.")
+        epilog=GENERATE_EXIT)
     sub = ap.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate completions for a JSONL file of prompts")
+    g = sub.add_parser("generate", help="generate completions for a JSONL file of prompts",
+                       description="Generate completions for a JSONL file of prompts; bad lines "
+                       "are reported and skipped, finished records are kept through Ctrl-C "
+                       "and crashes (--resume continues).", epilog=GENERATE_EXIT)
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help="known alias, Hugging Face directory or .gguf file")
-    g.add_argument("--input", required=True, help="JSONL with 'prompt' or 'messages' per line")
-    g.add_argument("--output", required=True, help="JSONL to write")
+    g.add_argument("--input", required=True,
+                   help="JSONL: per line 'prompt' (text), 'messages' (a chat) or "
+                   "'prompt_token_ids', and optionally 'id' (a string or integer, unique; "
+                   "what --resume matches, else the line number)")
+    g.add_argument("--output", required=True,
+                   help="JSONL to write (in input order, atomically at the end; finished "
+                   "records stream to OUTPUT.part as they complete)")
+    once = g.add_mutually_exclusive_group()
+    once.add_argument("--resume", action="store_true",
+                      help="keep the records already finished in OUTPUT or OUTPUT.part (same "
+                      "id, or same line number for lines without one), generate the others "
+                      "(also lines that failed before) and write OUTPUT with all of them; use "
+                      "the same flags as the first run")
+    once.add_argument("--overwrite", action="store_true",
+                      help="replace an existing OUTPUT (and discard an OUTPUT.part) instead of "
+                      "refusing to start")
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--min-tokens", type=int, default=0)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -96,34 +133,153 @@ def add_train_drafter(sub) -> None:
 
 
 def encode_record(llm, rec: dict, no: int, chat: bool | None) -> dict:
-    """The ``generate`` prompt for one input record. Raises ValueError naming the line."""
+    """The ``generate`` prompt (``{"prompt", "prompt_token_ids"}``) of one input record.
+
+    Raises:
+        ValueError: naming the line, for any reason the record cannot be generated from (no or
+            several of 'prompt' / 'messages' / 'prompt_token_ids', a wrong type, a chat
+            template that fails, a prompt that is empty, too long or has token ids outside
+            the vocabulary).
+    """
     what = f"line {no}"
+    given = [k for k in ("prompt", "messages", "prompt_token_ids") if k in rec]
+    if not given:
+        raise ValueError(f"{what}: needs a 'prompt' or 'messages' field (or 'prompt_token_ids')")
+    if len(given) > 1:
+        raise ValueError(f"{what}: has {' and '.join(repr(k) for k in given)}; give only one")
     if "messages" in rec:
         if chat is False:
             raise ValueError(f"{what}: has 'messages' but --no-chat was given")
-        text, ids = llm.encode_chat(rec["messages"], f"{what}: 'messages'")
+        text, ids = _encode_chat(llm, rec["messages"], what, f"{what}: 'messages'")
     elif "prompt" in rec:
         if not isinstance(rec["prompt"], str):
-            raise ValueError(f"{what}: 'prompt' must be a string")
+            raise ValueError(f"{what}: 'prompt' must be a string, got "
+                             f"{type(rec['prompt']).__name__}")
         if chat:
-            text, ids = llm.encode_chat([{"role": "user", "content": rec["prompt"]}], what)
+            text, ids = _encode_chat(llm, [{"role": "user", "content": rec["prompt"]}], what,
+                                     what)
         else:
             text, ids = rec["prompt"], llm.get_tokenizer()(rec["prompt"]).input_ids
     else:
-        raise ValueError(f"{what}: needs a 'prompt' or 'messages' field")
+        ids = rec["prompt_token_ids"]
+        if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"{what}: 'prompt_token_ids' must be a list of integers")
+        text = None
     llm.engine.validate_prompt(ids, what)
     return {"prompt": text, "prompt_token_ids": ids}
 
 
-def result_record(rec: dict, out) -> dict:
-    return {**rec, "outputs": [
+def _encode_chat(llm, conv, what: str, param: str) -> tuple[str, list[int]]:
+    """``llm.encode_chat`` with a template that raises (``raise_exception``, a Jinja error, a
+    TypeError inside the template) turned into a ValueError naming the line."""
+    try:
+        return llm.encode_chat(conv, param)
+    except ValueError:
+        raise
+    except Exception as e:
+        raise ValueError(f"{what}: the chat template failed ({type(e).__name__}: {e})") from None
+
+
+def result_record(rec: dict, out, no: int) -> dict:
+    """The output line of input line ``no`` (record ``rec``) generated as ``out``: the input
+    fields, ``line`` and ``outputs``."""
+    return {**rec, "line": no, "outputs": [
         {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
          "stop_reason": o.stop_reason} for o in out.outputs]}
 
 
-def generate(args: argparse.Namespace) -> int:
-    from specengine.api import LLM
+def error_record(rec: dict | None, no: int, err: str) -> dict:
+    """The output line of a bad input line: its fields that can be written as UTF-8 JSON
+    (a field with a lone surrogate is left out), ``line`` and ``error``."""
+    kept = {}
+    for k, v in (rec or {}).items():
+        try:
+            dump_line({k: v})
+        except (ValueError, TypeError):
+            continue
+        kept[k] = v
+    kept.pop("outputs", None)
+    return {**kept, "line": no, "error": err}
 
+
+def record_key(rec: dict, no: int) -> tuple[str, str | int]:
+    """What ``--resume`` matches a record by: ``("id", id)`` if the record has an ``id``, else
+    ``("line", no)``. Output lines carry both ``id`` (an input field) and ``line``, so
+    ``output_key`` finds the same key in them."""
+    return ("id", rec["id"]) if "id" in rec else ("line", no)
+
+
+def output_key(rec: dict) -> tuple[str, str | int] | None:
+    """``record_key`` of a line read back from an output (None if it has no usable key)."""
+    if "id" in rec:
+        return ("id", rec["id"]) if _valid_id(rec["id"]) else None
+    line = rec.get("line")
+    return ("line", line) if isinstance(line, int) and not isinstance(line, bool) else None
+
+
+def _valid_id(v) -> bool:
+    return isinstance(v, str) or isinstance(v, int) and not isinstance(v, bool)
+
+
+def read_records_with_keys(path: str):
+    """``read_records(path)`` as (line, record, error, key) with the ``id`` checked: an id that
+    is not a string or integer, or repeats an earlier line's, makes the line an error."""
+    seen: dict = {}
+    out = []
+    for no, rec, err in read_records(path):
+        key = None
+        if err is None:
+            key = record_key(rec, no)
+            if key[0] == "id" and not _valid_id(key[1]):
+                err = f"line {no}: 'id' must be a string or an integer, got " \
+                      f"{type(key[1]).__name__}"
+            elif key in seen:
+                err = f"line {no}: id {key[1]!r} repeats line {seen[key]} (ids must be unique)"
+            else:
+                seen[key] = no
+        out.append((no, rec, err, key if err is None else None))
+    return out
+
+
+def load_finished(paths: list[str]) -> tuple[dict, int]:
+    """(key -> output record with ``outputs``, lines skipped) from the outputs of earlier runs
+    (later paths win). Error lines (no ``outputs``) are not finished; lines that are torn (a
+    kill during a write), not JSON objects, or finished but without a usable ``id`` / ``line``
+    are skipped and counted."""
+    done, skipped = {}, 0
+    for path in paths:
+        recs, bad = read_jsonl_tolerant(path)
+        skipped += bad
+        for r in recs:
+            key = output_key(r)
+            if not isinstance(r.get("outputs"), list):
+                continue
+            if key is None:
+                skipped += 1
+            else:
+                done[key] = r
+    return done, skipped
+
+
+def finished_count(records: list, done: dict, part: str) -> int:
+    """How many input records a ``--resume`` would find finished: ``done`` (this run's and
+    the earlier output's) and whatever reached ``part`` (counted from the file, since an
+    interrupt can land between a line's write and the bookkeeping after it)."""
+    keys = set(done) | set(load_finished([part])[0])
+    return sum(1 for _, _, _, key in records if key in keys)
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command line that resumes the job started with ``argv`` (``--resume`` in place of
+    ``--overwrite``)."""
+    kept = [a for a in argv if a not in ("--resume", "--overwrite")]
+    return shlex.join(["specengine", *kept, "--resume"])
+
+
+def generate(args: argparse.Namespace) -> int:
+    """Run ``specengine generate`` (see the module docstring). Returns the exit status: 0 done
+    (also with bad lines), 2 bad arguments or an existing output, 130 interrupted."""
     try:
         params = SamplingParams(
             n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -132,63 +288,131 @@ def generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out_dir = os.path.dirname(os.path.abspath(args.output))
-    if not os.path.isdir(out_dir):
-        print(f"error: --output {args.output!r}: folder {out_dir!r} does not exist",
-              file=sys.stderr)
-        return 2
-    if not os.path.isfile(args.input):
-        why = "is a folder, not a file" if os.path.isdir(args.input) else "does not exist"
-        print(f"error: --input {args.input!r} {why}", file=sys.stderr)
-        return 2
-    try:
-        spec = speculative_config_arg(args.speculative_config)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    records = read_records(args.input)
-    try:
-        llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                  kv_cache_memory_bytes=args.kv_cache_memory_bytes, seed=args.seed,
-                  speculative_config=spec)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    results: dict[int, dict] = {}
-    errors: dict[int, str] = {}
-    prompts, lines = [], []
-    for no, rec, err in records:
-        if err is None:
-            try:
-                prompts.append(encode_record(llm, rec, no, args.chat))
-                lines.append(no)
-                continue
-            except ValueError as e:
-                err = str(e)
-        errors[no] = err
-        results[no] = {**(rec or {}), "line": no, "error": err}
-        print(f"skipped {err}", file=sys.stderr)
-    t0 = time.perf_counter()
     part = f"{args.output}.part"
-    by_line = {no: rec for no, rec, _ in records}
-    outs = []
-    with open(part, "w", encoding="utf-8") as f:
-        for i, out in llm.generate_iter(prompts, params, use_tqdm=not args.no_progress):
-            no = lines[i]
-            results[no] = result_record(by_line[no], out)
-            f.write(json.dumps(results[no], ensure_ascii=False) + "\n")
-            f.flush()
-            outs.append(out)
-    wall = time.perf_counter() - t0
-    write_jsonl_atomic(args.output, [results[no] for no, _, _ in records])
-    os.remove(part)
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    why = None
+    if not os.path.isdir(out_dir):
+        why = f"--output {args.output!r}: folder {out_dir!r} does not exist"
+    elif os.path.isdir(args.output):
+        why = f"--output {args.output!r} is a folder"
+    elif not os.path.isfile(args.input):
+        what = "is a folder, not a file" if os.path.isdir(args.input) else "does not exist"
+        why = f"--input {args.input!r} {what}"
+    elif not (args.resume or args.overwrite):
+        there = [p for p in (args.output, part) if os.path.exists(p)]
+        if there:
+            why = (f"{' and '.join(there)} already exist{'s' if len(there) == 1 else ''}; "
+                   "pass --resume to keep what is finished and generate the rest, or "
+                   "--overwrite to start over")
+    if why is None:
+        try:
+            spec = speculative_config_arg(args.speculative_config)
+        except ValueError as e:
+            why = str(e)
+    if why is not None:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
+    argv = getattr(args, "argv", None) or sys.argv[1:]
+
+    records = read_records_with_keys(args.input)
+    done, part_done, skipped = {}, {}, 0
+    if args.resume:
+        done, skipped = load_finished([args.output])
+        part_done, skipped_part = load_finished([part])
+        done.update(part_done)  # the .part is newer than the output
+        skipped += skipped_part
+    resumed = sum(1 for _, _, _, key in records if key in done)
+    if args.resume:
+        print(f"resume: {resumed} records already finished"
+              + (f"; {skipped} lines of earlier output ignored (torn by a kill, not JSON, or "
+                 "without an id or line number)" if skipped else ""),
+              file=sys.stderr)
+    errors: dict[int, str] = {}
+    for no, _, err, _ in records:
+        if err is not None:
+            errors[no] = err
+            print(f"skipped {err}", file=sys.stderr)
+    todo = [(no, rec, key) for no, rec, err, key in records if err is None and key not in done]
+    new, part_ready = 0, False
+    try:
+        llm, prompts, lines = None, [], []
+        if todo:
+            from specengine.api import LLM
+
+            try:
+                llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                          kv_cache_memory_bytes=args.kv_cache_memory_bytes, seed=args.seed,
+                          speculative_config=spec)
+            except (ValueError, FileNotFoundError) as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            for no, rec, key in todo:
+                try:
+                    prompts.append(encode_record(llm, rec, no, args.chat))
+                    lines.append((no, rec, key))
+                except Exception as e:  # any reason: the line is skipped, the job goes on
+                    err = str(e) if str(e).startswith(f"line {no}:") else \
+                        f"line {no}: {type(e).__name__}: {e}"
+                    errors[no] = err
+                    print(f"skipped {err}", file=sys.stderr)
+        # the .part keeps only finished records: rewritten without torn or error lines when
+        # resuming, emptied otherwise
+        write_jsonl_atomic(part, list(part_done.values()))
+        part_ready = True
+        t0 = time.perf_counter()
+        outs = []
+        if prompts:
+            with JsonlAppender(part) as log:
+                for i, out in llm.generate_iter(prompts, params,
+                                                use_tqdm=not args.no_progress):
+                    no, rec, key = lines[i]
+                    res = result_record(rec, out, no)
+                    try:
+                        log.append(res)
+                    except (ValueError, TypeError) as e:
+                        errors[no] = f"line {no}: the result cannot be written as JSON ({e})"
+                        print(f"failed {errors[no]}", file=sys.stderr)
+                        continue
+                    done[key] = res
+                    outs.append(out)
+                    new += 1
+        wall = time.perf_counter() - t0
+        final, used = [], set()
+        for no, rec, _, key in records:
+            if key in done:
+                final.append({**done[key], "line": no})
+                used.add(key)
+            else:
+                final.append(error_record(rec, no, errors[no]))
+        extra = [r for k, r in done.items() if k not in used]
+        if extra:
+            print(f"note: {len(extra)} records finished by earlier runs match no input line; "
+                  "kept at the end", file=sys.stderr)
+        write_jsonl_atomic(args.output, final + extra)
+        os.remove(part)
+    except BaseException as e:  # Ctrl-C or a crash: say what is kept and how to go on
+        if not part_ready:  # before generating: no file was touched
+            what = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+            print(f"\n{what} before generating; no file was changed. Run again with\n  "
+                  f"{shlex.join(['specengine', *argv])}", file=sys.stderr)
+        else:
+            total = finished_count(records, done, part)
+            what = (f"interrupted: {total} records finished" if isinstance(e, KeyboardInterrupt)
+                    else f"failed: {total} records finished")
+            print(f"\n{what} ({total - resumed} in this run), kept in {part}; to finish the "
+                  f"job{'' if isinstance(e, KeyboardInterrupt) else ' after fixing the cause'}"
+                  f", run\n  {resume_command(argv)}", file=sys.stderr)
+        if isinstance(e, KeyboardInterrupt):
+            return 130
+        raise
     n_prompt = sum(len(p["prompt_token_ids"]) for p in prompts)
     n_gen = sum(len(o.token_ids) for out in outs for o in out.outputs)
-    print(f"requests: {len(prompts)} ok, {len(errors)} failed | prompt tokens: {n_prompt} | "
-          f"generated tokens: {n_gen} | {n_gen / max(wall, 1e-9):.1f} tokens/s | "
-          f"wall time: {wall:.1f} s")
-    m = llm.get_metrics()
-    if spec:
+    print(f"requests: {new} ok, {len(errors)} failed"
+          + (f", {resumed} finished before (resumed)" if args.resume else "")
+          + f" | prompt tokens: {n_prompt} | generated tokens: {n_gen} | "
+          f"{n_gen / max(wall, 1e-9):.1f} tokens/s | wall time: {wall:.1f} s")
+    if llm is not None and spec:
+        m = llm.get_metrics()
         print(f"speculation: acceptance length {m.get('acceptance_length', 1.0):.2f} tokens/"
               f"forward | drafted {m['drafted_tokens']} accepted {m['accepted_tokens']} | "
               f"draft {m['draft_time']:.1f} s, target forward "
@@ -226,6 +450,7 @@ def speculative_config_arg(text: str | None) -> dict | None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``specengine`` command."""
     args = parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for the resume hint
     if args.command == "generate":
         return generate(args)
     if args.command == "train-drafter":
