@@ -116,6 +116,9 @@ class Engine:
         # left the engine (``detach``), the others had finished; the next ``step`` returns them
         self.outputs_ready: list[RequestOutput] = []
         self.paused: str | None = None  # the pause mode while paused (``pause``)
+        # waiting groups of other requests held out of the queue while one request runs
+        # alone (``isolate``; None when not isolating)
+        self.held: list[list[Sequence]] | None = None
 
     @property
     def weight_version(self) -> int:
@@ -344,13 +347,15 @@ class Engine:
         """
         sched = self.scheduler
         for req in list(self.requests.values()):
-            for s in req.seqs:  # finished in the failed step, but not released
+            for s in req.seqs:
                 if s.finish_reason is not None and not s.is_finished:
-                    self._release(s)
+                    self._release(s)  # finished in the failed step, but not released
+                elif not s.is_finished:
+                    self._trim_partial_append(s)
         requeued = list(sched.running)
         for s in reversed(requeued):  # appendleft: the queue's head keeps admission order
             sched.preempt(s)
-        queued = {id(s) for g in sched.waiting for s in g}
+        queued = {id(s) for g in [*sched.waiting, *(self.held or [])] for s in g}
         for req in self.requests.values():  # left out by an admission that raised
             for s in req.seqs:
                 if not s.is_finished and id(s) not in queued:
@@ -372,38 +377,69 @@ class Engine:
                        "flight", len(requeued), len(suspects))
         return suspects
 
-    def isolate(self, request_id: str) -> list[list[Sequence]]:
-        """Hold every waiting group of the other requests out of the queue, so that the next
-        steps run ``request_id`` alone (to find the request that makes steps fail, after
-        ``recover_from_failed_step``); ``end_isolation`` puts them back.
+    def _trim_partial_append(self, seq: Sequence) -> None:
+        """Cut ``seq``'s output back to the tokens whose per-token records are all complete
+        (a step that failed while appending one of its tokens): token ids, logprob entries,
+        weight versions and hidden-state rows; the cut tokens are sampled again, identically.
+        ``cumulative_logprob`` is summed again in append order (the same float additions)."""
+        n = seq.num_output_tokens
+        keep = min(n, len(seq.weight_versions))
+        if seq.logprobs is not None:
+            keep = min(keep, len(seq.logprobs))
+        if seq.hidden_states is not None:
+            keep = min(keep, sum(h.shape[0] for h in seq.hidden_states))
+        if keep == n and len(seq.weight_versions) == n and (
+                seq.logprobs is None or len(seq.logprobs) == n):
+            return
+        del seq.token_ids[seq.num_prompt_tokens + keep:]
+        del seq.weight_versions[keep:]
+        if seq.logprobs is not None:
+            del seq.logprobs[keep:]
+            total = 0.0
+            for t, lp in zip(seq.output_token_ids, seq.logprobs):
+                total += lp[t].logprob
+            seq.cumulative_logprob = total
+        if seq.params.stop_strings:
+            seq.text = self.output._decode(seq)
+        logger.warning("sample %s#%d: output cut from %d to %d tokens after a step failed "
+                       "while appending", seq.request_id, seq.index, n, keep)
 
-        Returns:
-            The groups held, in queue order.
+    def isolate(self, request_id: str) -> None:
+        """Hold every waiting group of the other requests out of the queue (in ``held``), so
+        that the next steps run ``request_id`` alone (to find the request that makes steps
+        fail, after ``recover_from_failed_step``, which leaves held groups held);
+        ``end_isolation`` puts them back.
 
         Raises:
-            ValueError: a sequence of another request is running (recover first).
+            ValueError: already isolating, or a sequence of another request is running
+                (recover first).
         """
         sched = self.scheduler
+        if self.held is not None:
+            raise ValueError("already isolating a request: call end_isolation first")
         others = [s for s in sched.running if s.request_id != request_id]
         if others:
             raise ValueError(f"cannot isolate request {request_id!r}: {len(others)} sequences "
                              "of other requests are running")
-        held = [g for g in sched.waiting if g[0].request_id != request_id]
+        self.held = [g for g in sched.waiting if g[0].request_id != request_id]
         kept = [g for g in sched.waiting if g[0].request_id == request_id]
         sched.waiting.clear()
         sched.waiting.extend(kept)
-        return held
 
-    def end_isolation(self, held: list[list[Sequence]]) -> None:
+    def end_isolation(self) -> None:
         """End ``isolate``: the isolated request's running sequences are preempted (recomputed
-        later from their tokens, exactly) and the ``held`` groups go back to the front of the
-        queue, ahead of it; normal batching resumes with the next ``step``."""
+        later from their tokens, exactly) and the held groups go back to the front of the
+        queue, ahead of it; normal batching resumes with the next ``step``. No-op when not
+        isolating."""
+        if self.held is None:
+            return
         sched = self.scheduler
         for s in reversed(list(sched.running)):
             sched.preempt(s)
         rest = list(sched.waiting)
         sched.waiting.clear()
-        sched.waiting.extend(held + rest)
+        sched.waiting.extend(self.held + rest)
+        self.held = None
 
     def fail_request(self, request_id: str) -> bool:
         """Drop the unfinished request ``request_id`` because running it failed: like
@@ -430,6 +466,8 @@ class Engine:
         kept = [g for g in waiting if g[0].request_id != request_id]
         waiting.clear()
         waiting.extend(kept)
+        if self.held is not None:
+            self.held = [g for g in self.held if g[0].request_id != request_id]
         return True
 
     # ---- samples moving between engines (specengine.migration) ----------------------------

@@ -10,6 +10,14 @@ Other work on the engine goes through the same thread: ``call`` runs a function 
 steps (metrics), ``call_exclusive`` runs it once no request is in flight (weight updates,
 prefix-cache reset): requests submitted after it wait until it has run, so no request ever
 mixes two sets of weights.
+
+A step that raises fails only the request that caused it (``_recover``): the engine is brought
+back to a consistent state (``Engine.recover_from_failed_step``: every running sequence is
+requeued for an exact recompute), then the requests in flight run one at a time, each alone in
+its steps with the others held in the queue (``Engine.isolate``), until the one whose steps
+fail alone is found; it alone gets the error (``EngineStepError``, a 500), and batching
+resumes. The engine is batch-invariant, so every other request's tokens and logprobs are the
+ones a run without the bad request gives.
 """
 
 from __future__ import annotations
@@ -25,9 +33,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specengine.outputs import RequestOutput
+from specengine.metrics import request_metrics
+from specengine.outputs import RequestOutput, request_output
 from specengine.sampling import SamplingParams
-from specengine.sequence import Logprob, Sequence
+from specengine.sequence import Logprob, Request, Sequence
 
 logger = logging.getLogger("specengine.server")
 
@@ -38,6 +47,12 @@ class EngineDeadError(RuntimeError):
 
 class RequestAborted(RuntimeError):
     """The request was aborted (client disconnect or server shutdown)."""
+
+
+class EngineStepError(RuntimeError):
+    """An engine step failed because of this request (it failed again when run alone); the
+    other requests were not affected. An engine bug, not the client's fault (the server: 500).
+    ``__cause__`` is the step's exception."""
 
 
 class EngineNotReadyError(RuntimeError):
@@ -84,6 +99,7 @@ class _Tracked:
     params: SamplingParams
     prompt: str | None
     seqs: list[Sequence] = field(default_factory=list)
+    request: Request | None = None  # the engine's Request (an output lost by a failed step)
     sent: list[int] = field(default_factory=list)  # output tokens already pushed, per sample
     ended: list[bool] = field(default_factory=list)  # its end already pushed, per sample
 
@@ -143,7 +159,12 @@ class RequestHandle:
 @dataclass
 class ServerStats:
     """Counters of the engine loop: steps it ran, the most sequences in one step's batch,
-    requests finished / aborted / failed, and seconds spent in ``Engine.step``."""
+    requests finished / aborted / failed (refused at admission, or failed in a step), and
+    seconds spent in ``Engine.step``. Failed steps: ``step_failures`` (``Engine.step``
+    raised, isolation probes included), ``requests_failed_in_step`` (requests found to make
+    steps fail alone and failed; also in ``requests_failed``), ``probe_steps`` (steps run with
+    one request alone to find it) and ``unexplained_step_failures`` (failed steps no request
+    was found guilty of)."""
 
     steps: int = 0
     max_batch_seqs: int = 0
@@ -151,6 +172,10 @@ class ServerStats:
     requests_aborted: int = 0
     requests_failed: int = 0
     step_time: float = 0.0
+    step_failures: int = 0
+    requests_failed_in_step: int = 0
+    probe_steps: int = 0
+    unexplained_step_failures: int = 0
 
 
 class AsyncEngine:
@@ -160,6 +185,8 @@ class AsyncEngine:
         llm: a ``specengine.LLM``; from ``start()`` on, only this object's thread may touch
             ``llm.engine`` (use ``call`` / ``call_exclusive`` for anything else).
     """
+
+    PROBE_MAX_STEPS = 16  # steps one suspect runs alone at most when a failed step is isolated
 
     def __init__(self, llm):
         self.llm = llm
@@ -171,6 +198,7 @@ class AsyncEngine:
         self._exclusive: deque = deque()  # (fn, future) waiting for the engine to drain
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
+        self._unexplained = 0  # failed steps in a row that no request was found guilty of
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -300,7 +328,8 @@ class AsyncEngine:
             self.stats.requests_failed += 1
             t.handle._push(Update(error=e))
             return
-        t.seqs = list(self.engine.requests[rid].seqs)
+        t.request = self.engine.requests[rid]
+        t.seqs = list(t.request.seqs)
         t.sent = [0] * len(t.seqs)
         t.ended = [False] * len(t.seqs)
         self._tracked[rid] = t
@@ -324,20 +353,34 @@ class AsyncEngine:
         return rids
 
     def _step(self) -> None:
+        # outputs queued before the step (detached samples) are taken now: a step that raises
+        # would drop them
+        ready, self.engine.outputs_ready = self.engine.outputs_ready, []
+        self._deliver(ready)
         t0 = time.perf_counter()
         try:
             finished = self.engine.step()
-        except Exception as e:  # noqa: BLE001 - fail what was in flight, keep serving
-            logger.exception("engine step failed; failing the requests in flight")
-            self.engine.abort_all()
-            self._fail_all(RuntimeError(f"engine step failed: {e!r}"))
+        except Exception as e:  # noqa: BLE001 - only the request that caused it fails
+            error = e
+        else:
+            self._unexplained = 0
+            self._after_step(finished, t0)
             return
+        self._recover(error)  # (outside the except block: no chained tracebacks)
+
+    def _after_step(self, finished: list[RequestOutput], t0: float) -> None:
+        """Count a step that returned ``finished`` (started at ``t0``) and push its updates."""
         st = self.stats
         st.step_time += time.perf_counter() - t0
         st.steps += 1
         # every sequence still running after the step was part of its batch
         st.max_batch_seqs = max(st.max_batch_seqs, len(self.engine.scheduler.running)
                                 + sum(len(o.outputs) for o in finished))
+        self._deliver(finished)
+
+    def _deliver(self, finished: list[RequestOutput]) -> None:
+        """Push to each tracked request its streaming deltas and, if it is among
+        ``finished``, its output."""
         done = {o.request_id: o for o in finished}
         for rid, t in list(self._tracked.items()):
             out = done.get(rid)
@@ -346,9 +389,135 @@ class AsyncEngine:
             update = Update(deltas=self._deltas(t) if t.handle.stream else [], output=out)
             if out is not None:
                 del self._tracked[rid]
-                st.requests_finished += 1
+                self.stats.requests_finished += 1
             if update.deltas or out is not None:
                 t.handle._push(update)
+
+    # ---- a failed step: fail only the request that caused it ------------------------------
+    def _recover(self, error: BaseException) -> None:
+        """``Engine.step`` raised ``error``. Recover the engine (``recover_from_failed_step``),
+        deliver what the failed step finished, then run the requests in flight one at a time
+        (``_probe``, most recently added first) until one fails alone: it alone is failed
+        (``EngineStepError``) and batching resumes. If none fails alone, batching resumes
+        anyway; a second such failure in a row fails every request in flight (no request can
+        be blamed, and the loop must make progress). If recovery itself fails, every request
+        in flight fails and the engine is cleared (``Engine.abort_all``)."""
+        self.stats.step_failures += 1
+        logger.error("engine step failed (%r); finding the request that caused it", error,
+                     exc_info=error)
+        try:
+            suspects = self._recover_engine()
+            culprit = None
+            for rid in suspects:
+                if rid not in self.engine.requests:
+                    continue  # failed meanwhile (its output could not be rebuilt)
+                err = self._probe(rid)
+                if err is not None:
+                    culprit = rid
+                    self._fail_culprit(rid, err)
+                    break
+        except Exception as e:  # noqa: BLE001 - the engine cannot be trusted: start clean
+            logger.exception("recovering from a failed step failed; failing every request "
+                             "in flight")
+            self._fail_in_flight(RuntimeError(f"engine step failed: {error!r}; recovery "
+                                              f"failed: {e!r}"))
+            return
+        if culprit is not None or not suspects:  # found, or nothing left in flight
+            self._unexplained = 0
+            return
+        self.stats.unexplained_step_failures += 1
+        self._unexplained += 1
+        if self._unexplained >= 2:
+            logger.error("engine steps keep failing (%r) and no request fails alone; failing "
+                         "every request in flight", error)
+            self._unexplained = 0
+            self._fail_in_flight(RuntimeError(f"engine step failed: {error!r}"))
+        else:
+            logger.warning("no request in flight fails alone after the failed step (%r); "
+                           "resuming", error)
+
+    def _recover_engine(self) -> list[str]:
+        """``Engine.recover_from_failed_step``, then deliver the outputs of requests the failed
+        step finished: those the engine queued (``outputs_ready``) and those it had already
+        dropped (rebuilt from the tracked ``Request``; one whose output cannot be built is
+        failed alone). Returns the suspects, most recently added first."""
+        suspects = self.engine.recover_from_failed_step()
+        ready, self.engine.outputs_ready = self.engine.outputs_ready, []
+        done = {o.request_id for o in ready}
+        now = time.perf_counter()
+        for rid, t in list(self._tracked.items()):
+            if rid in self.engine.requests or rid in done:
+                continue
+            try:  # the failed step turned it into an output that never came back
+                if t.request is None or not all(s.is_finished for s in t.request.seqs):
+                    raise RuntimeError("the request left the engine unfinished")
+                ready.append(request_output(t.request, request_metrics(t.request, now),
+                                            self.engine.weight_version))
+                logger.warning("request %s: output rebuilt after the failed step", rid)
+            except Exception as e:  # noqa: BLE001 - this request fails alone
+                self._fail_culprit(rid, e)
+        self._deliver(ready)
+        return suspects
+
+    def _probe(self, rid: str) -> BaseException | None:
+        """Run request ``rid`` alone (``Engine.isolate``) until it has run a step in which
+        none of its samples was being admitted, after at least two steps (a prefill, then a
+        decode with its draft tree), or it finished, or ``PROBE_MAX_STEPS`` steps; its
+        updates are pushed as usual. Then ``Engine.end_isolation``. Returns the exception of
+        a step that failed (the engine recovered already), else None."""
+        engine = self.engine
+        engine.isolate(rid)
+        failed = None
+        try:
+            for n in range(1, self.PROBE_MAX_STEPS + 1):
+                if rid not in engine.requests:
+                    break  # finished
+                admitting = bool(engine.scheduler.waiting)  # only rid's samples are queued
+                self.stats.probe_steps += 1
+                t0 = time.perf_counter()
+                try:
+                    finished = engine.step()
+                except Exception as e:  # noqa: BLE001 - rid fails alone: the culprit
+                    failed = e
+                    break
+                self._after_step(finished, t0)
+                if n >= 2 and not admitting:
+                    break
+            if failed is not None:
+                self.stats.step_failures += 1
+                self._recover_engine()
+        finally:
+            engine.end_isolation()
+        return failed
+
+    def _fail_culprit(self, rid: str, error: BaseException) -> None:
+        """Fail request ``rid`` alone: out of the engine (``Engine.fail_request``) and its
+        handle gets an ``EngineStepError`` caused by ``error``."""
+        known = self.engine.fail_request(rid)
+        t = self._tracked.pop(rid, None)
+        if not known and t is None:
+            return  # failed already
+        logger.error("request %s failed alone in an engine step; failing only it: %r", rid,
+                     error, exc_info=error)
+        self.stats.requests_failed += 1
+        self.stats.requests_failed_in_step += 1
+        if t is not None:
+            err = EngineStepError(f"engine step failed on this request: {error!r}")
+            err.__cause__ = error
+            t.handle._push(Update(error=err))
+
+    def _fail_in_flight(self, error: BaseException) -> None:
+        """Fail every tracked request with ``error`` and clear the engine (requests waiting
+        for an exclusive call are not in flight and stay)."""
+        try:
+            self.engine.abort_all()
+        except Exception:  # noqa: BLE001 - nothing more can be done for them
+            logger.exception("abort_all failed after a failed step")
+        self.engine.held = None  # an isolation cut short: its held groups were aborted too
+        for t in list(self._tracked.values()):
+            self.stats.requests_failed += 1
+            t.handle._push(Update(error=error))
+        self._tracked.clear()
 
     @staticmethod
     def _deltas(t: _Tracked) -> list[SampleDelta]:
