@@ -1,9 +1,12 @@
 """``specengine.distributed`` on a local Ray (2 actors x 1 CPU, tiny random models): pool outputs
 equal one engine's (order, seeds, request ids), placement keeps identical prompts together and
 balances predicted work, weight updates reach every actor from one object-store copy and equal a
-fresh engine, a killed actor's requests are re-run elsewhere with the same samples, and
-OpenRLHF's rollout-actor calls replayed against ``OpenRLHFRolloutActor`` (gloo broadcast) give
-what a fresh engine with the broadcast weights gives."""
+fresh engine, a weight update refused by one actor is applied nowhere, a killed actor's requests
+are re-run elsewhere with the same samples, a poison request (one whose engine step ends the actor
+process) is retried once and then fails alone, and OpenRLHF's rollout-actor calls replayed against
+``OpenRLHFRolloutActor`` (gloo broadcast) give what a fresh engine with the broadcast weights
+gives. Faults are injected into the actors from the test with Ray's ``__ray_call__`` (a closure
+run on the actor instance); the package has no fault flags."""
 
 import socket
 import threading
@@ -18,6 +21,7 @@ from specengine import LLM, SamplingParams  # noqa: E402
 from specengine.distributed import PoolController, RolloutPool, remote_actor  # noqa: E402
 from specengine.distributed.balance import WorkModel, assign, group_requests  # noqa: E402
 from specengine.distributed.collective import WeightGroup  # noqa: E402
+from specengine.distributed.pool import RequestFailedError  # noqa: E402
 from specengine.distributed.requests import SeedSource, prepare  # noqa: E402
 from specengine.models.loader import (  # noqa: E402
     iter_safetensors,
@@ -173,6 +177,111 @@ def test_weight_updates_broadcast_once(pool, dirs, sds, monkeypatch):
     assert samples(pool.generate(PROMPTS, greedy)) == want_a
 
 
+def on_actors(pool, fn, *args, actors=None):
+    """Run ``fn(worker, *args)`` on each actor (all by default) and return the results. ``fn``
+    must be a closure (defined in a function: cloudpickle sends it by value; a module-level
+    function of this test file could not be imported on the actor)."""
+    ids = list(pool.alive) if actors is None else actors
+    return ray.get([pool.actors[a].__ray_call__.remote(fn, *args) for a in ids])
+
+
+def fault_hooks():
+    """Closures that change an actor's ``LLM`` for a test (run with ``on_actors``)."""
+
+    def refuse(worker, method, exc_name):  # the actor's LLM.<method> raises
+        import builtins
+
+        def fail(*a, **k):
+            raise getattr(builtins, exc_name)(f"injected {method} failure")
+
+        setattr(worker.llm, method, fail)
+
+    def restore(worker, method):
+        worker.llm.__dict__.pop(method, None)
+
+    def crash_on(worker, marker, delay):  # the process ends at a step holding ``marker``
+        import os
+        import time
+
+        step = worker.llm.step
+
+        def step_or_crash():
+            if any(r.prompt_token_ids == marker for r in worker.llm.engine.requests.values()):
+                os._exit(1)  # as a segfault or the OOM killer would end it
+            time.sleep(delay)  # slow steps: other requests are still in flight then
+            return step()
+
+        worker.llm.step = step_or_crash
+
+    return refuse, restore, crash_on
+
+
+def versions(pool):
+    """Each live actor's weight version."""
+    return ray.get([pool.actors[a].weight_version.remote() for a in pool.alive])
+
+
+def test_weight_broadcast_is_all_or_nothing(pool, dirs, sds):
+    """One actor refusing (staging, a streamed chunk, or applying on every actor) leaves every
+    actor on the old weights and weight version, generating what it generated before; then the
+    same update goes through. The pool serves model a before and after."""
+    refuse, restore, _ = fault_hooks()
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    before, v0 = samples(pool.generate(PROMPTS, greedy)), versions(pool)
+    assert len(set(v0)) == 1
+    names = sorted(sds[1])
+
+    on_actors(pool, refuse, "load_weights", "ValueError", actors=[1])
+    try:
+        with pytest.raises(ValueError, match=r"update_weights failed on actor 1: ValueError: "
+                           r"injected load_weights failure; the update was aborted on every "
+                           rf"actor: nothing was applied, the 2 live actors keep their weights "
+                           rf"\(weight_version {v0[0]}\)"):
+            pool.update_weights(sds[1])
+        assert versions(pool) == v0 and samples(pool.generate(PROMPTS, greedy)) == before
+        # streamed: a chunk refused by actor 1 aborts the session on actor 0 too
+        pool.begin_weight_update()
+        with pytest.raises(ValueError, match="load_weights failed on actor 1.*nothing was "
+                                             "applied"):
+            pool.load_weights({k: sds[1][k] for k in names[:5]})
+        with pytest.raises(RuntimeError, match="no weight update session is open"):
+            pool.finish_weight_update()
+        assert not any(on_actors(pool, lambda w: w.llm.weights.in_session))
+        assert versions(pool) == v0 and samples(pool.generate(PROMPTS, greedy)) == before
+    finally:
+        on_actors(pool, restore, "load_weights", actors=[1])
+
+    # applying fails on every actor: aborted everywhere, nothing applied
+    on_actors(pool, refuse, "finish_weight_update", "RuntimeError")
+    try:
+        with pytest.raises(RuntimeError, match="update_weights failed on actor 0: RuntimeError: "
+                                               "injected finish.*nothing was applied"):
+            pool.update_weights(sds[1])
+    finally:
+        on_actors(pool, restore, "finish_weight_update")
+    assert not any(on_actors(pool, lambda w: w.llm.weights.in_session))
+    assert versions(pool) == v0 and samples(pool.generate(PROMPTS, greedy)) == before
+
+    # an actor with requests in flight refuses to stage: nothing applied
+    on_actors(pool, lambda w: w.llm.add_request([1, 2, 3], SamplingParams(max_tokens=2),
+                                                request_id="held"), actors=[0])
+    try:
+        with pytest.raises(RuntimeError, match="failed on actor 0: RuntimeError: requests are "
+                                               "in flight.*nothing was applied"):
+            pool.update_weights(sds[1])
+    finally:
+        on_actors(pool, lambda w: w.llm.abort_request("held"), actors=[0])
+    assert versions(pool) == v0
+
+    pool.update_weights(sds[1])  # nothing is left over: the same update now goes through
+    assert versions(pool) == [v0[0] + 1] * 2
+    want_b = samples(LLM(str(dirs[1]), **KW).generate(PROMPTS, greedy, use_tqdm=False))
+    assert samples(pool.generate(PROMPTS, greedy)) == want_b
+    pool.load_weights(str(dirs[0]))  # a checkpoint with no session: one update, back to a
+    assert versions(pool) == [v0[0] + 2] * 2
+    assert samples(pool.generate(PROMPTS, greedy)) == before
+
+
 def vllm_params(**kw):
     """Stands in for ``vllm.SamplingParams`` as OpenRLHF's trainer builds it (attributes with
     vLLM's names; a SimpleNamespace so the actor can unpickle it)."""
@@ -280,3 +389,107 @@ def test_killed_actor_loses_nothing(pool, dirs):
             pool.generate(prompts[:2], params[:2])
     finally:
         pool.controller = PoolController()
+
+
+class Place(PoolController):
+    """Places each request on ``where[input index]``; records actor deaths."""
+
+    def __init__(self, where):
+        self.where, self.deaths = where, []
+
+    def place(self, pool, groups, actors, model):
+        plan = {}
+        for g in groups:
+            for r in g:
+                plan.setdefault(self.where[r.index], []).append(r)
+        return plan
+
+    def on_actor_dead(self, pool, actor_id, error, rerun):
+        self.deaths.append((actor_id, rerun))
+
+
+POISON = [13, 13, 13, 13, 13]
+
+
+def test_poison_request_is_retried_once_then_fails_alone(local_ray, dirs):
+    """A request whose engine step ends the actor process kills its actor, is re-placed once,
+    kills that actor too and fails alone; every other request (on the first dead actor, and
+    in flight on the second) finishes token for token as one engine gives it, and the pool keeps
+    serving. With ``max_request_retries=0`` it fails at the first death, returned in its
+    place (``return_exceptions``). Its own 4-actor pool (0.2 CPU each, beside the module's pool)."""
+    _, _, crash_on = fault_hooks()
+    fragile = RolloutPool(str(dirs[0]), 4, seed=5, num_cpus_per_actor=0.2, **KW)
+    try:
+        on_actors(fragile, crash_on, POISON, 0.01)
+        ref = LLM(str(dirs[0]), **KW)
+        prompts = [POISON, [21, 22, 23], [24, 25], [26, 27, 28, 29], [30, 31], [32], [33, 34]]
+        params = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=m, ignore_eos=True,
+                                 logprobs=1)
+                  for i, m in enumerate((8, 8, 12, 6, 150, 150, 150))]
+        # the poison and three victims on actor 0; one long request on each other actor
+        ctl = fragile.controller = Place({0: 0, 1: 0, 2: 0, 3: 0, 4: 1, 5: 2, 6: 3})
+        with pytest.raises(RequestFailedError) as info:
+            fragile.generate(prompts, params)
+        err = info.value
+        assert list(err.failures) == [0]
+        assert "request 0 (input index 0 was on 2 actors that died (actor 0 (" in str(err)
+        assert "after 1 re-placement; not retried again" in str(err)
+        assert err.outputs[0] is None
+        want = ref.generate(prompts[1:], params[1:], use_tqdm=False)
+        assert samples(err.outputs[1:]) == samples(want)
+        assert [o.request_id for o in err.outputs[1:]] == [str(i) for i in range(1, 7)]
+        assert [o.metrics.get("pool_retries", 0) for o in err.outputs[1:]] == [1, 1, 1, 1, 0, 0]
+        # actor 0 died with four requests: all re-placed; the poison, re-placed first on the
+        # least loaded actor (1), killed it: its long request was re-placed, not failed
+        assert ctl.deaths == [(0, [0, 1, 2, 3]), (1, [4])]
+        m = fragile.get_metrics()
+        assert (m["num_actors"], m["num_actors_dead"]) == (2, 2)
+        assert (m["num_requests_rerun"], m["num_requests_failed"]) == (5, 1)
+
+        # the pool keeps serving. No retries now: whatever is on a dying actor fails at once
+        # (here the poison alone), returned in its place
+        fragile.max_request_retries = 0
+        ctl = fragile.controller = Place({0: 2, 1: 3, 2: 3})
+        got = fragile.generate([POISON, [40, 41], [42, 43, 44]], params[4:7],
+                               return_exceptions=True)
+        assert isinstance(got[0], RequestFailedError) and list(got[0].failures) == [0]
+        assert str(got[0]).startswith("1 request failed (2 of the call's 3 finished; ")
+        assert "request 7 (input index 0 was on 1 actor that died (actor 2 (" in str(got[0])
+        assert "after 0 re-placements" in str(got[0])
+        assert samples(got[1:]) == samples(ref.generate([[40, 41], [42, 43, 44]], params[5:7],
+                                                        use_tqdm=False))
+        assert [o.request_id for o in got[1:]] == ["8", "9"]
+        assert ctl.deaths == [(2, [])] and fragile.alive == [3]
+    finally:
+        fragile.shutdown()
+
+
+def test_weight_apply_failure_on_some_actors_retires_them(local_ray, dirs, sds):
+    """Applying failing on one actor after another applied: that actor is retired (killed,
+    with a warning), so every actor left serves the new weights. An actor dying while staging
+    aborts the update everywhere. Its own 3-actor pool (0.2 CPU each)."""
+    refuse, _, _ = fault_hooks()
+    spare = RolloutPool(str(dirs[0]), 3, seed=5, num_cpus_per_actor=0.2, **KW)
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        before = samples(spare.generate(PROMPTS, greedy))
+        ray.kill(spare.actors[2], no_restart=True)
+        with pytest.raises(RuntimeError, match=r"update_weights failed on actor 2 \(it died\)"
+                                               r": ActorDiedError.*nothing was applied, the 2 "
+                                               r"live actors keep their weights "
+                                               r"\(weight_version 0\)"):
+            spare.update_weights(sds[1])
+        assert spare.alive == [0, 1] and versions(spare) == [0, 0]
+        assert samples(spare.generate(PROMPTS, greedy)) == before
+
+        on_actors(spare, refuse, "finish_weight_update", "RuntimeError", actors=[1])
+        with pytest.warns(RuntimeWarning, match="actor 1 retired: it failed to apply weight "
+                                                "version 1 .*the 1 actors left serve weight "
+                                                "version 1"):
+            spare.update_weights(sds[1])
+        assert spare.alive == [0] and versions(spare) == [1]
+        assert "retired" in spare.dead[1]
+        want_b = samples(LLM(str(dirs[1]), **KW).generate(PROMPTS, greedy, use_tqdm=False))
+        assert samples(spare.generate(PROMPTS, greedy)) == want_b
+    finally:
+        spare.shutdown()

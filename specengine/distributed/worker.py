@@ -15,6 +15,10 @@ engine for all; each finished ``RequestOutput`` goes to the stream owning its re
 stream owns the requests it added and adopts requests nobody owns (samples imported here);
 it ends when none of its requests is left on this engine (finished, or every sample moved away).
 
+Weight updates: ``stage_weight_update`` is phase one of the pool's all-or-nothing update (begin
+and stage a chunk or checkpoint, nothing applied); ``finish_weight_update`` /
+``abort_weight_update`` end it on every actor (``RolloutPool``, module docstring).
+
 Spare-instance drafter training: the methods of ``training.SpareTrainingActor`` (harvest,
 train a round, publish); ``rollout`` announces itself there (``rollout_begins`` / ``_ends``), and
 ``import_sequences`` calls ``notify_work`` (samples arriving stop a round).
@@ -297,6 +301,41 @@ class RolloutWorker(SpareTrainingActor):
         chunk = source if isinstance(source, str) else self._fetch(source)
         with self.lock:
             return self.llm.load_weights(chunk)
+
+    def stage_weight_update(self, source=None, begin: bool = True, idle: bool = True) -> dict:
+        """Phase one of the pool's all-or-nothing weight update (``RolloutPool``): with
+        ``begin``, ``LLM.begin_weight_update``; then, with a ``source`` (a list holding an
+        ObjectRef of a chunk, or a checkpoint path), ``LLM.load_weights`` into the session.
+        Nothing is applied: the old weights keep serving until ``finish_weight_update``.
+        With neither, it checks that the session can be finished. Every step runs under one
+        hold of the engine.
+
+        Args:
+            source: None, ``[ObjectRef]`` of a chunk, or a checkpoint path (str).
+            begin: open the session first.
+            idle: refuse first when requests are in flight here (``finish`` would refuse).
+
+        Returns:
+            ``names``: the names staged (empty without ``source``); ``weight_version``: the
+            version serving now.
+
+        Raises:
+            RuntimeError: requests are in flight (with ``idle``), a session is open already
+                (with ``begin``) or none is (without). ValueError / TypeError /
+                FileNotFoundError: as ``LLM.load_weights`` (a refused chunk aborts the
+                session here; the pool aborts it everywhere).
+        """
+        chunk = source if source is None or isinstance(source, str) else self._fetch(source)
+        with self.lock:
+            if idle and self.llm.engine.has_unfinished():
+                raise RuntimeError("requests are in flight on this actor; a weight update "
+                                   "is applied between generate calls")
+            if begin:
+                self.llm.begin_weight_update()
+            elif not self.llm.weights.in_session:
+                raise RuntimeError("no weight update session is open on this actor")
+            names = [] if chunk is None else self.llm.load_weights(chunk)
+            return {"names": names, "weight_version": self.llm.weight_version}
 
     def finish_weight_update(self, weight_version: int | None = None) -> list[str]:
         """``LLM.finish_weight_update``."""
