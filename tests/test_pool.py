@@ -425,7 +425,7 @@ def test_poison_request_is_retried_once_then_fails_alone(local_ray, dirs):
         prompts = [POISON, [21, 22, 23], [24, 25], [26, 27, 28, 29], [30, 31], [32], [33, 34]]
         params = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=m, ignore_eos=True,
                                  logprobs=1)
-                  for i, m in enumerate((8, 8, 12, 6, 150, 150, 150))]
+                  for i, m in enumerate((8, 8, 12, 6, 300, 300, 300))]
         # the poison and three victims on actor 0; one long request on each other actor
         ctl = fragile.controller = Place({0: 0, 1: 0, 2: 0, 3: 0, 4: 1, 5: 2, 6: 3})
         with pytest.raises(RequestFailedError) as info:
