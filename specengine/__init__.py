@@ -6,9 +6,10 @@
 """
 
 from specengine.api import LLM
-from specengine.outputs import CompletionOutput, RequestOutput, ScoreOutput
+from specengine.outputs import CompletionOutput, RequestOutput, ScoreOutput, continuation_prompts
 from specengine.sampling import SamplingParams
 from specengine.sequence import Logprob
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "ScoreOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "ScoreOutput", "Logprob",
+           "continuation_prompts"]
 __version__ = "0.1.0"

@@ -20,7 +20,7 @@ from specengine.migration import KVChunk, MigratedSequence, Migrator, SequenceIn
 from specengine.models.registry import DEFAULT_MODEL
 from specengine.outputs import RequestOutput, ScoreOutput
 from specengine.sampling import SamplingParams, per_prompt
-from specengine.sequence import ScoreSpec
+from specengine.sequence import PartialSample, ScoreSpec
 from specengine.speculative.config import SpeculativeConfig
 from specengine.speculative.drafters import make_drafter
 from specengine.speculative.drafters.merged import share_calibration
@@ -400,7 +400,7 @@ class LLM:
                 raise ValueError(f"prompt {i} is text but the model has no tokenizer")
             return prompt, self.tokenizer(prompt).input_ids
         if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "partial"}
             if unknown:
                 raise ValueError(f"prompt {i}: unknown keys {sorted(unknown)}")
             if "prompt_token_ids" in prompt:
@@ -413,13 +413,29 @@ class LLM:
         raise ValueError(f"prompt {i} has type {type(prompt).__name__}; expected str, list of "
                          "token ids or a dict with 'prompt' / 'prompt_token_ids'")
 
+    @staticmethod
+    def _partial_of(prompt, i: int) -> PartialSample | None:
+        """A dict prompt's ``"partial"`` (a ``PartialSample`` or a dict of its fields)."""
+        part = prompt.get("partial") if isinstance(prompt, dict) else None
+        if part is None or isinstance(part, PartialSample):
+            return part
+        if not isinstance(part, dict) or not isinstance(part.get("token_ids"), (list, tuple)) \
+                or set(part) - {"token_ids", "index", "weight_versions"}:
+            raise ValueError(f"prompt {i}: 'partial' must be a dict with 'token_ids' (list) and "
+                             "optionally 'index' and 'weight_versions'")
+        return PartialSample(list(part["token_ids"]), part.get("index", 0),
+                             part.get("weight_versions"))
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None
                  = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate completions for ``prompts``; results come back in input order.
 
         Args:
             prompts: a string, a list of token ids, a dict ``{"prompt_token_ids": [...]}`` or
-                ``{"prompt": "..."}``, or a list of these.
+                ``{"prompt": "..."}``, or a list of these. A dict may carry ``"partial"``: a
+                sample cut short to continue (``{"token_ids", "index", "weight_versions"}``,
+                see ``continuation_prompts``): one sample, equal with the same seed and
+                weights to the sample never interrupted (``Engine.add_request``).
             sampling_params: one for all prompts, or one per prompt (default
                 ``SamplingParams()``).
             use_tqdm: show a progress bar.
@@ -483,9 +499,12 @@ class LLM:
         for i, p in enumerate(params):
             self._check_logprobs(p, f"prompt {i}")
         tokenized = [self._to_token_ids(p, i) for i, p in enumerate(prompts)]
-        for i, (_, ids) in enumerate(tokenized):
+        partials = [self._partial_of(p, i) for i, p in enumerate(prompts)]
+        for i, ((_, ids), part, p) in enumerate(zip(tokenized, partials, params)):
             self.engine.validate_prompt(ids, f"prompt {i}")
-        return self._iter(tokenized, params, use_tqdm)
+            if part is not None:
+                self.engine.check_partial(part, ids, p, f"prompt {i}")
+        return self._iter(tokenized, params, use_tqdm, partials)
 
     def _check_logprobs(self, p: SamplingParams, what: str) -> None:
         cap = self.engine_args.max_logprobs
@@ -574,7 +593,8 @@ class LLM:
         self.memory.check_ready()
         self._check_logprobs(params, "prompt")
         text, ids = self._to_token_ids(prompt, 0)
-        return self.engine.add_request(ids, params, prompt=text, request_id=request_id)
+        return self.engine.add_request(ids, params, prompt=text, request_id=request_id,
+                                       partial=self._partial_of(prompt, 0))
 
     def step(self) -> list[RequestOutput]:
         """One engine step (nothing when no request is unfinished); returns the requests that
@@ -647,12 +667,14 @@ class LLM:
         ``MigrationCost.choose``)."""
         return self.migration.prefill_seconds(num_tokens)
 
-    def _iter(self, tokenized, params: list[SamplingParams], use_tqdm: bool):
+    def _iter(self, tokenized, params: list[SamplingParams], use_tqdm: bool,
+              partials: list[PartialSample | None] | None = None):
         t0 = time.perf_counter()
         index = {}
+        partials = partials or [None] * len(tokenized)
         try:
-            for i, ((text, tok), p) in enumerate(zip(tokenized, params)):
-                index[self.engine.add_request(tok, p, prompt=text)] = i
+            for i, ((text, tok), p, part) in enumerate(zip(tokenized, params, partials)):
+                index[self.engine.add_request(tok, p, prompt=text, partial=part)] = i
             with tqdm(total=len(index), desc="generate", disable=not use_tqdm,
                       unit="req") as bar:
                 while self.engine.has_unfinished():

@@ -10,6 +10,7 @@ its token tree plus the bonus token) and admits waiting requests; finished reque
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import numbers
 import time
@@ -33,7 +34,7 @@ from specengine.outputs import RequestOutput, request_output
 from specengine.sampler import Sampler
 from specengine.sampling import SampleNoise, SamplingParams
 from specengine.scheduler import Scheduler
-from specengine.sequence import Request, ScoreSpec, Sequence, SequenceStatus
+from specengine.sequence import PartialSample, Request, ScoreSpec, Sequence, SequenceStatus
 from specengine.speculative.drafters.base import Drafter, prune_tree
 from specengine.speculative.policy import StaticPolicy
 from specengine.speculative.strategy import Strategy
@@ -136,9 +137,15 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, request_id: str | None = None,
-                    score: ScoreSpec | None = None) -> str:
+                    score: ScoreSpec | None = None, partial: PartialSample | None = None
+                    ) -> str:
         """Queue a prompt; returns its request id. ``score`` (``LLM.score``): the prefill
-        also fills it with the teacher-forced logprobs of its completion.
+        also fills it with the teacher-forced logprobs of its completion. ``partial``:
+        continue that sample (one sample, whatever ``params.n``): its tokens count as output
+        (``max_tokens``, ``min_tokens``, penalties, noise positions), its logprobs are
+        recomputed in the prefill (equal to those generated), and the output returns them
+        with the new tokens; with the same seed and weights the result equals the sample
+        never interrupted.
 
         Everything the request carries is checked first (``validate_prompt`` with
         ``params``), so that nothing it asks for can make a later ``step`` fail or leave it
@@ -163,6 +170,9 @@ class Engine:
         elif request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use",
                                       "request_id")
+        if partial is not None:
+            params = dataclasses.replace(params, n=1)
+            self.check_partial(partial, prompt_token_ids, params, f"request {request_id}")
         self.validate_prompt(prompt_token_ids, f"request {request_id}", params)
         if params.stop_strings and self.tokenizer is None:
             raise InvalidRequestError(f"request {request_id}: stop strings need a tokenizer",
@@ -170,8 +180,16 @@ class Engine:
         seed = params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self.seed_rng))
+        indices = range(params.n) if partial is None else [partial.index]
         seqs = [Sequence(request_id, i, list(prompt_token_ids), params, SampleNoise(seed, i))
-                for i in range(params.n)]
+                for i in indices]
+        if partial is not None and partial.token_ids:
+            s = seqs[0]
+            s.token_ids += partial.token_ids
+            s.weight_versions = list(partial.weight_versions or [-1] * len(partial.token_ids))
+            if params.logprobs is not None:
+                score = ScoreSpec(len(prompt_token_ids), list(partial.token_ids), params,
+                                  params.logprobs, into_sample=True)
         for s in seqs:  # every prompt position's logits are needed: no prefix-cache hit
             s.full_prefill = params.prompt_logprobs is not None or score is not None
         self.requests[request_id] = Request(request_id, prompt, list(prompt_token_ids), params,
@@ -179,6 +197,32 @@ class Engine:
         self.scheduler.add(seqs)
         self.metrics.record_request(len(prompt_token_ids))
         return request_id
+
+    def check_partial(self, partial: PartialSample, prompt: list[int],
+                      params: SamplingParams, what: str) -> None:
+        """Raise ``InvalidRequestError`` unless ``partial`` can be continued after
+        ``prompt``: token ids in the vocabulary, one weight version per token, fewer tokens
+        than ``max_tokens`` and a sequence shorter than ``max_model_len``."""
+        what = f"{what}: partial"
+        ids = partial.token_ids
+        if not isinstance(partial.index, int) or isinstance(partial.index, bool) \
+                or partial.index < 0:
+            raise InvalidRequestError(f"{what} index {partial.index!r} must be an int >= 0",
+                                      "partial.index")
+        vocab = self.runner.model.config.vocab_size
+        if not all(_is_int(t) and 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"{what} token ids must be integers in the vocabulary "
+                                      f"[0, {vocab})",
+                                      "partial.token_ids")
+        if partial.weight_versions is not None and len(partial.weight_versions) != len(ids):
+            raise InvalidRequestError(f"{what} has {len(partial.weight_versions)} weight "
+                                      f"versions for {len(ids)} tokens",
+                                      "partial.weight_versions")
+        if len(ids) >= params.max_tokens or len(prompt) + len(ids) >= self.config.max_model_len:
+            raise InvalidRequestError(
+                f"{what} has {len(ids)} tokens: nothing is left to generate (max_tokens="
+                f"{params.max_tokens}, max_model_len={self.config.max_model_len})",
+                "partial.token_ids")
 
     def validate_prompt(self, ids: list[int], what: str,
                         params: SamplingParams | None = None) -> None:
@@ -268,6 +312,7 @@ class Engine:
             if not s.is_finished:
                 s.finish_reason = "abort"
                 self._release(s)
+                s.text = self.output.decode(s)
         waiting = self.scheduler.waiting
         kept = [g for g in waiting if g[0].request_id != request_id]
         waiting.clear()
@@ -634,25 +679,30 @@ class Engine:
         """The first prefill of a request that asks for them computes the logits of every
         prompt position, ``PROMPT_ROWS`` rows at a time (bounded memory; the rows of a
         batch-invariant forward do not depend on the grouping): ``prompt_logprobs``
-        entries (``Sampler.prompt_rows``) and an ``LLM.score`` request's completion logprobs
-        (``Sampler.score_rows``)."""
+        entries (``Sampler.prompt_rows``), and the completion logprobs of an ``LLM.score``
+        request or of a continued sample's partial output (``Sampler.score_rows``; the
+        latter become the sample's own logprobs)."""
         for i, e in enumerate(layout.entries):
             req = self.requests.get(e.seq.request_id)
-            if (not e.is_prefill or req is None or e.seq.num_cached or e.seq.num_output_tokens
+            if (not e.is_prefill or req is None or e.seq.num_cached
                     or (req.params.prompt_logprobs is None and req.score is None)
                     or req.prompt_logprobs is not None):
                 continue
             ids, off, spec = e.seq.token_ids, layout.token_offsets[i], req.score
+            prompt_rows = len(req.prompt_token_ids) - 1 if req.params.prompt_logprobs is not None \
+                else 0
             entries: list = [None]
-            first = len(ids) if spec is None else spec.prompt_len - 1  # first row scored
+            first, end = prompt_rows, prompt_rows  # rows scored: [first, end)
             if spec is not None:
                 spec.raw, spec.processed, spec.entries = [], [], []
                 context = Sequence(req.request_id, 0, ids[:spec.prompt_len], spec.params, None)
-            for a in range(0, len(ids), PROMPT_ROWS):
-                b = min(a + PROMPT_ROWS, len(ids))
+                first = spec.prompt_len - 1
+                end = first + len(spec.completion)
+            for a in range(0, max(prompt_rows, end), PROMPT_ROWS):
+                b = min(a + PROMPT_ROWS, max(prompt_rows, end))
                 logits = self.runner.model.compute_logits(hidden[off + a:off + b]).cpu()
-                if req.params.prompt_logprobs is not None and a < len(ids) - 1:
-                    rows = min(b, len(ids) - 1) - a
+                if a < prompt_rows:
+                    rows = min(b, prompt_rows) - a
                     entries += self.sampler.prompt_rows(logits[:rows], req.params,
                                                         ids[a + 1:a + 1 + rows])
                 if spec is not None and b > first:
@@ -663,6 +713,10 @@ class Engine:
                     spec.processed += proc
                     spec.entries += ents
             req.prompt_logprobs = entries if req.params.prompt_logprobs is not None else []
+            if spec is not None and spec.into_sample and e.seq.logprobs is not None:
+                e.seq.logprobs = list(spec.entries)  # a continued sample's partial output
+                e.seq.cumulative_logprob = sum(lp[t].logprob for lp, t in
+                                               zip(spec.entries, spec.completion))
 
     def _sample(self, layout: ForwardLayout, logits: torch.Tensor) -> list[Commit]:
         """Draw every plain row in one ``Sampler.sample`` (each of a prefill's samples from the

@@ -50,6 +50,10 @@ class OutputProcessor:
             return self._finish(seq, "length", None)
         return False
 
+    def decode(self, seq: Sequence) -> str:
+        """The text of ``seq``'s output tokens so far (e.g. of a sample cut short)."""
+        return self._decode(seq)
+
     def _decode(self, seq: Sequence, drop_last: bool = False) -> str:
         if self.tokenizer is None:
             return ""

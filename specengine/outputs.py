@@ -115,3 +115,15 @@ class ScoreOutput:
     logprobs: list[float]
     processed_logprobs: list[float]
     top_logprobs: list[dict[int, Logprob]] | None = None
+
+
+def continuation_prompts(output: RequestOutput) -> list[dict]:
+    """Prompts that continue the samples of ``output`` cut short (``finish_reason ==
+    "abort"``), one per sample, for ``LLM.generate`` / ``add_request`` with the request's
+    sampling params (same seed): ``{"prompt_token_ids", "partial": {"token_ids", "index",
+    "weight_versions"}}``. With unchanged weights each continued sample equals the one that
+    was never interrupted (APRIL's recycled partial rollouts, exactly)."""
+    return [{"prompt": output.prompt, "prompt_token_ids": list(output.prompt_token_ids),
+             "partial": {"token_ids": list(c.token_ids), "index": c.index,
+                         "weight_versions": list(c.weight_versions)}}
+            for c in output.outputs if c.finish_reason == "abort"]

@@ -130,6 +130,18 @@ class Request:
 
 
 @dataclass
+class PartialSample:
+    """A sample cut short (``finish_reason="abort"``) to continue: ``token_ids`` generated
+    so far after the prompt, as sample ``index`` of its request (its noise stream: with the
+    same seed and unchanged weights the continued sample equals one never interrupted), and
+    the weight version of each of those tokens (None: unknown, recorded as -1)."""
+
+    token_ids: list[int]
+    index: int = 0
+    weight_versions: list[int] | None = None
+
+
+@dataclass
 class ScoreSpec:
     """What ``LLM.score`` asks of a request: the teacher-forced logprobs of ``completion``
     as sampled with ``params`` after the prompt (``Sampler.score_rows``)."""
@@ -138,6 +150,7 @@ class ScoreSpec:
     completion: list[int]
     params: SamplingParams
     logprobs: int | None = None
+    into_sample: bool = False  # a continued sample: the entries become its logprobs
     raw: list[float] | None = None
     processed: list[float] | None = None
     entries: list | None = None

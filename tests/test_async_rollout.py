@@ -8,7 +8,7 @@ import pytest
 from helpers import rand_prompts
 from safetensors.torch import load_file
 
-from specengine import LLM, SamplingParams
+from specengine import LLM, SamplingParams, continuation_prompts
 from specengine.models.loader import save_random_model
 
 DTYPES = ["bfloat16", "float32"]
@@ -160,3 +160,41 @@ def test_prefix_cache_across_weight_updates(target_dir, other_dir, policy):
     assert llm.get_metrics()["prefix_cache_hit_tokens"] > h
     with pytest.raises(ValueError, match="prefix_cache_policy"):
         make(target_dir, prefix_cache_policy="sometimes")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}],
+                         ids=["plain", "ngram"])
+def test_continued_partial_samples_equal_uninterrupted_ones(target_dir, dtype, spec):
+    """Aborted mid-flight, continued with ``continuation_prompts`` and the same params:
+    tokens, logprobs (recomputed for the partial part) and versions equal a run never
+    interrupted; penalties and min_tokens count the partial tokens as output."""
+    prompts = [p * 2 for p in rand_prompts(3, lo=5, hi=20, seed=21)]
+    params = SamplingParams(n=3, temperature=0.9, top_p=0.95, seed=11, max_tokens=40,
+                            min_tokens=30, repetition_penalty=1.3, logprobs=2)
+    want = make(target_dir, dtype, spec).generate(prompts, params, use_tqdm=False)
+    llm = make(target_dir, dtype, spec)
+    rids, done = start(llm, prompts, params, 9)
+    assert not done
+    partial = [llm.abort_request(r) for r in rids]
+    conts = [p for out in partial for p in continuation_prompts(out)]
+    assert len(conts) == 9 and all(0 < len(c["partial"]["token_ids"]) < 40 for c in conts)
+    got = llm.generate(conts, params, use_tqdm=False)
+    for k, out in enumerate(got):
+        (c,) = out.outputs
+        w = want[k // 3].outputs[c.index]
+        assert c.token_ids == w.token_ids and c.weight_versions == w.weight_versions
+        assert c.logprobs == w.logprobs and c.cumulative_logprob == w.cumulative_logprob
+        assert c.finish_reason == "length"
+
+
+def test_partial_is_checked(target_dir):
+    llm = make(target_dir)
+    p = SamplingParams(max_tokens=5)
+    for part, msg in [({"token_ids": [10**6]}, "vocabulary"),
+                      ({"token_ids": [1] * 5}, "nothing is left"),
+                      ({"token_ids": [1], "weight_versions": [0, 0]}, "weight versions"),
+                      ({"token_ids": [1], "index": -1}, "index"),
+                      ({"tokens": [1]}, "partial")]:
+        with pytest.raises(ValueError, match=msg):
+            llm.generate([{"prompt_token_ids": [1, 2], "partial": part}], p, use_tqdm=False)
