@@ -17,8 +17,11 @@ Modes:
         new weights with their KV (PipelineRL, AReaL); new groups top the pool up.
     retract: the same with ``pause_generation("retract")``: the unfinished samples'
         KV is dropped and recomputed under the new weights (SGLang's retract).
-    abort: the same with ``pause_generation("abort")`` (APRIL's over-provisioning without
-        recycling: the unfinished groups' tokens are wasted; their prompts are submitted again).
+    abort: the same with ``pause_generation("abort")``: the unfinished groups' tokens are
+        wasted and their prompts submitted again.
+    april: ``abort``, but the partial samples are recycled (APRIL, arXiv 2509.18521):
+        ``continuation_prompts`` of each aborted group continue it after the push, on the new
+        weights (prefix recomputed), nothing wasted.
 
 Reported per mode: wall seconds, tokens generated and tokens in consumed groups (the rest is
 in flight at the end or wasted by aborts), consumed tokens per second and its ratio to
@@ -37,12 +40,12 @@ import time
 
 from common import machine_info, markdown_table, quiet_transformers
 
-from specengine import LLM, SamplingParams
+from specengine import LLM, SamplingParams, continuation_prompts
 from specengine.jsonl import write_json_atomic
 from specengine.prompt_sets import gsm_questions
 
 MODEL = "smollm2-135m-instruct"
-MODES = ("sync", "keep", "retract", "abort")
+MODES = ("sync", "keep", "retract", "abort", "april")
 
 
 def prompts_for(llm: LLM, count: int) -> list[list[int]]:
@@ -72,33 +75,53 @@ def params(a, seed: int) -> SamplingParams:
 
 def run_paused(llm: LLM, prompts: list[list[int]], a, weights: dict, mode: str
                ) -> tuple[list, float, int]:
-    """The pool loop of ``keep`` / ``retract`` / ``abort``; returns the consumed outputs, the
-    wall seconds and the tokens of aborted (wasted) samples."""
+    """The pool loop of ``keep`` / ``retract`` / ``abort`` / ``april``; returns the consumed
+    outputs (one per group), the wall seconds and the tokens of aborted samples not
+    recycled (wasted)."""
     queue = collections.deque(enumerate(prompts))
-    inflight: dict[str, tuple[int, list[int]]] = {}
+    inflight: dict[str, tuple[int, list[int]]] = {}  # request id -> (group, prompt)
+    parts: dict[int, dict[int, object]] = {}  # april: group -> sample index -> output so far
     consumed, ready, wasted = [], [], 0
     t0 = time.perf_counter()
 
     def top_up():
-        while len(inflight) < a.over * a.batch and queue:
+        while len({i for i, _ in inflight.values()}) < a.over * a.batch and queue:
             i, p = queue.popleft()
             inflight[llm.add_request(p, params(a, i))] = (i, p)
+
+    def finished(out):  # a group whose samples may come back in pieces (april)
+        i, _ = inflight.pop(out.request_id)
+        if i not in parts:
+            return out
+        parts[i].update({c.index: c for c in out.outputs})
+        if len(parts[i]) < a.n:
+            return None
+        out.outputs = [parts.pop(i)[k] for k in range(a.n)]
+        return out
 
     top_up()
     while len(consumed) < a.steps * a.batch and (inflight or queue or ready):
         for out in llm.step():
-            inflight.pop(out.request_id, None)
-            ready.append(out)
+            if (out := finished(out)) is not None:
+                ready.append(out)
         if len(ready) >= a.batch or not llm.has_unfinished_requests():
             take, ready = ready[:a.batch], ready[a.batch:]
             consumed += take
-            report = llm.pause_generation(mode)
+            report = llm.pause_generation("abort" if mode == "april" else mode)
+            recycle = []
             for out in report["aborted"]:
                 i, p = inflight.pop(out.request_id)
-                wasted += sum(len(c.token_ids) for c in out.outputs)
-                queue.appendleft((i, p))
+                if mode == "april":
+                    parts.setdefault(i, {}).update(
+                        {c.index: c for c in out.outputs if c.finish_reason != "abort"})
+                    recycle += [(i, c) for c in continuation_prompts(out)]
+                else:
+                    wasted += sum(len(c.token_ids) for c in out.outputs)
+                    queue.appendleft((i, p))
             push(llm, weights)
             llm.resume_generation()
+            for i, c in recycle:
+                inflight[llm.add_request(c, params(a, i))] = (i, c["prompt_token_ids"])
         top_up()
     for rid in list(inflight):
         llm.abort_request(rid)
