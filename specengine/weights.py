@@ -17,11 +17,17 @@ the prefix cache (``Engine.weights_changed``: reset, or re-keyed by version with
 ``prefix_cache_policy="keep_versioned"``) and increments the weight version that
 ``RequestOutput.weight_version`` reports. While generation is paused
 (``LLM.pause_generation``), updates are applied with requests in flight.
+
+Applying is all or nothing too: the tensors about to be overwritten are copied aside first, and
+if the copy or the repacking of the kernels' packed copies fails (out of memory, an error in a
+kernel), they are copied back, so the old weights keep serving, the version does not change,
+and ``WeightUpdateFailed`` (a RuntimeError) says so (the original error is its ``__cause__``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -40,6 +46,14 @@ FUSED = {
 }
 ABORTED = ("the weight update session was aborted: nothing of it was applied and the old "
            "weights keep serving")
+
+logger = logging.getLogger("specengine.weights")
+
+
+class WeightUpdateFailed(RuntimeError):
+    """Applying a checked weight update failed (the copy or the repack: out of memory, a
+    kernel error); the old weights were restored and keep serving, the version is unchanged.
+    ``__cause__`` is the original error. (The server answers 500 ``weight_update_failed``.)"""
 
 
 def _part_rows(config, part: str) -> int:
@@ -324,18 +338,59 @@ class WeightUpdater:
         t0 = time.perf_counter()
         return self._apply(dict(self._check(weights, "defer")), None, t0)
 
+    @staticmethod
+    def _backup(dests: dict[str, torch.Tensor], names) -> dict[str, torch.Tensor]:
+        """Copies of the tensors ``names`` of ``dests`` (what an update overwrites): on their
+        device, or in host memory when the device has no room for them."""
+        out = {}
+        for n in names:
+            t = dests[n]
+            try:
+                out[n] = t.detach().clone()
+            except torch.OutOfMemoryError:
+                out[n] = t.detach().to("cpu", copy=True)
+        return out
+
+    def _restore(self, dests: dict[str, torch.Tensor], backup: dict[str, torch.Tensor]) -> None:
+        """Copy ``backup`` back into the parameters and repack them (a packed copy that fails
+        to rebuild now is rebuilt on its next use: each is checked against its weight)."""
+        for n, old in backup.items():
+            dests[n].copy_(old)
+        try:
+            self.model.prepack()
+        except Exception:  # noqa: BLE001 - rebuilt on use; the weights themselves are back
+            logger.exception("repacking the restored weights failed; packed copies are "
+                             "rebuilt on use")
+
     @torch.no_grad()
     def _apply(self, staged: dict[str, torch.Tensor], version: int | None,
                t0: float) -> list[str]:
         """Copy ``staged`` into the parameters, repack, bump the version (``t0``: when the
-        update started, for ``update_time``)."""
+        update started, for ``update_time``). All or nothing: the tensors it overwrites are
+        copied aside first (transiently, an extra copy of them: on their device, or in host
+        memory when the device is full) and copied back if the copy or the repack fails.
+
+        Raises:
+            WeightUpdateFailed: the copy or the repack failed; the old weights were restored
+                (the original error is its ``__cause__``; a KeyboardInterrupt is re-raised as
+                is).
+        """
         if self.memory is not None:
             self.memory.ensure_weights_resident()
         with one_torch_thread():
             dests = self.model.hf_parameters()
-            for name, tensor in staged.items():
-                dests[name].copy_(tensor)
-            self.model.prepack()
+            backup = self._backup(dests, staged)
+            try:
+                for name, tensor in staged.items():
+                    dests[name].copy_(tensor)
+                self.model.prepack()
+            except BaseException as e:
+                self._restore(dests, backup)
+                if not isinstance(e, Exception):
+                    raise
+                raise WeightUpdateFailed(f"applying the weight update failed ({e!r}); the "
+                                         "old weights were restored and keep serving") from e
+            del backup
         names = list(staged)
         if self.memory is not None:
             self.memory.mark_loaded(names)

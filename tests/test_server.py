@@ -72,7 +72,7 @@ def ref(tiny_llama_tok_dir):
 
 @pytest.fixture(scope="module")
 def server(llm):
-    with Server(build_app(llm, "tiny")) as s:
+    with Server(build_app(llm, "tiny", enable_control_routes=True)) as s:
         yield s
 
 
@@ -265,7 +265,8 @@ BAD = [  # (body or raw bytes, route, status, param)
      "max_completion_tokens"),
     ({"messages": CONV, "stream": True, "top_k": -5}, "/v1/chat/completions", 400, "top_k"),
     ({"prompts": ["x"], "top_k": 1.5}, "/generate/", 400, "top_k"),
-    ({"prompts": ["x"], "generation_kwargs": {"bogus": 1}}, "/generate/", 400, "bogus"),
+    ({"prompts": ["x"], "generation_kwargs": {"bogus": 1}}, "/generate/", 400,
+     "generation_kwargs.bogus"),
 ]
 
 
@@ -523,7 +524,7 @@ def test_update_named_param_in_body(tiny_llama_tok_dir, ref):
     new = (old * -1.5).to(torch.bfloat16)
     prompt = "The weather today"
     before = offline(ref, prompt, temperature=0, max_tokens=40, ignore_eos=True).outputs[0]
-    with Server(build_app(llm, "tiny")) as s:
+    with Server(build_app(llm, "tiny", enable_control_routes=True)) as s:
         stream = requests.post(f"{s.url}/v1/completions", stream=True, timeout=60, json={
             "prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
             "stream": True, "return_token_ids": True})

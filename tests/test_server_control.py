@@ -84,7 +84,7 @@ def asleep_error(r: requests.Response, words: str) -> None:
 def test_sleep_refuses_generation_then_wake_restores(tiny_llama_tok_dir, ref):
     llm = make_llm(tiny_llama_tok_dir)
     want = offline(ref)
-    with Server(build_app(llm, "tiny")) as s:
+    with Server(build_app(llm, "tiny", enable_control_routes=True)) as s:
         assert ids(complete(s)) == want
         r = post(s, "/sleep", {"level": 1})
         assert r.status_code == 200, r.text
@@ -125,7 +125,7 @@ def test_sleep_waits_for_requests_in_flight(tiny_llama_tok_dir, ref):
     arrives while the sleep waits is held back, then refused (503), never run asleep."""
     llm = make_llm(tiny_llama_tok_dir)
     want = offline(ref, max_tokens=200)
-    app = build_app(llm, "tiny")
+    app = build_app(llm, "tiny", enable_control_routes=True)
     loop = app.state.server.engine
     with Server(app) as s:
         stream = requests.post(f"{s.url}/v1/completions", stream=True, timeout=60, json={
@@ -164,7 +164,9 @@ def test_level2_update_from_disk_equals_fresh_engine(tiny_llama_tok_dir, new_wei
     llm = make_llm(tiny_llama_tok_dir)
     old, new = offline(ref), offline(fresh_new)
     assert old != new
-    with Server(build_app(llm, "tiny")) as s:
+    app = build_app(llm, "tiny", enable_control_routes=True,
+                    allowed_weight_dirs=[tiny_llama_tok_dir, new_weights_dir])
+    with Server(app) as s:
         assert get(s, "/get_weight_version") == {"weight_version": 0}
         assert post(s, "/sleep", {"level": 2}).status_code == 200
         asleep_error(complete(s), "asleep (sleep(level=2): weights discarded")
@@ -186,7 +188,7 @@ def test_level2_update_from_disk_equals_fresh_engine(tiny_llama_tok_dir, new_wei
         assert ids(complete(s)) == old
         # errors: nothing changes
         e = error(post(s, "/update_weights_from_disk", {"model_path": "/no/such/dir"}))
-        assert e["param"] == "model_path" and "no such checkpoint" in e["message"]
+        assert e["param"] == "model_path" and "--allowed-weight-dirs" in e["message"]
         e = error(post(s, "/update_weights_from_disk", {"model_path": str(new_weights_dir),
                                                         "weight_version": "v2"}))
         assert e["param"] == "weight_version"
@@ -214,7 +216,7 @@ def test_streamed_session_over_http(tiny_llama_tok_dir, new_weights_dir, ref):
     names = sorted(new)
     new[names[0]] = new[names[0]].to(torch.bfloat16)  # any float dtype, cast on load
     old_ids = offline(ref)
-    with Server(build_app(llm, "tiny")) as s:
+    with Server(build_app(llm, "tiny", enable_control_routes=True)) as s:
         assert post(s, "/start_weight_update", {"is_checkpoint_format": True}).json() == {
             "message": "Weight update started"}
         first = new[names[0]]
@@ -281,7 +283,7 @@ def test_sglang_memory_aliases_and_flush_cache(tiny_llama_tok_dir, ref):
     llm = make_llm(tiny_llama_tok_dir)
     want = offline(ref)
     mem = llm.memory
-    with Server(build_app(llm, "tiny")) as s:
+    with Server(build_app(llm, "tiny", enable_control_routes=True)) as s:
         r = post(s, "/release_memory_occupation", {})
         assert r.status_code == 200 and r.json()["released_bytes"]["weights"] > 0
         assert (mem.weights, mem.kv_resident) == ("offloaded", False)

@@ -1,5 +1,9 @@
 """RL control routes: what a trainer calls between rollouts (not generation).
 
+They are served only with ``--enable-control-routes`` (``ServerOptions.enable_control_routes``;
+404 otherwise), behind the API key when one is set, and accept only JSON or
+``application/octet-stream`` bodies (415), or none (``app.py``'s guard).
+
 Every route runs its ``LLM`` call on the engine thread (``AsyncEngine.call``); those that
 change the weights or the memory run with ``exclusive=True``: once no request is in flight,
 with requests that arrive meanwhile held back until it has run, so no request ever runs on two
@@ -26,8 +30,12 @@ Weights:
         "load_format": null|"auto"|"safetensors", "weight_version": int or digit string or
         null, "abort_all_requests": bool, "flush_cache": bool}`` -> ``begin_weight_update``,
         ``load_weights(model_path)``, ``finish_weight_update(weight_version)``; requests in
-        flight finish first (or are aborted with ``abort_all_requests``). ``flush_cache`` is
-        accepted and always true in effect (every weight change resets the prefix cache).
+        flight finish first (or are aborted with ``abort_all_requests``, once the path is
+        accepted). ``model_path`` must be below one of ``--allowed-weight-dirs`` (resolved,
+        symlinks followed, every checkpoint file too; ``..`` refused): any path that is not
+        (outside, missing, not a checkpoint) gets the same 400 (``WEIGHT_PATH_REFUSED``), so
+        the answer never tells which paths exist. ``flush_cache`` is accepted and always true
+        in effect (every weight change resets the prefix cache).
         -> ``{"success": true, "message", "num_paused_requests": 0, "weight_version",
         "num_tensors"}``.
     ``GET /get_weight_version`` (SGLang), ``GET /weight_info`` (vLLM) -> ``{"weight_version"}``.
@@ -51,6 +59,8 @@ session (nothing of it is applied, as ``LLM.load_weights`` documents).
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
@@ -59,8 +69,13 @@ from specengine.server.async_engine import EngineDeadError
 from specengine.server.protocol import APIError, Strict, validation_error_body
 from specengine.server.state import ServerState
 from specengine.server.trl_routes import UpdateNamedParam, named_tensor, read_named_tensor
+from specengine.weights import WeightUpdateFailed
 
 router = APIRouter()
+
+WEIGHT_PATH_REFUSED = ("update_weights_from_disk: model_path refused: it must name a checkpoint "
+                       "(a directory of .safetensors files, or one .safetensors file) below one "
+                       "of the server's --allowed-weight-dirs")
 
 
 # ---- request bodies --------------------------------------------------------------------------
@@ -114,12 +129,21 @@ def _version(v: int | str | None, param: str = "weight_version") -> int | None:
                    param=param)
 
 
+def weight_update_failed(e: WeightUpdateFailed) -> APIError:
+    """The 500 for a weight update that failed while being applied (the old weights serve)."""
+    return APIError(str(e), status=500, type="internal_server_error",
+                    code="weight_update_failed")
+
+
 async def _run(st: ServerState, fn, *args, exclusive: bool = True, param: str | None = None):
-    """``fn(*args)`` on the engine thread; its errors as 400s (503 when the loop stopped)."""
+    """``fn(*args)`` on the engine thread; its errors as 400s (503 when the loop stopped, 500
+    for a weight update that failed while being applied: ``WeightUpdateFailed``)."""
     try:
         return await st.engine.call(fn, *args, exclusive=exclusive)
     except EngineDeadError as e:
         raise APIError(str(e), status=503, type="service_unavailable") from None
+    except WeightUpdateFailed as e:
+        raise weight_update_failed(e) from None
     except (ValueError, TypeError, RuntimeError, OSError) as e:
         raise APIError(str(e), param=param) from None
 
@@ -214,6 +238,43 @@ async def resume_memory_occupation(request: Request):
 
 
 # ---- weights ---------------------------------------------------------------------------------
+def _below(path: Path, dirs: list[Path]) -> bool:
+    return any(path == d or d in path.parents for d in dirs)
+
+
+def checked_weight_path(model_path: str, allowed_dirs: list[str]) -> Path:
+    """``model_path`` resolved (symlinks followed) when it is a checkpoint below one of
+    ``allowed_dirs`` (also resolved): a directory whose safetensors files (an index's too)
+    all resolve below one of them, or one ``.safetensors`` file.
+
+    Raises:
+        APIError: 400 ``WEIGHT_PATH_REFUSED`` (param ``model_path``), the same whatever the
+            reason: no allowed directories, a ``..`` component or a NUL, outside them, missing,
+            not a checkpoint, a file that resolves outside.
+    """
+    from specengine.models.loader import safetensors_files
+
+    refused = APIError(WEIGHT_PATH_REFUSED, param="model_path", code="weight_path_refused")
+    if not allowed_dirs or not model_path or "\0" in model_path:
+        raise refused
+    if ".." in PurePosixPath(model_path).parts or ".." in PureWindowsPath(model_path).parts:
+        raise refused
+    try:
+        dirs = [Path(os.path.realpath(d)) for d in allowed_dirs]
+        p = Path(os.path.realpath(model_path))
+        if not _below(p, dirs):
+            raise refused
+        if p.is_dir():
+            files = [Path(os.path.realpath(f)) for f in safetensors_files(p)]
+            if not files or not all(_below(f, dirs) and f.is_file() for f in files):
+                raise refused
+        elif not (p.is_file() and p.suffix == ".safetensors"):
+            raise refused
+    except (OSError, ValueError, KeyError, TypeError):  # a bad index, a too-long path, ...
+        raise refused from None
+    return p
+
+
 @router.post("/update_weights_from_disk")
 async def update_weights_from_disk(request: Request):
     """SGLang's ``/update_weights_from_disk``; see the module docstring."""
@@ -223,14 +284,19 @@ async def update_weights_from_disk(request: Request):
         raise APIError(f"load_format={body.load_format!r} is not supported (only auto / "
                        "safetensors: a directory of .safetensors files)", param="load_format")
     version = _version(body.weight_version)
-    if body.abort_all_requests:
+    path = checked_weight_path(body.model_path, st.options.allowed_weight_dirs)
+    if body.abort_all_requests:  # only once the path is accepted
         await st.engine.abort_all()
     llm = st.llm
 
     def update():
         llm.begin_weight_update()
         try:
-            llm.load_weights(body.model_path)
+            llm.load_weights(str(path))
+        except FileNotFoundError:  # removed since it was checked: the same refusal
+            llm.abort_weight_update()
+            raise APIError(WEIGHT_PATH_REFUSED, param="model_path",
+                           code="weight_path_refused") from None
         except BaseException:
             llm.abort_weight_update()
             raise

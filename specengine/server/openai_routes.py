@@ -7,7 +7,12 @@ that TRL's ``VLLMClient`` sends.
 Each prompt (and each conversation) is one engine request with ``n`` samples; every request of
 every HTTP call goes through the one engine loop, so concurrent calls are batched together.
 Everything a request could be refused for is checked before anything is submitted (a 400 with
-OpenAI's error body); a client that disconnects has its requests aborted.
+OpenAI's error body naming the field: sampling values, ``logprobs`` / ``top_logprobs`` against
+``max_logprobs``, ``n``, stop strings and stop token ids, prompt count and lengths, the host
+memory its outputs could take; see ``ServerState.check_params``); a full server answers 429.
+Prompts are tokenized and chat templates rendered on worker threads (a template has
+``chat_template_timeout`` seconds). A client that disconnects, or a request that runs past
+``request_timeout`` (504, or an error event in a stream), has its requests aborted.
 """
 
 from __future__ import annotations
@@ -20,10 +25,10 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from specengine.sampling import SamplingParams
 from specengine.server.protocol import (
-    MAX_LOGPROBS,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -58,7 +63,8 @@ def _sampling_kwargs(body: SamplingFields) -> dict:
 
 def _prepare(st: ServerState, prompt: Prompt, kwargs: dict, max_tokens: int | None, what: str,
              names: dict | None = None) -> SamplingParams:
-    """Sampling params of one prompt, with the prompt checked (400 on anything wrong)."""
+    """Sampling params of one prompt, with the prompt and the server's limits checked (400
+    on anything wrong)."""
     try:
         st.llm.engine.validate_prompt(prompt.token_ids, what)
     except ValueError as e:
@@ -66,8 +72,26 @@ def _prepare(st: ServerState, prompt: Prompt, kwargs: dict, max_tokens: int | No
     mt = resolve_max_tokens(max_tokens, len(prompt.token_ids), st.max_model_len,
                             param=(names or {}).get("max_tokens", "max_tokens"))
     sp = make_sampling_params({**kwargs, "max_tokens": mt}, names)
+    st.check_params(sp, names)
     st.check_prompt(prompt, sp, what.split("[")[0])
     return sp
+
+
+class GuardedStream(StreamingResponse):
+    """A ``StreamingResponse`` that aborts its engine requests however it ends, also when
+    the client left before the body started (the generator's own ``finally`` never runs
+    then)."""
+
+    def __init__(self, content, handles):
+        super().__init__(content, media_type="text/event-stream")
+        self.handles = handles
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for h in self.handles:
+                h.abort()
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -92,27 +116,30 @@ async def create_completion(body: CompletionRequest, request: Request):
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(f"best_of={body.best_of} is not supported (only best_of == n)",
                        param="best_of")
-    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
-        raise APIError(f"logprobs={body.logprobs} must be in [0, {MAX_LOGPROBS}]",
-                       param="logprobs")
+    if body.logprobs is not None and not 0 <= body.logprobs <= st.max_logprobs:
+        raise APIError(f"logprobs={body.logprobs} must be in [0, {st.max_logprobs}] "
+                       "(max_logprobs)", param="logprobs")
     raw = completion_prompts(body.prompt)
+    st.check_prompt_count(len(raw), "prompt")
     kwargs = {**_sampling_kwargs(body), "logprobs": body.logprobs}
     prompts, params = [], []
     for i, p in enumerate(raw):
         what = "prompt" if len(raw) == 1 else f"prompt[{i}]"
-        prompt = st.encode_text(p, what, body.add_special_tokens) if isinstance(p, str) \
+        prompt = await st.encode_text(p, what, body.add_special_tokens) if isinstance(p, str) \
             else Prompt(None, list(p))
         params.append(_prepare(st, prompt, kwargs, body.max_tokens, what))
         prompts.append(prompt)
+    st.check_memory(prompts, params)
     handles = st.submit(prompts, params, body.stream)
+    deadline = st.deadline()
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     name = TokenText(st.tokenizer, body.return_tokens_as_token_ids)
     head = {"id": rid, "object": "text_completion", "created": created, "model": st.model_name}
     if body.stream:
-        return StreamingResponse(
-            _stream_completion(st, body, handles, prompts, params, head, name),
-            media_type="text/event-stream")
-    outs = await st.collect(request, handles)
+        return GuardedStream(
+            _stream_completion(st, body, handles, prompts, params, head, name, deadline),
+            handles)
+    outs = await st.collect(request, handles, deadline)
     choices, n_out = [], 0
     for i, out in enumerate(outs):
         for o in out.outputs:
@@ -160,9 +187,11 @@ class _Choice:
         return delta
 
 
-async def merged_updates(handles) -> AsyncIterator[tuple[int, object]]:
+async def merged_updates(handles, st: ServerState | None = None,
+                         deadline: float | None = None) -> AsyncIterator[tuple[int, object]]:
     """``(k, update)`` from several handles as they come; aborts all of them when the
-    consumer stops early (client disconnect) or one of them fails (its error is raised)."""
+    consumer stops early (client disconnect), one of them fails (its error is raised) or
+    ``deadline`` (``loop.time()``) passes (``st.timeout_error()`` is raised)."""
     q: asyncio.Queue = asyncio.Queue()
 
     async def pump(k, h):
@@ -174,10 +203,17 @@ async def merged_updates(handles) -> AsyncIterator[tuple[int, object]]:
         q.put_nowait((k, None, None))
 
     tasks = [asyncio.ensure_future(pump(k, h)) for k, h in enumerate(handles)]
+    loop = asyncio.get_running_loop()
     try:
         left = len(handles)
         while left:
-            k, u, e = await q.get()
+            if deadline is None:
+                k, u, e = await q.get()
+            else:
+                try:
+                    k, u, e = await asyncio.wait_for(q.get(), max(deadline - loop.time(), 0))
+                except TimeoutError:
+                    raise st.timeout_error() from None
             if e is not None:
                 raise e
             if u is None:
@@ -192,12 +228,12 @@ async def merged_updates(handles) -> AsyncIterator[tuple[int, object]]:
 
 
 async def _stream_completion(st, body: CompletionRequest, handles, prompts, params, head,
-                             name: TokenText):
+                             name: TokenText, deadline: float | None = None):
     n = body.n
     choices = {i * n + j: _Choice(params[i]) for i in range(len(prompts)) for j in range(n)}
     started: set[int] = set()
     n_out = 0
-    updates = merged_updates(handles)
+    updates = merged_updates(handles, st, deadline)
     try:
         async for k, update in updates:
             for d in update.deltas:
@@ -235,9 +271,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     """OpenAI ``POST /v1/chat/completions``; see the module docstring."""
     st: ServerState = request.app.state.server
     st.check_model(body.model)
-    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
-        raise APIError(f"top_logprobs={body.top_logprobs} must be in [0, {MAX_LOGPROBS}]",
-                       param="top_logprobs")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= st.max_logprobs:
+        raise APIError(f"top_logprobs={body.top_logprobs} must be in [0, {st.max_logprobs}] "
+                       "(max_logprobs)", param="top_logprobs")
     if body.top_logprobs and not body.logprobs:
         raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
     if body.response_format not in (None, {"type": "text"}):
@@ -248,23 +284,26 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     if body.tool_choice not in (None, "none"):
         raise APIError("tool_choice: only 'none' is supported", param="tool_choice")
     messages = chat_messages(body.messages)
-    prompt = st.encode_chat(messages, "messages", body.add_generation_prompt,
-                            body.chat_template_kwargs)
+    template_kwargs = st.template_kwargs(body.chat_template_kwargs, body.chat_template)
+    prompt = await st.encode_chat(messages, "messages", body.add_generation_prompt,
+                                  template_kwargs)
     top = body.top_logprobs or 0
     kwargs = {**_sampling_kwargs(body), "logprobs": top if body.logprobs else None}
     max_tokens, names = body.max_tokens, {"logprobs": "top_logprobs"}
     if body.max_completion_tokens is not None:
         max_tokens, names["max_tokens"] = body.max_completion_tokens, "max_completion_tokens"
     params = _prepare(st, prompt, kwargs, max_tokens, "messages", names)
+    st.check_memory([prompt], [params], names)
     (handle,) = st.submit([prompt], [params], body.stream)
+    deadline = st.deadline()
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     name = TokenText(st.tokenizer, body.return_tokens_as_token_ids)
     if body.stream:
         head = {"id": rid, "object": "chat.completion.chunk", "created": created,
                 "model": st.model_name}
-        return StreamingResponse(_stream_chat(st, body, handle, prompt, params, head, name, top),
-                                 media_type="text/event-stream")
-    (out,) = await st.collect(request, [handle])
+        return GuardedStream(_stream_chat(st, body, handle, prompt, params, head, name, top,
+                                          deadline), [handle])
+    (out,) = await st.collect(request, [handle], deadline)
     choices = []
     for o in out.outputs:
         c = {"index": o.index, "message": {"role": "assistant", "content": o.text},
@@ -283,10 +322,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
 
 
 async def _stream_chat(st, body: ChatCompletionRequest, handle, prompt: Prompt, params, head,
-                       name: TokenText, top: int):
+                       name: TokenText, top: int, deadline: float | None = None):
     choices = [_Choice(params) for _ in range(body.n)]
     n_out = 0
-    updates = merged_updates([handle])
+    updates = merged_updates([handle], st, deadline)
     try:
         for i in range(body.n):
             first = {"index": i, "delta": {"role": "assistant", "content": ""},

@@ -1,8 +1,11 @@
 """Request models, validation and response formatting of the HTTP server.
 
 Request bodies are pydantic models with ``extra="forbid"`` and strict types: an unknown field or
-a value of the wrong type is a 400 naming the field. Value ranges are checked by
-``SamplingParams`` itself (its error names the parameter). Errors have OpenAI's shape:
+a value of the wrong type is a 400 naming the field. Before a body's fields are read, every
+string in it (keys too) must be valid UTF-8 (no lone surrogate such as ``"\\ud800"``) and every
+number finite (Python's JSON parser accepts ``NaN`` / ``Infinity``): a 400 naming the field
+(``check_json``). Value ranges are checked by ``SamplingParams`` itself (its error names the
+parameter) and the server's limits by ``ServerState.check_params``. Errors have OpenAI's shape:
 ``{"error": {"message", "type", "param", "code"}}``.
 """
 
@@ -13,12 +16,12 @@ import math
 import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specengine.sampling import SamplingParams
 from specengine.sequence import Logprob
 
-MAX_LOGPROBS = 20  # most top log-probabilities per token (vLLM's default max_logprobs)
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs (the server uses its LLM's max_logprobs)
 LOGPROB_FLOOR = -9999.0  # -inf log-probabilities are sent as this (JSON has no infinity)
 
 
@@ -31,10 +34,12 @@ class APIError(Exception):
     """
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error", code: str | None = None):
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message, self.param, self.status, self.type = message, param, status, type
         self.code = code
+        self.headers = headers  # extra response headers (``Retry-After`` on a 429)
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
@@ -69,10 +74,58 @@ def validation_error_body(errors: list[dict]) -> dict:
     return error_body(msg, param=param, code=kind or None)
 
 
+def _path(param: str, key) -> str:
+    if isinstance(key, int):
+        return f"{param}[{key}]"
+    return f"{param}.{key}" if param else str(key)
+
+
+def check_json(obj, param: str = "") -> None:
+    """Raise a 400 ``APIError`` naming the field (``messages[0].content``) when ``obj`` (a
+    parsed JSON value) holds a string, or an object key, that is not valid UTF-8 (a lone
+    surrogate: JSON's ``"\\ud800"``), or a number that is not finite (``NaN``, ``Infinity``:
+    not JSON, but Python's parser takes them). Iterative: any nesting depth the JSON parser
+    accepted is walked without recursion."""
+    stack = [(obj, param)]
+    while stack:
+        x, where = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise APIError(f"{where or 'the request body'}: the string is not valid UTF-8 "
+                               f"(a lone surrogate at character {e.start})",
+                               param=where or None, code="invalid_utf8") from None
+        elif isinstance(x, float):
+            if not math.isfinite(x):
+                raise APIError(f"{where or 'the request body'}: {x} is not a finite number",
+                               param=where or None, code="not_finite")
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                if isinstance(k, str):
+                    try:
+                        k.encode("utf-8")
+                    except UnicodeEncodeError:
+                        raise APIError(f"{where or 'the request body'}: an object key is not "
+                                       "valid UTF-8 (a lone surrogate)", param=where or None,
+                                       code="invalid_utf8") from None
+                stack.append((v, _path(where, k)))
+        elif isinstance(x, (list, tuple)):
+            stack.extend((v, _path(where, i)) for i, v in enumerate(x))
+
+
 class Strict(BaseModel):
-    """Base of request bodies: unknown fields and wrong types are errors."""
+    """Base of request bodies: unknown fields and wrong types are errors; strings must be
+    valid UTF-8 and numbers finite anywhere in the body (``check_json``, a 400 naming the
+    field, raised before any field is read)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_json(cls, data):
+        check_json(data)
+        return data
 
 
 class StreamOptions(Strict):
@@ -137,6 +190,7 @@ class ChatCompletionRequest(SamplingFields):
     store: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None
+    chat_template: str | None = None  # refused unless --trust-request-chat-template
 
 
 class TRLSampling(Strict):
@@ -170,6 +224,7 @@ class TRLChatRequest(TRLSampling):
 
     messages: list[list[dict]]
     chat_template_kwargs: dict = Field(default_factory=dict)
+    chat_template: str | None = None  # refused unless --trust-request-chat-template
     tools: list | None = None
 
 

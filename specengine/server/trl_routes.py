@@ -10,6 +10,9 @@ routes that TRL's current ``VLLMClient`` calls besides ``/v1/*`` (``/get_world_s
   ``seed``) -> ``prompt_ids[P]``, ``completion_ids[P*n]``, ``logprobs[P*n][T][k]`` and
   ``logprob_token_ids[P*n][T][k]`` (sorted by rank); ``POST /chat/`` the same for
   conversations.
+  Everything is checked before anything runs, as on the OpenAI routes (400 naming the field,
+  ``generation_kwargs.<key>`` for a key given there): ``logprobs`` / ``prompt_logprobs`` <=
+  ``max_logprobs``, ``n``, stop strings and ids, prompt count, lengths, output memory.
 - ``POST /reset_prefix_cache/``, ``POST /close_communicator/`` (nothing to close).
 - ``POST /update_named_param/``: TRL sends ``name``/``dtype``/``shape`` and then the tensor over
   NCCL, which is not available here, so the tensor travels in the request: JSON with ``data``
@@ -17,6 +20,10 @@ routes that TRL's current ``VLLMClient`` calls besides ``/v1/*`` (``/get_world_s
   and ``shape`` (``2,3``) as query parameters. Bytes are little-endian, C order. The update
   runs once no request is in flight (requests arriving meanwhile wait), then
   ``LLM.update_weights([(name, tensor)])``.
+
+``/reset_prefix_cache/``, ``/close_communicator/``, ``/init_communicator/`` and
+``/update_named_param/`` are control routes: served only with ``--enable-control-routes``
+(``ServerOptions.enable_control_routes``), else 404.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from specengine.server.protocol import (
     validation_error_body,
 )
 from specengine.server.state import Prompt, ServerState
+from specengine.weights import WeightUpdateFailed
 
 router = APIRouter()
 
@@ -84,7 +92,9 @@ def _trl_params(st: ServerState, body, prompts: list[Prompt]):
               "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
               "min_p": body.min_p, "max_tokens": body.max_tokens, "logprobs": body.logprobs,
               **body.generation_kwargs}
-    params = make_sampling_params(kwargs)
+    names = {k: f"generation_kwargs.{k}" for k in body.generation_kwargs}
+    params = make_sampling_params(kwargs, names)
+    st.check_params(params, names)
     k = body.truncate_prompt_tokens
     if k is not None and k < 1:
         raise APIError(f"truncate_prompt_tokens={k} must be >= 1 or null",
@@ -94,12 +104,13 @@ def _trl_params(st: ServerState, body, prompts: list[Prompt]):
             p.token_ids = p.token_ids[-k:]
         st.check_prompt(p, params, f"prompts[{i}]" if hasattr(body, "prompts") else
                         f"messages[{i}]")
+    st.check_memory(prompts, [params] * len(prompts), names)
     return params
 
 
 async def _run(st: ServerState, request: Request, prompts: list[Prompt], params) -> dict:
     handles = st.submit(prompts, [params] * len(prompts), stream=False)
-    outs = await st.collect(request, handles)
+    outs = await st.collect(request, handles, st.deadline())
     samples = [o for out in outs for o in out.outputs]
     logprobs, ids = trl_logprobs(samples)
     return {"prompt_ids": [out.prompt_token_ids for out in outs],
@@ -113,8 +124,9 @@ async def generate(body: TRLGenerateRequest, request: Request):
     st: ServerState = request.app.state.server
     if body.images and any(x is not None for x in body.images):
         raise APIError("images are not supported", param="images")
-    prompts = [st.encode_text(p, f"prompts[{i}]") if isinstance(p, str) else Prompt(None, p)
-               for i, p in enumerate(body.prompts)]
+    st.check_prompt_count(len(body.prompts), "prompts")
+    prompts = [await st.encode_text(p, f"prompts[{i}]") if isinstance(p, str)
+               else Prompt(None, p) for i, p in enumerate(body.prompts)]
     if not prompts:
         raise APIError("prompts is empty", param="prompts")
     return await _run(st, request, prompts, _trl_params(st, body, prompts))
@@ -128,8 +140,10 @@ async def chat(body: TRLChatRequest, request: Request):
         raise APIError("tools are not supported", param="tools")
     if not body.messages:
         raise APIError("messages is empty", param="messages")
-    prompts = [st.encode_chat(chat_messages(conv, f"messages[{i}]"), f"messages[{i}]",
-                              chat_template_kwargs=body.chat_template_kwargs or None)
+    st.check_prompt_count(len(body.messages), "messages")
+    kwargs = st.template_kwargs(body.chat_template_kwargs, body.chat_template)
+    prompts = [await st.encode_chat(chat_messages(conv, f"messages[{i}]"), f"messages[{i}]",
+                                    chat_template_kwargs=kwargs)
                for i, conv in enumerate(body.messages)]
     return await _run(st, request, prompts, _trl_params(st, body, prompts))
 
@@ -250,4 +264,7 @@ async def update_named_param(request: Request):
         names = await st.engine.call(st.llm.update_weights, [(name, tensor)], exclusive=True)
     except (ValueError, TypeError) as e:
         raise APIError(str(e), param="name") from None
+    except WeightUpdateFailed as e:  # the old weights were restored
+        raise APIError(str(e), status=500, type="internal_server_error",
+                       code="weight_update_failed") from None
     return {"message": "Request received, updating named parameter", "names": names}
