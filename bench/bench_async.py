@@ -23,10 +23,11 @@ Modes:
         ``continuation_prompts`` of each aborted group continue it after the push, on the new
         weights (prefix recomputed), nothing wasted.
 
-Reported per mode: wall seconds, tokens generated and tokens in consumed groups (the rest is
-in flight at the end or wasted by aborts), consumed tokens per second and its ratio to
-``sync``, tokens per weight version, and the staleness of consumed samples (how many versions
-behind the newest the oldest token of a sample is).
+Reported per mode: wall seconds, tokens in consumed groups (the rest is in flight at the end
+or wasted by aborts), consumed tokens per second and its ratio to ``sync``, all tokens the
+engine generated per second (in-flight and wasted ones included), tokens per weight version,
+and the staleness of consumed samples (how many versions behind the newest the oldest token
+of a sample is).
 
     python bench/bench_async.py --out results/async.json
 """
@@ -96,7 +97,8 @@ def run_paused(llm: LLM, prompts: list[list[int]], a, weights: dict, mode: str
         parts[i].update({c.index: c for c in out.outputs})
         if len(parts[i]) < a.n:
             return None
-        out.outputs = [parts.pop(i)[k] for k in range(a.n)]
+        got = parts.pop(i)
+        out.outputs = [got[k] for k in range(a.n)]
         return out
 
     top_up()
@@ -128,14 +130,15 @@ def run_paused(llm: LLM, prompts: list[list[int]], a, weights: dict, mode: str
     return consumed, time.perf_counter() - t0, wasted
 
 
-def summarize(mode: str, outs: list, wall: float, wasted: int) -> dict:
+def summarize(mode: str, outs: list, wall: float, wasted: int, generated: int) -> dict:
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     per_version = collections.Counter(v for o in outs for c in o.outputs
                                       for v in c.weight_versions)
     stale = collections.Counter(o.weight_version - min(c.weight_versions, default=0)
                                 for o in outs for c in o.outputs)
     return {"mode": mode, "wall_s": wall, "groups": len(outs), "consumed_tokens": tokens,
-            "wasted_tokens": wasted, "tok_s": tokens / wall,
+            "wasted_tokens": wasted, "tok_s": tokens / wall, "generated_tokens": generated,
+            "generated_tok_s": generated / wall,
             "tokens_per_version": dict(sorted(per_version.items())),
             "staleness": dict(sorted(stale.items()))}
 
@@ -172,21 +175,24 @@ def main() -> None:
         prompts = prompts_for(llm, int(a.steps * a.batch * a.over) + a.batch)
         llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4),
                      use_tqdm=False)  # warm up
+        g0 = llm.get_metrics()["generated_tokens"]
         if mode == "sync":
             outs, wall = run_sync(llm, prompts, a, weights)
             wasted = 0
         else:
             outs, wall, wasted = run_paused(llm, prompts, a, weights, mode)
-        rows.append(summarize(mode, outs, wall, wasted))
+        generated = llm.get_metrics()["generated_tokens"] - g0
+        rows.append(summarize(mode, outs, wall, wasted, generated))
         print(f"# {mode}: {rows[-1]['tok_s']:.1f} consumed tok/s", file=sys.stderr)
     base = next((r["tok_s"] for r in rows if r["mode"] == "sync"), None)
     for r in rows:
         r["vs_sync"] = r["tok_s"] / base if base else None
     print(markdown_table(
-        ["mode", "wall s", "groups", "consumed tokens", "wasted", "tok/s", "vs sync",
-         "tokens per version", "staleness (versions: samples)"],
+        ["mode", "wall s", "groups", "consumed tokens", "wasted", "consumed tok/s", "vs sync",
+         "generated tok/s", "tokens per version", "staleness (versions: samples)"],
         [[r["mode"], r["wall_s"], r["groups"], r["consumed_tokens"], r["wasted_tokens"],
-          r["tok_s"], r["vs_sync"], r["tokens_per_version"], r["staleness"]] for r in rows]))
+          r["tok_s"], r["vs_sync"], r["generated_tok_s"], r["tokens_per_version"],
+          r["staleness"]] for r in rows]))
     if a.out:
         write_json_atomic(a.out, {"machine": info, "args": vars(a), "rows": rows})
 

@@ -244,7 +244,7 @@ def test_finish_waits_for_requests_in_flight(dirs, sds, want):
 def test_versions_prefix_cache_reset_and_explicit_version(dirs, sds, monkeypatch):
     llm = make(dirs[0])
     calls = []
-    monkeypatch.setattr(llm.engine, "reset_prefix_cache", lambda: calls.append(1) or True)
+    monkeypatch.setattr(llm.engine.blocks, "reset_prefix_cache", lambda: calls.append(1) or 0)
     assert llm.reset_prefix_cache() is True and len(calls) == 1
     llm.update_weights(sds[1])
     assert len(calls) == 2
