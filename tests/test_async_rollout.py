@@ -198,3 +198,61 @@ def test_partial_is_checked(target_dir):
                       ({"tokens": [1]}, "partial")]:
         with pytest.raises(ValueError, match=msg):
             llm.generate([{"prompt_token_ids": [1, 2], "partial": part}], p, use_tqdm=False)
+
+
+def test_server_pause_keep_update_resume_and_abort(tiny_llama_tok_dir, tmp_path):
+    """Over HTTP with vLLM's routes (what TRL's async GRPO calls): requests in flight survive
+    ``/pause?mode=keep``, a weight push while paused, and ``/resume``; their tokens carry
+    both versions; ``/pause?mode=abort`` ends the rest with their partial output."""
+    pytest.importorskip("fastapi")
+    import threading
+
+    import requests
+    from test_server import Server
+
+    from specengine.server.app import build_app
+
+    llm = make(tiny_llama_tok_dir)
+    other = save_random_model(tmp_path / "o", {"tie_word_embeddings": True},
+                              tokenizer_from=tiny_llama_tok_dir, seed=9)
+    body = {"model": "tiny", "prompt": [1, 2, 3, 4], "max_tokens": 60, "temperature": 1.0,
+            "seed": 2, "ignore_eos": True, "return_token_ids": True}
+    results = {}
+    with Server(build_app(llm, "tiny", enable_control_routes=True,
+                          allowed_weight_dirs=[str(tmp_path)])) as s:
+        def post(name, b):
+            results[name] = requests.post(f"{s.url}/v1/completions", json=b, timeout=120)
+
+        def wait_running(k):
+            while len(llm.engine.scheduler.running) < k:
+                pass
+
+        a = threading.Thread(target=post, args=("a", body))
+        a.start()
+        wait_running(1)
+        r = requests.post(f"{s.url}/pause", params={"mode": "keep"}, timeout=30)
+        assert r.status_code == 200 and r.json()["mode"] == "keep", r.text
+        assert requests.get(f"{s.url}/is_paused", timeout=30).json() == {"is_paused": True}
+        r = requests.post(f"{s.url}/update_weights_from_disk",
+                          json={"model_path": str(other)}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert requests.post(f"{s.url}/resume", timeout=30).status_code == 200
+        a.join(120)
+        c = results["a"].json()["choices"][0]
+        v = c["weight_versions"]
+        assert len(v) == len(c["token_ids"]) == 60 and v[0] == 0 and v[-1] == 1
+        b = threading.Thread(target=post, args=("b", {**body, "max_tokens": 200}))
+        b.start()
+        wait_running(1)
+        while not llm.engine.requests or not any(
+                s.num_output_tokens for r in llm.engine.requests.values() for s in r.seqs):
+            pass
+        r = requests.post(f"{s.url}/pause", json={"mode": "abort"}, timeout=30)
+        assert r.status_code == 200 and r.json()["aborted"] == 1, r.text
+        b.join(120)
+        c = results["b"].json()["choices"][0]
+        assert c["finish_reason"] == "abort" and 0 < len(c["token_ids"]) < 200
+        assert requests.post(f"{s.url}/pause", params={"mode": "bogus"},
+                             timeout=30).status_code == 400
+        assert requests.post(f"{s.url}/continue_generation", timeout=30).status_code == 200
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks

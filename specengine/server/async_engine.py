@@ -257,7 +257,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while True:
-                idle = not self.engine.has_unfinished() and not self._exclusive
+                idle = not self._busy() and not self._exclusive
                 if not self._handle(self._commands.get() if idle else None):
                     return
                 while True:  # everything that arrived meanwhile joins this step
@@ -267,15 +267,44 @@ class AsyncEngine:
                         break
                     if not self._handle(cmd):
                         return
-                if self._exclusive and not self.engine.has_unfinished():
-                    self._run_exclusive()
-                if self.engine.has_unfinished():
+                if self._exclusive and (not self.engine.has_unfinished() or self.engine.paused):
+                    self._run_exclusive()  # paused: weights may change under running samples
+                if self._busy():
                     self._step()
         except BaseException as e:  # noqa: BLE001 - keep callers from waiting forever
             logger.exception("engine loop crashed")
             self._fail_all(EngineDeadError(f"the engine loop crashed: {e!r}"))
         finally:
             self._fail_all(EngineDeadError("the server is shutting down"))
+
+    def _busy(self) -> bool:
+        """Whether a step has work: unfinished requests while not paused (``pause``), or
+        finished outputs not returned yet."""
+        eng = self.engine
+        return bool(eng.outputs_ready) or (eng.has_unfinished() and not eng.paused)
+
+    async def pause(self, mode: str) -> dict:
+        """``Engine.pause(mode)`` between two steps: generation stops until ``resume``; with
+        ``"abort"`` every request in flight finishes with its partial output
+        (``finish_reason="abort"``); exclusive calls (weight updates) then run at once, with
+        samples kept (``"keep"``) or retracted (``"retract"``). Returns the engine's report
+        with ``aborted`` as a count. Raises ValueError for an unknown mode."""
+        return await self.call(self._pause, mode)
+
+    async def resume(self) -> None:
+        """Generate again after ``pause``."""
+        await self.call(self.engine.resume)
+
+    def _pause(self, mode: str) -> dict:
+        report = self.engine.pause(mode)
+        for out in report["aborted"]:
+            t = self._tracked.pop(out.request_id, None)
+            if t is None:
+                continue
+            self.stats.requests_aborted += 1
+            t.handle._push(Update(deltas=self._deltas(t) if t.handle.stream else [],
+                                  output=out))
+        return {**report, "aborted": len(report["aborted"])}
 
     def _handle(self, cmd: tuple | None) -> bool:
         """Apply one command; False means stop."""

@@ -95,6 +95,10 @@ class UpdateFromDiskRequest(Strict):
     flush_cache: bool = True
 
 
+class PauseRequest(Strict):
+    mode: str = "keep"
+
+
 class StartWeightUpdate(Strict):
     is_checkpoint_format: bool = True
 
@@ -307,6 +311,58 @@ async def update_weights_from_disk(request: Request):
     return {"success": True, "message": f"Succeeded to update model weights from "
             f"{body.model_path}.", "num_paused_requests": 0,
             "weight_version": version, "num_tensors": len(names)}
+
+
+# ---- pause / resume -----------------------------------------------------------------------
+PAUSE_ALIASES = {"abort": "abort", "keep": "keep", "retract": "retract", "in_place": "keep"}
+
+
+async def _pause(request: Request) -> dict:
+    st: ServerState = request.app.state.server
+    q = request.query_params
+    body = PauseRequest(mode=q["mode"]) if "mode" in q else await _body(request, PauseRequest)
+    mode = PAUSE_ALIASES.get(body.mode)
+    if mode is None:
+        raise APIError(f"mode={body.mode!r}: use one of {sorted(PAUSE_ALIASES)}", param="mode")
+    try:
+        report = await st.engine.pause(mode)
+    except EngineDeadError as e:
+        raise APIError(str(e), status=503, type="service_unavailable") from None
+    return {"success": True, **report}
+
+
+@router.post("/pause")
+async def pause(request: Request):
+    """vLLM's ``POST /pause?mode=keep|abort|retract`` (TRL's async GRPO ``VLLMClient.pause``;
+    a JSON ``{"mode"}`` works too): ``LLM.pause_generation``. ``abort``: requests in flight
+    end now with their partial output (``finish_reason: "abort"``); ``keep``: they stay, and
+    a weight update applies at once (they continue on the new version); ``retract``: their
+    KV is dropped and recomputed on resume. New requests wait. -> ``{"success", "mode",
+    "requests", "running", "retracted", "aborted"}``."""
+    return await _pause(request)
+
+
+@router.post("/pause_generation")
+async def pause_generation(request: Request):
+    """SGLang's ``/pause_generation`` (``{"mode": "abort" | "in_place" | "retract"}``;
+    ``in_place`` is ``keep``); as ``/pause``."""
+    return await _pause(request)
+
+
+@router.post("/resume")
+@router.post("/continue_generation")
+async def resume(request: Request):
+    """vLLM's ``/resume`` and SGLang's ``/continue_generation``: generate again."""
+    st: ServerState = request.app.state.server
+    await _run(st, st.llm.resume_generation, exclusive=False)
+    return {"success": True}
+
+
+@router.get("/is_paused")
+async def is_paused(request: Request):
+    """``{"is_paused": bool}``."""
+    st: ServerState = request.app.state.server
+    return {"is_paused": await st.engine.call(st.llm.is_paused)}
 
 
 @router.get("/get_weight_version")

@@ -150,6 +150,7 @@ async def create_completion(body: CompletionRequest, request: Request):
             if body.return_token_ids:
                 c["prompt_token_ids"] = out.prompt_token_ids
                 c["token_ids"] = o.token_ids
+                c["weight_versions"] = o.weight_versions
             choices.append(c)
             n_out += len(o.token_ids)
     n_prompt = sum(len(p.token_ids) for p in prompts)
@@ -312,6 +313,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
              "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
         if body.return_token_ids:
             c["token_ids"] = o.token_ids
+            c["weight_versions"] = o.weight_versions
         choices.append(c)
     resp = {"id": rid, "object": "chat.completion", "created": created, "model": st.model_name,
             "choices": choices,
