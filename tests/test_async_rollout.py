@@ -256,3 +256,45 @@ def test_server_pause_keep_update_resume_and_abort(tiny_llama_tok_dir, tmp_path)
                              timeout=30).status_code == 400
         assert requests.post(f"{s.url}/continue_generation", timeout=30).status_code == 200
     assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+
+
+def test_trl_async_grpo_client_drives_the_server(tiny_llama_tok_dir):
+    """TRL 1.16's experimental async GRPO talks to its server through
+    ``trl.experimental.async_grpo.vllm_client.VLLMClient`` (readiness, model length, pause /
+    resume around weight updates) and posts token-id prompts to ``/v1/completions`` reading
+    ``token_ids`` and ``logprobs.token_logprobs``; all of that runs against specengine (its
+    NCCL weight transfer cannot run on a CPU machine)."""
+    pytest.importorskip("fastapi")
+    vc = pytest.importorskip("trl.experimental.async_grpo.vllm_client")
+    import threading
+
+    import requests
+    from test_server import Server
+
+    from specengine.server.app import build_app
+
+    from accelerate import PartialState
+
+    PartialState()  # TRL logs through accelerate, as its trainer process does
+    llm = make(tiny_llama_tok_dir)
+    payload = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 50, "temperature": 1.0,
+               "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "n": 1,
+               "return_token_ids": True, "logprobs": 0, "seed": 12345}
+    with Server(build_app(llm, "tiny", enable_control_routes=True)) as s:
+        client = vc.VLLMClient(s.url, server_timeout=30)
+        client.wait_for_server_ready(poll_interval_s=0.1)
+        assert client.get_max_model_len() == llm.engine_config.max_model_len
+        got = {}
+        t = threading.Thread(target=lambda: got.update(r=requests.post(
+            f"{s.url}/v1/completions", json=payload, timeout=120)))
+        t.start()
+        while not llm.engine.scheduler.running:
+            pass
+        client.pause()
+        client.resume()
+        t.join(120)
+    choice = got["r"].json()["choices"][0]
+    want = make(tiny_llama_tok_dir).generate([[5, 6, 7]], SamplingParams(
+        max_tokens=50, temperature=1.0, seed=12345, logprobs=0), use_tqdm=False)[0].outputs[0]
+    assert choice["token_ids"] == want.token_ids
+    assert choice["logprobs"]["token_logprobs"] == want.sampled_logprobs
