@@ -493,3 +493,38 @@ def test_weight_apply_failure_on_some_actors_retires_them(local_ray, dirs, sds):
         assert samples(spare.generate(PROMPTS, greedy)) == want_b
     finally:
         spare.shutdown()
+
+
+def test_abort_all_returns_what_was_made(pool, dirs):
+    """``abort_all`` from another thread while ``generate`` runs: every request comes back
+    with the tokens, logprobs and versions made so far (``finish_reason="abort"``), each a
+    prefix of what an uninterrupted engine samples; nothing is lost: the tokens returned are
+    every token the actors generated."""
+    import threading
+    import time
+
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=400, ignore_eos=True,
+                            logprobs=0)
+    prompts = PROMPTS[:4]
+    before = sum(m["generated_tokens"] for m in pool.get_metrics()["actors"].values())
+    got = {}
+    t = threading.Thread(target=lambda: got.update(outs=pool.generate(prompts, params)))
+    t.start()
+    deadline = time.time() + 60
+    while time.time() < deadline:  # let every request make some tokens
+        if sum(m["generated_tokens"] for m in pool.get_metrics()["actors"].values()) \
+                - before > 40 * len(prompts):
+            break
+        time.sleep(0.05)
+    assert pool.abort_all() == len(prompts)
+    t.join(60)
+    outs = got["outs"]
+    made = sum(m["generated_tokens"] for m in pool.get_metrics()["actors"].values()) - before
+    assert sum(len(c.token_ids) for o in outs for c in o.outputs) == made
+    ref = LLM(str(dirs[0]), seed=3, **KW).generate(prompts, params, use_tqdm=False)
+    for o, w in zip(outs, ref):
+        (c,), (cw,) = o.outputs, w.outputs
+        assert c.finish_reason == "abort" and 0 < len(c.token_ids) < 400
+        assert list(c.token_ids) == list(cw.token_ids[:len(c.token_ids)])
+        assert len(c.logprobs) == len(c.weight_versions) == len(c.token_ids)
+    assert pool.abort_all() == 0  # no generate running

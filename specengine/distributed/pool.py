@@ -292,6 +292,7 @@ class RolloutPool:
         self.dead: dict[int, str] = {}  # actor id -> why
         self._next_id = 0
         self._runs = itertools.count()  # generate calls (actor-side request ids "<run>.<index>")
+        self._current = None  # the _RetryRollout of the generate call running (abort_all)
 
     # ---- generation -----------------------------------------------------------------------
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = False,
@@ -348,7 +349,7 @@ class RolloutPool:
         ended train between (``SpareScheduler``). Returns the requests that failed alone
         (input index -> why; their ``results`` stay None) and each request's re-placements
         (input index -> count)."""
-        run = _RetryRollout(self, reqs, results, next(self._runs))
+        run = self._current = _RetryRollout(self, reqs, results, next(self._runs))
         ctl, spare = self.controller, self.spare
         self._require_alive()
         try:
@@ -378,6 +379,7 @@ class RolloutPool:
                     ctl.on_tick(self, run)
                     last = time.perf_counter()
         finally:
+            self._current = None
             try:  # after an error, or samples still running twice after a re-run
                 if not run.complete() or run.reran:
                     run.abort()
@@ -385,6 +387,25 @@ class RolloutPool:
                 if spare is not None:
                     spare.finish()
         return dict(sorted(run.failed.items())), run.retries
+
+    def abort_all(self) -> int:
+        """From another thread while ``generate`` runs: stop every request of it still
+        generating; each comes back from ``generate`` with what it made so far
+        (``finish_reason="abort"`` on the samples cut short: tokens, logprobs and weight
+        versions, as ``LLM.abort_request``). Returns how many requests were stopped (0 when
+        no ``generate`` runs)."""
+        run = self._current
+        if run is None:
+            return 0
+        rids = list(run.index_of)
+        refs = [self.actors[a].abort_requests.remote(rids, True) for a in list(self.alive)]
+        stopped = 0
+        for ref in refs:
+            try:
+                stopped += ray.get(ref)
+            except RayActorError:  # it died meanwhile: its requests are re-placed as usual
+                pass
+        return stopped
 
     def _consume(self, cid: int, actor_id: int, items: list, events: queue.Queue) -> None:
         """Thread body: stream one actor call's outputs into ``events``."""

@@ -173,17 +173,23 @@ class RolloutWorker(SpareTrainingActor):
                 self._callers -= 1
                 self._turn.notify_all()
 
-    def abort_requests(self, request_ids: list[str]) -> int:
-        """Drop these requests here (unknown ids are skipped) and any output of them not yet
-        returned; the streams owning them end. Returns how many were dropped."""
+    def abort_requests(self, request_ids: list[str], keep_partial: bool = False) -> int:
+        """Stop these requests here (unknown ids are skipped); the streams owning them end.
+        ``keep_partial``: each one's output so far (``finish_reason="abort"`` on the samples
+        cut short, ``Engine.abort_request``) is what its stream returns for it; otherwise it
+        and any output not yet returned are dropped. Returns how many were stopped."""
         with self._between_steps():
             eng = self.llm.engine
-            n = sum(bool(eng.abort_request(r)) for r in request_ids)
+            outs = [o for r in request_ids if (o := eng.abort_request(r)) is not None]
+            if keep_partial:
+                for o in outs:
+                    self._outbox.setdefault(o.request_id, []).append(o)
+                return len(outs)
             drop = set(request_ids)
             eng.outputs_ready[:] = [o for o in eng.outputs_ready if o.request_id not in drop]
             for r in request_ids:
                 self._outbox.pop(r, None)
-            return n
+            return len(outs)
 
     # ---- migration (specengine.migration; RolloutPool's MigrationController) ----------------
     def migration_status(self) -> dict:
