@@ -127,10 +127,13 @@ def _version(v: int | str | None, param: str = "weight_version") -> int | None:
     """A weight version as an int (SGLang sends strings: digits are accepted)."""
     if v is None or isinstance(v, int):
         return v
-    if v.isdigit():
-        return int(v)
-    raise APIError(f"weight_version={v!r} must be an integer >= 0 (or a string of digits)",
-                   param=param)
+    if v.isascii() and v.isdigit():  # not "²" or "①": str.isdigit, but not int()'s digits
+        try:
+            return int(v)
+        except ValueError:  # more digits than int() converts (sys.get_int_max_str_digits)
+            pass
+    raise APIError(f"weight_version={v[:50]!r} must be an integer >= 0 (or a string of "
+                   "digits)", param=param)
 
 
 def weight_update_failed(e: WeightUpdateFailed) -> APIError:
@@ -395,7 +398,7 @@ async def update_weights(request: Request):
         raw = await request.body()
         try:
             parsed = json.loads(raw) if raw.strip() else None
-        except ValueError:
+        except (ValueError, RecursionError):  # bad or too deeply nested JSON
             parsed = None  # read_named_tensor reports the bad JSON
         if isinstance(parsed, dict) and "named_tensors" in parsed:
             bucket = await _body(request, WeightBucket)
