@@ -269,11 +269,10 @@ def test_trl_async_grpo_client_drives_the_server(tiny_llama_tok_dir):
     import threading
 
     import requests
+    from accelerate import PartialState
     from test_server import Server
 
     from specengine.server.app import build_app
-
-    from accelerate import PartialState
 
     PartialState()  # TRL logs through accelerate, as its trainer process does
     llm = make(tiny_llama_tok_dir)
