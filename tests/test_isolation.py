@@ -149,40 +149,22 @@ def test_add_request_refuses_prompts_and_lengths(target_dir):
 def inject(engine, phase, monkeypatch):
     """Make ``engine``'s steps raise ``Injected`` in ``phase`` whenever the bad request is
     part of the step (after the victims' tokens were appended, for ``append``)."""
-    if phase == "sample":
-        real = engine.sampler.sample
-
-        def sample(logits, seqs):
-            if any(is_bad(s) for s in seqs):
-                raise Injected("injected in sample")
-            return real(logits, seqs)
-        monkeypatch.setattr(engine.sampler, "sample", sample)
-    elif phase == "forward":
-        real_run = engine.runner.run
-
-        def run(entries, blocks):
-            if any(is_bad(e.seq) for e in entries):
-                raise Injected("injected in forward")
-            return real_run(entries, blocks)
-        monkeypatch.setattr(engine.runner, "run", run)
-    elif phase == "append":
-        real_append = engine.output.append
-
-        def append(seq, token, logprobs):
-            if is_bad(seq):
-                raise Injected("injected in append")
-            return real_append(seq, token, logprobs)
-        monkeypatch.setattr(engine.output, "append", append)
-    elif phase == "draft":
-        real_propose = engine.drafter.propose
-
-        def propose(seqs, strategy):
-            if any(is_bad(s) for s in seqs):
-                raise Injected("injected in propose")
-            return real_propose(seqs, strategy)
-        monkeypatch.setattr(engine.drafter, "propose", propose)
-    else:
+    # phase -> (object, method, the sequences of a call's positional arguments)
+    where = {"sample": ("sampler", "sample", lambda a: a[1]),
+             "forward": ("runner", "run", lambda a: [e.seq for e in a[0]]),
+             "append": ("output", "append", lambda a: [a[0]]),
+             "draft": ("drafter", "propose", lambda a: a[0])}
+    if phase not in where:
         raise AssertionError(phase)
+    part, name, seqs_of = where[phase]
+    obj = getattr(engine, part)
+    real = getattr(obj, name)
+
+    def faulty(*args):
+        if any(is_bad(s) for s in seqs_of(args)):
+            raise Injected(f"injected in {name}")
+        return real(*args)
+    monkeypatch.setattr(obj, name, faulty)
 
 
 def drive(engine, outs, max_steps=10_000):
