@@ -495,7 +495,7 @@ def test_weight_apply_failure_on_some_actors_retires_them(local_ray, dirs, sds):
         spare.shutdown()
 
 
-def test_abort_all_returns_what_was_made(pool, dirs):
+def test_abort_all_returns_what_was_made(local_ray, dirs):
     """``abort_all`` from another thread while ``generate`` runs: every request comes back
     with the tokens, logprobs and versions made so far (``finish_reason="abort"``), each a
     prefix of what an uninterrupted engine samples; nothing is lost: the tokens returned are
@@ -503,6 +503,8 @@ def test_abort_all_returns_what_was_made(pool, dirs):
     import threading
     import time
 
+    # a pool of its own: earlier tests of this module kill the shared pool's actors
+    pool = RolloutPool(str(dirs[0]), 2, seed=3, speculative_config=[None, NGRAM], **KW)
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=400, ignore_eos=True,
                             logprobs=0)
     prompts = PROMPTS[:4]
@@ -528,3 +530,4 @@ def test_abort_all_returns_what_was_made(pool, dirs):
         assert list(c.token_ids) == list(cw.token_ids[:len(c.token_ids)])
         assert len(c.logprobs) == len(c.weight_versions) == len(c.token_ids)
     assert pool.abort_all() == 0  # no generate running
+    pool.shutdown()
