@@ -3,7 +3,7 @@ cost-model policy vs an oracle, in one run, on the default model.
 
 Workloads:
 
-- ``rl``: an RL-like rollout: GSM-style questions (``specengine.prompt_sets.gsm_questions``)
+- ``rl``: an RL-like rollout: GSM-style questions (``specengine.data.prompt_sets.gsm_questions``)
   through the chat template, ``n`` samples each at T = 1 with a ``max_tokens`` cap; natural,
   long-tailed output lengths, so the batch shrinks from ``prompts * n`` to a few sequences.
 - ``steady-B``: ``B`` ShareGPT chat prompts (``chat_prompts``), T = 1, EOS ignored, so the batch
@@ -44,7 +44,7 @@ import torch
 from common import machine_info, markdown_table, write_json
 
 from specengine import LLM, SamplingParams
-from specengine.prompt_sets import chat_prompts, gsm_questions
+from specengine.data.prompt_sets import chat_prompts, gsm_questions
 from specengine.speculative.policy import (
     AutoPolicy,
     BanditPolicy,

@@ -42,8 +42,8 @@ import time
 from common import machine_info, markdown_table, quiet_transformers
 
 from specengine import LLM, SamplingParams, continuation_prompts
-from specengine.jsonl import write_json_atomic
-from specengine.prompt_sets import gsm_questions
+from specengine.data.jsonl import write_json_atomic
+from specengine.data.prompt_sets import gsm_questions
 
 MODEL = "smollm2-135m-instruct"
 MODES = ("sync", "keep", "retract", "abort", "april")

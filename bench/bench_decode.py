@@ -45,8 +45,8 @@ from common import (
 )
 
 from specengine import LLM, SamplingParams
+from specengine.data.prompt_sets import humaneval_prompts
 from specengine.models.loader import resolve_model
-from specengine.prompt_sets import humaneval_prompts
 
 MODEL = "smollm2-135m-instruct"
 BLOCK = 16
@@ -151,7 +151,7 @@ def invariance(dtypes: list[str], batches: list[int], all_ids: list[list[int]],
                max_tokens: int, repeats: int, info: dict, out: str | None) -> None:
     """Batch invariance on vs off per dtype and batch (``--invariance``): decode tok/s and
     prefill seconds, each the best of ``repeats`` runs, on and off alternating on one engine."""
-    from specengine import kernels
+    from specengine.ops import kernels
 
     results = []
     for dtype in dtypes:
@@ -183,7 +183,7 @@ def invariance(dtypes: list[str], batches: list[int], all_ids: list[list[int]],
           f"{r['decode_tok_s_off']:.1f}", f"{r['decode_ratio']:.2f}", f"{r['prefill_s_on']:.3f}",
           f"{r['prefill_s_off']:.3f}", f"{r['prefill_ratio']:.2f}"] for r in results]))
     if out:
-        from specengine.jsonl import write_json_atomic
+        from specengine.data.jsonl import write_json_atomic
         write_json_atomic(out, {"machine": info, "max_tokens": max_tokens, "repeats": repeats,
                                 "rows": results})
 

@@ -16,8 +16,9 @@ plain decoding of the same target (the baseline of every ratio):
         extra forward; the speculative engine would give the same rollouts), then hot-swapped
         in.
 
-Prompts: GSM-style questions from ``specengine.prompt_sets.gsm_questions(n, seed=1234)`` through the
-chat template; the first ``--prompts`` are measured (greedy, batch ``--batch``), the next
+Prompts: GSM-style questions from ``specengine.data.prompt_sets.gsm_questions(n, seed=1234)``
+through the chat template; the first ``--prompts`` are measured (greedy, batch ``--batch``), the
+next
 ``--train-prompts`` only feed the harvest (sampled at ``--harvest-temperature``, seeded): the
 measured prompts are never trained on.
 
@@ -45,8 +46,8 @@ from bench_spec import llm_kwargs, mismatches, run_engine
 from common import machine_info, markdown_table, quiet_transformers, stderr_logger, write_json
 
 from specengine import LLM, SamplingParams
+from specengine.data.prompt_sets import gsm_questions, humaneval_prompts
 from specengine.models.loader import resolve_model
-from specengine.prompt_sets import gsm_questions, humaneval_prompts
 from specengine.speculative.training.fit import TrainConfig
 from specengine.speculative.training.harvest import HiddenBuffer, harvest, teacher_force
 from specengine.speculative.training.online import DrafterTrainer

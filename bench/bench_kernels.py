@@ -53,8 +53,8 @@ if "--isa" in sys.argv[:-1]:  # before torch loads: its kernels pick their ISA a
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from specengine import kernels  # noqa: E402
-from specengine._ext import ext  # noqa: E402
+from specengine.ops import kernels  # noqa: E402
+from specengine.ops.extension import ext  # noqa: E402
 
 # (name, out_features, in_features, count per decode step) for SmolLM2-135M.
 SHAPES = [("qkv", 960, 576, 30), ("o", 576, 576, 30), ("gate_up", 3072, 576, 30),

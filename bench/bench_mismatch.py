@@ -67,8 +67,8 @@ import torch
 from common import machine_info, markdown_table, quiet_transformers, stderr_logger, write_json
 
 from specengine import LLM, SamplingParams
+from specengine.data.prompt_sets import gsm_questions
 from specengine.models.loader import resolve_model
-from specengine.prompt_sets import gsm_questions
 
 MODEL = "smollm2-135m-instruct"
 EVAL_GSM_SEED = 1234  # the shipped drafter trains on seed 0 (examples/train_drafter.py)

@@ -10,7 +10,7 @@ raw HumanEval prompts on the default model in bfloat16, at batch 1 and batch 64,
 
 Each neighbour is started before and killed after its run. Conditions take turns (``--rounds``
 rounds), each run preceded by a warm-up ``generate`` under the same condition (the engine's
-adaptive thread count, ``specengine.threads``, gets to measure it); medians over rounds. Thread
+adaptive thread count, ``specengine.ops.threads``, gets to measure it); medians over rounds. Thread
 modes (``--modes``): ``adaptive`` (the default engine), ``full`` (always torch's thread count,
 adaptation off) and a number ``k`` (always k threads). Per row: decode tok/s = tokens of the
 steps after the first (which prefills every prompt) / their wall time, the ratio to ``quiet``
@@ -44,9 +44,9 @@ from common import (  # noqa: E402
 )
 
 from specengine import LLM, SamplingParams  # noqa: E402
-from specengine._ext import ext  # noqa: E402
+from specengine.data.prompt_sets import humaneval_prompts  # noqa: E402
 from specengine.models.loader import resolve_model  # noqa: E402
-from specengine.prompt_sets import humaneval_prompts  # noqa: E402
+from specengine.ops.extension import ext  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 BLOCK = 16

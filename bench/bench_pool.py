@@ -3,7 +3,7 @@
     python bench/bench_pool.py                # 8 GSM prompts x n=8, T=1, up to 768 tokens
     python bench/bench_pool.py --quick        # 2 prompts x n=4, 96 tokens (a smoke run)
 
-Workload: held-out-style GSM questions (``specengine.rewards.gsm_task``, seed 1234, the
+Workload: held-out-style GSM questions (``specengine.data.rewards.gsm_task``, seed 1234, the
 question plus the answer-format instruction as one user message) through the model's chat
 template; each prompt asks ``n`` samples at T = 1 with a fixed seed per prompt, ``max_tokens``
 long, EOS ends a sample, so output lengths spread and the rollout has a long tail. A pool of
@@ -50,12 +50,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ray  # noqa: E402
 
 from specengine import SamplingParams  # noqa: E402
+from specengine.data.rewards import gsm_task  # noqa: E402
 from specengine.distributed import PoolController, RolloutPool  # noqa: E402
 from specengine.distributed.migration import MigrationController  # noqa: E402
-from specengine.distributed.training import SpareTraining  # noqa: E402
+from specengine.distributed.spare_training import SpareTraining  # noqa: E402
 from specengine.models.loader import resolve_model  # noqa: E402
 from specengine.models.registry import DEFAULT_MODEL  # noqa: E402
-from specengine.rewards import gsm_task  # noqa: E402
 
 MODES = ("none", "migration", "migration+training")
 ACTOR_KEYS = ("migration_stage1_seconds", "migration_stage2_seconds",

@@ -19,7 +19,7 @@ import argparse
 import json
 
 from specengine import LLM, SamplingParams
-from specengine.prompt_sets import gsm_questions
+from specengine.data.prompt_sets import gsm_questions
 
 
 def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, steps: int):

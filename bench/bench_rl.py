@@ -5,7 +5,7 @@
     python bench/bench_rl.py --rollout-epochs 3 [...]   # multi-epoch rollouts: bench/rl_epochs.py
 
 TRL's real ``GRPOTrainer`` (``trl==1.16.0``) trains ``smollm2-135m-instruct`` (transformers,
-float32, CPU) on GSM-style questions (``specengine.rewards.gsm_task``, seed 1234) with the
+float32, CPU) on GSM-style questions (``specengine.data.rewards.gsm_task``, seed 1234) with the
 exact-answer reward, for ``--steps`` optimizer steps, once per backend; the trainer, data order
 and seeds are the same in every run:
 
@@ -62,9 +62,9 @@ from grpo_trl import build_trainer  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from specengine import LLM  # noqa: E402
+from specengine.data.rewards import gsm_task  # noqa: E402
 from specengine.integrations.trl import SpecEngineRollout  # noqa: E402
 from specengine.models.loader import resolve_model  # noqa: E402
-from specengine.rewards import gsm_task  # noqa: E402
 from specengine.speculative.drafters.merged import MergedDrafter  # noqa: E402
 from specengine.speculative.training.fit import TrainConfig  # noqa: E402
 from specengine.speculative.training.harvest import HiddenBuffer, harvest  # noqa: E402

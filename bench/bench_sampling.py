@@ -1,4 +1,4 @@
-"""Sampling's share of a batch-128, T = 1 decode step: batched (``specengine.batch_sampling``)
+"""Sampling's share of a batch-128, T = 1 decode step: batched (``specengine.sampling.batched``)
 vs the per-row code it replaced (``tests/reference_sampling.py``), one run.
 
 - micro: ``Sampler.sample`` on ``[128, 49152]`` float32 logits (the default model's vocabulary),
@@ -38,10 +38,10 @@ import reference_sampling as ref  # noqa: E402
 from bench_decode import engine_llm  # noqa: E402
 
 from specengine import LLM, SamplingParams  # noqa: E402
-from specengine.prompt_sets import humaneval_prompts  # noqa: E402
-from specengine.sampler import Sampler  # noqa: E402
-from specengine.sampling import SampleNoise  # noqa: E402
-from specengine.sequence import Sequence  # noqa: E402
+from specengine.data.prompt_sets import humaneval_prompts  # noqa: E402
+from specengine.engine.sequence import Sequence  # noqa: E402
+from specengine.sampling.params import SampleNoise  # noqa: E402
+from specengine.sampling.sampler import Sampler  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 VOCAB = 49152

@@ -52,9 +52,9 @@ import torch
 from common import machine_info, markdown_table, quiet_transformers, stderr_logger, write_json
 
 from specengine import LLM, SamplingParams
+from specengine.data.prompt_sets import chat_prompts, gsm_questions, humaneval_prompts
 from specengine.models import loader
 from specengine.models.loader import resolve_model
-from specengine.prompt_sets import chat_prompts, gsm_questions, humaneval_prompts
 
 BLOCK = 16
 BATCHES = (1, 8)

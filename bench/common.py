@@ -111,6 +111,6 @@ def write_json(path: str, doc: dict) -> None:
     """Write ``doc`` to ``path`` as indented JSON, atomically (a temporary file renamed into
     place, missing parent directories created), so an interrupted run never leaves a
     half-written results file."""
-    from specengine.jsonl import write_json_atomic
+    from specengine.data.jsonl import write_json_atomic
 
     write_json_atomic(path, doc, indent=1)

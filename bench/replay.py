@@ -1,5 +1,5 @@
 """Replay projection: predict a logged rollout's wall time under other policies and on other
-machines (``specengine.replay``), from a rollout trace (``LLM.start_trace`` /
+machines (``specengine.replay.projection``), from a rollout trace (``LLM.start_trace`` /
 ``LLM.stop_trace``, saved with ``RolloutTrace.save``) and one or more step-cost tables
 (``bench/step_costs.py``: measured here, or ``bench/cost_tables/h200_roofline.json``, an
 H200-class roofline PROJECTION).
@@ -22,9 +22,9 @@ import json
 import sys
 from collections import Counter
 
-from specengine.cost_table import CostTable
-from specengine.replay import AcceptanceStats, replay
-from specengine.trace import RolloutTrace
+from specengine.replay.cost_table import CostTable
+from specengine.replay.projection import AcceptanceStats, replay
+from specengine.replay.trace import RolloutTrace
 
 
 def default_policies(trace: RolloutTrace) -> list[str]:

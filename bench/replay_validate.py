@@ -4,7 +4,7 @@ speculation, a static chain and the ``auto`` policy, each traced and timed; then
 wall time predicted with a cost table measured on this machine, and the errors reported
 (issue 16's target: within 10% for off, static and auto).
 
-Predictions (``specengine.replay``):
+Predictions (``specengine.replay.projection``):
 
 - ``off``: the plain run's trace replayed under ``off`` (its output lengths, one token a step);
 - ``static``: the plain run's trace under ``static:d=D`` with the acceptance statistics of the
@@ -41,10 +41,10 @@ from common import machine_info, quiet_transformers, write_json
 from step_costs import QUICK, TABLES, measure_table
 
 from specengine import LLM, SamplingParams
-from specengine.cost_table import CostTable
+from specengine.data.prompt_sets import gsm_questions
 from specengine.models.registry import DEFAULT_MODEL
-from specengine.prompt_sets import gsm_questions
-from specengine.replay import AcceptanceStats, replay
+from specengine.replay.cost_table import CostTable
+from specengine.replay.projection import AcceptanceStats, replay
 
 EVAL_GSM_SEED = 1234  # prompts the shipped drafter never saw (as bench_adaptive.py)
 

@@ -39,8 +39,8 @@ import torch
 from common import machine_info, markdown_table, quiet_transformers, write_json
 
 from specengine import LLM, SamplingParams
+from specengine.data.prompt_sets import gsm_questions, humaneval_prompts
 from specengine.models.loader import resolve_model
-from specengine.prompt_sets import gsm_questions, humaneval_prompts
 
 MODEL = "smollm2-135m-instruct"
 EVAL_GSM_SEED = 1234  # the shipped drafter trains on seed 0 (examples/train_drafter.py)
@@ -189,7 +189,7 @@ def projection(trace, table) -> dict:
     their speedups over ``off`` (``bench/replay.py``)."""
     from replay import default_policies
 
-    from specengine.replay import replay
+    from specengine.replay.projection import replay
 
     out = {"table": table.label}
     base = replay(trace, table, "off").seconds
@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     for name in ("epochs", "prompts", "n", "max_tokens", "spec_depth"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} {getattr(a, name)}: must be >= 1")
-    from specengine.cost_table import CostTable
+    from specengine.replay.cost_table import CostTable
 
     gpu = CostTable.load(a.gpu_table)
     if a.quick:

@@ -106,8 +106,8 @@ def main(argv=None) -> int:
     from rl_epochs import EVAL_GSM_SEED
     from transformers import AutoTokenizer
 
+    from specengine.data.prompt_sets import gsm_questions
     from specengine.models.loader import resolve_model
-    from specengine.prompt_sets import gsm_questions
 
     tok = AutoTokenizer.from_pretrained(resolve_model(MODEL))
     prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q["question"]}],

@@ -1,4 +1,5 @@
-"""Step-cost tables for the replay projection (``specengine.cost_table``, ``bench/replay.py``).
+"""Step-cost tables for the replay projection (``specengine.replay.cost_table``,
+``bench/replay.py``).
 
 Measured (the default): on this machine, for ``--model`` in ``--dtype``,
 
@@ -39,12 +40,13 @@ import numpy as np
 import torch
 from common import machine_info, quiet_transformers
 
-from specengine import LLM, SamplingParams, kernels
-from specengine.batch import BatchEntry
-from specengine.cost_table import TABLE_FORMAT, TABLE_VERSION, CostTable, roofline_table
+from specengine import LLM, SamplingParams
+from specengine.data.prompt_sets import chat_prompts
+from specengine.engine.batch import BatchEntry
+from specengine.engine.sequence import Sequence
 from specengine.models.registry import DEFAULT_MODEL
-from specengine.prompt_sets import chat_prompts
-from specengine.sequence import Sequence
+from specengine.ops import kernels
+from specengine.replay.cost_table import TABLE_FORMAT, TABLE_VERSION, CostTable, roofline_table
 from specengine.speculative.policy.latency import nonnegative_solve
 from specengine.speculative.strategy import Strategy
 from specengine.speculative.tree import DraftTree
@@ -195,7 +197,7 @@ def rollout_trace(llm: LLM, prompts: int, max_tokens: int):
 def fit_draft_sequence(trace, coef: dict, source: str) -> float:
     """``sequence_s`` of ``source``: the trace's logged draft seconds beyond ``coef``'s
     prediction, per sequence drafted for (least squares through 0, non-negative)."""
-    from specengine.replay import logged_shape
+    from specengine.replay.projection import logged_shape
 
     doc = {"format": TABLE_FORMAT, "version": TABLE_VERSION, "kind": "measured",
            "forward": {"tokens": [1], "context": [1], "seconds": [[0.0]]},
@@ -214,7 +216,7 @@ def fit_draft_sequence(trace, coef: dict, source: str) -> float:
 def fit_policy(trace) -> dict:
     """``{"step_s", "sequence_s"}`` of the trace's policy: its logged ``policy_s`` per step
     fitted non-negatively to ``[1, rows sampled]``."""
-    from specengine.replay import logged_shape
+    from specengine.replay.projection import logged_shape
 
     x = np.array([[1.0, logged_shape(st).rows] for st in trace.steps])
     y = np.array([st.get("policy_s", 0.0) for st in trace.steps])
@@ -227,7 +229,7 @@ def fit_overheads(traces) -> dict:
     the first step of each trace skipped) minus its logged forward and draft seconds, fitted
     non-negatively to ``[1, rows, nodes]`` on absolute error. The traces must come from
     policies that cost nothing to run (no speculation, ``static``)."""
-    from specengine.replay import logged_shape
+    from specengine.replay.projection import logged_shape
 
     rows, ys = [], []
     for tr in traces:

@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
+    from specengine.data.prompt_sets import gsm_questions
     from specengine.models.loader import resolve_model
-    from specengine.prompt_sets import gsm_questions
 
     tok = AutoTokenizer.from_pretrained(resolve_model(a.model))
     params = {"model": a.served_model_name or a.model, "max_tokens": a.max_tokens,

@@ -14,7 +14,7 @@ the trainer's weights into the engine whenever the trainer's step changed and sa
 ``--generations`` completions per prompt with the trainer's sampling settings and step-derived
 seeds (a rerun with the same flags samples the same tokens).
 
-Task: GSM-style word problems (``specengine.rewards.gsm_task``, generator seed 1234, held out
+Task: GSM-style word problems (``specengine.data.rewards.gsm_task``, generator seed 1234, held out
 from the drafter's training data), reward 1 when the number after ``####`` (else the last
 number) equals the answer (``exact_answer_reward``). Each step logs generation seconds, tau
 (tokens committed per speculative verify step, from the engine's counters), the batch's mean
@@ -47,7 +47,7 @@ def build_trainer(model_dir, rows: list[dict], output_dir: str, *, steps: int,
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from specengine.rewards import exact_answer_reward
+    from specengine.data.rewards import exact_answer_reward
 
     if len(rows) < steps * prompts_per_step:
         raise ValueError(f"{len(rows)} rows for {steps} steps x {prompts_per_step} prompts")
@@ -104,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
 
     from specengine import LLM
+    from specengine.data.rewards import gsm_task
     from specengine.integrations.trl import RolloutLogger, SpecEngineRollout
     from specengine.models.loader import resolve_model
-    from specengine.rewards import gsm_task
 
     model_dir = resolve_model(MODEL)
     t0 = time.perf_counter()

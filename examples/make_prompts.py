@@ -20,7 +20,7 @@ import json
 import random
 from pathlib import Path
 
-from specengine.prompt_sets import gsm_questions, humaneval_prompts
+from specengine.data.prompt_sets import gsm_questions, humaneval_prompts
 
 MAX_HUMANEVAL_CHARS = 1200  # leave out the longest prompts to keep the file small
 

@@ -1,6 +1,6 @@
 """Train the EAGLE drafter shipped for ``smollm2-135m-instruct`` on a CPU in under an hour.
 
-    python examples/train_drafter.py --out specengine/drafters/smollm2-135m-instruct
+    python examples/train_drafter.py --out specengine/data/drafters/smollm2-135m-instruct
 
 It writes the training JSONL (``--work``/train_data.jsonl, outside the repository: it holds
 ShareGPT text), runs ``specengine train-drafter`` on it (the exact command is printed and
@@ -36,7 +36,7 @@ EVAL_SHAREGPT_START = 10_000
 
 def write_data(path: Path, n_gen_gsm: int, n_gen_chat: int, n_gsm: int, n_sharegpt: int) -> int:
     """Write the training JSONL; returns the number of records."""
-    from specengine.prompt_sets import gsm_questions, sharegpt_conversations
+    from specengine.data.prompt_sets import gsm_questions, sharegpt_conversations
 
     recs = []
     qs = gsm_questions(n_gen_gsm + n_gsm, seed=0)
@@ -72,7 +72,7 @@ def write_data(path: Path, n_gen_gsm: int, n_gen_chat: int, n_gsm: int, n_shareg
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="specengine/drafters/smollm2-135m-instruct")
+    ap.add_argument("--out", default="specengine/data/drafters/smollm2-135m-instruct")
     ap.add_argument("--work", default=None, help="scratch dir (default: cache_dir()/drafter-train)")
     ap.add_argument("--gen-gsm", type=int, default=1800)
     ap.add_argument("--gen-chat", type=int, default=1200)
@@ -87,7 +87,7 @@ def main() -> int:
     ap.add_argument("--warm-unroll-frac", type=float, default=0.6)
     args = ap.parse_args()
 
-    from specengine.fetch import cache_dir
+    from specengine.data.fetch import cache_dir
 
     out = Path(args.out)
     work = Path(args.work) if args.work else cache_dir() / "drafter-train" / out.name

@@ -6,9 +6,14 @@
 """
 
 from specengine.api import LLM
-from specengine.outputs import CompletionOutput, RequestOutput, ScoreOutput, continuation_prompts
-from specengine.sampling import SamplingParams
-from specengine.sequence import Logprob
+from specengine.engine.outputs import (
+           CompletionOutput,
+           RequestOutput,
+           ScoreOutput,
+           continuation_prompts,
+)
+from specengine.engine.sequence import Logprob
+from specengine.sampling.params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "ScoreOutput", "Logprob",
            "continuation_prompts"]

@@ -10,24 +10,24 @@ from collections.abc import Iterable, Mapping
 import torch
 from tqdm.auto import tqdm
 
-from specengine._ext import ext
-from specengine.config import EngineConfig, parse_dtype
-from specengine.engine import Engine
+from specengine.engine.config import EngineConfig, parse_dtype
+from specengine.engine.engine import Engine
+from specengine.engine.outputs import RequestOutput, ScoreOutput
+from specengine.engine.sequence import PartialSample, ScoreSpec
 from specengine.kv import kv_bytes_per_block
+from specengine.lifecycle.memory import MemoryManager
+from specengine.lifecycle.migration import KVChunk, MigratedSequence, Migrator, SequenceInfo
+from specengine.lifecycle.weights import WeightUpdater
 from specengine.llm_args import parse_engine_args
-from specengine.memory import MemoryManager
-from specengine.migration import KVChunk, MigratedSequence, Migrator, SequenceInfo
 from specengine.models.registry import DEFAULT_MODEL
-from specengine.outputs import RequestOutput, ScoreOutput
-from specengine.sampling import SamplingParams, per_prompt
-from specengine.sequence import PartialSample, ScoreSpec
+from specengine.ops.extension import ext
+from specengine.replay.trace import RolloutTrace, TraceRecorder
+from specengine.sampling.params import SamplingParams, per_prompt
 from specengine.speculative.config import SpeculativeConfig
 from specengine.speculative.drafters import make_drafter
 from specengine.speculative.drafters.merged import share_calibration
 from specengine.speculative.policy import make_policy
 from specengine.speculative.training.harvest import Harvester
-from specengine.trace import RolloutTrace, TraceRecorder
-from specengine.weights import WeightUpdater
 
 DEFAULT_KV_BYTES = 1 << 30
 
@@ -197,11 +197,11 @@ class LLM:
         ``prefix_cache_hit_tokens``, ``prefix_cache_queried_tokens``,
         ``prefix_cache_rerun_tokens`` (hit tokens run again for their logits),
         ``prefix_cache_blocks`` (cached now; those nobody uses count in ``kv_blocks_free``,
-        evicted on demand); migration (``specengine.migration.Migrator``):
+        evicted on demand); migration (``specengine.lifecycle.migration.Migrator``):
         ``migration_stage1_seconds`` / ``_bytes``, ``migration_stage2_seconds`` / ``_bytes``,
         ``migration_import_seconds`` / ``_bytes``, ``migrated_out`` / ``migrated_in`` (with
         K/V), ``reprefilled_out`` / ``reprefilled_in`` (as tokens); threads
-        (``specengine.threads.ThreadTuner.stats``): ``kernel_threads`` (forward-size bucket ->
+        (``specengine.ops.threads.ThreadTuner.stats``): ``kernel_threads`` (forward-size bucket ->
         the kernels' thread count chosen), ``kernel_threads_max``, ``thread_probes``,
         ``thread_switches``, ``adaptive_threads``, and ``kernel_pool``, the process's kernel
         pool counters (jobs, helper_chunks, waits and sleeps of the caller for a helper's
@@ -227,11 +227,11 @@ class LLM:
                 d["source_stats"][src]["calibration"] = cal
         return d
 
-    # ---- rollout traces (specengine.trace) ---------------------------------------------------
+    # ---- rollout traces (specengine.replay.trace) -----------------------------------------------
     def start_trace(self) -> None:
         """Start recording a rollout trace: per step the sequences decoded, tokens in the
         forward, draft nodes per sequence and source, accepted and committed tokens, the
-        strategy and the step's seconds (``specengine.trace``). Off by default; costs one
+        strategy and the step's seconds (``specengine.replay.trace``). Off by default; costs one
         attribute check per step when off.
 
         Raises:
@@ -264,7 +264,7 @@ class LLM:
         self.engine.trace = None
         return rec.finish(self.engine.scheduler.num_preemptions - self._trace_preemptions)
 
-    # ---- weight sync (specengine.weights) ----------------------------------------------------
+    # ---- weight sync (specengine.lifecycle.weights) ---------------------------------------------
     @property
     def weight_version(self) -> int:
         """Version of the target's weights: 0 as loaded, +1 per applied update (or the version
@@ -363,7 +363,7 @@ class LLM:
         is never found by requests admitted after the reset. Returns True."""
         return self.engine.reset_prefix_cache()
 
-    # ---- memory lifecycle (specengine.memory) -----------------------------------------------
+    # ---- memory lifecycle (specengine.lifecycle.memory) -----------------------------------------
     def sleep(self, level: int = 1) -> dict[str, int]:
         """Give memory back between rollouts (colocated trainer). Level 1: release the KV
         caches and move the target's weights out (CPU: to a temporary file; CUDA: to pinned
@@ -577,7 +577,7 @@ class LLM:
                             s.entries if logprobs is not None else None)
                 for (_, ids), s in zip(tokenized, specs)]
 
-    # ---- step by step, and samples moving between engines (specengine.migration) -----------
+    # ---- step by step, and samples moving between engines (specengine.lifecycle.migration) ------
     def add_request(self, prompt, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue one prompt (any form ``generate`` takes) without running it; ``step``

@@ -29,7 +29,7 @@ import shlex
 import sys
 import time
 
-from specengine.jsonl import (
+from specengine.data.jsonl import (
     JsonlAppender,
     dump_line,
     read_jsonl_tolerant,
@@ -37,7 +37,7 @@ from specengine.jsonl import (
     write_jsonl_atomic,
 )
 from specengine.models.registry import DEFAULT_MODEL
-from specengine.sampling import SamplingParams
+from specengine.sampling.params import SamplingParams
 
 GENERATE_EXIT = (
     "generate exits with 0 when the job finished, also if some input lines failed (each is in "

@@ -1,8 +1,8 @@
-"""Per-row sampling, as the engine did it before ``specengine.batch_sampling``: the reference the
+"""Per-row sampling, as the engine did it before ``specengine.sampling.batched``: the reference the
 batched code must match bit for bit (``test_batch_sampling.py``) and the "before" of
 ``bench/bench_sampling.py``.
 
-``process_logits`` / ``top_p_`` / ``sample`` are the per-row loops of ``specengine.sampling``
+``process_logits`` / ``top_p_`` / ``sample`` are the per-row loops of ``specengine.sampling.params``
 at commit aa405da, verbatim; ``sampler_sample`` / ``sampler_verify`` are ``Sampler.sample`` /
 ``Sampler.verify`` of that commit over them, each noise row drawn by its own extension call.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from specengine.sampling import SamplingParams, noise_rows
-from specengine.sequence import Sequence
+from specengine.engine.sequence import Sequence
+from specengine.sampling.params import SamplingParams, noise_rows
 from specengine.speculative.tree import DraftTree
 from specengine.speculative.verify import committed_tokens, verify_coupled, verify_greedy
 

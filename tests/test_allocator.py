@@ -2,8 +2,8 @@
 
 import pytest
 
-from specengine._ext import ext
 from specengine.kv.allocator import BlockAllocator, make_allocator
+from specengine.ops.extension import ext
 
 IMPLS = ["python", "cpp"]
 

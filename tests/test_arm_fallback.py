@@ -3,7 +3,7 @@
 On aarch64 the extension builds (tests/test_cross_compile.py) and every x86 capability query
 answers False (``amx_available``, ``avx512_linear_available``, ... are compiled to ``return
 false`` outside ``__x86_64__``). Here the extension's ``*_available`` functions are patched to
-answer False and its x86-only linear kernels to raise, and ``specengine.kernels`` must then keep
+answer False and its x86-only linear kernels to raise, and ``specengine.ops.kernels`` must then keep
 weights unpacked, send small-row linears to the portable C++ kernel (``ext().linear``, plain
 vector code GCC compiles for NEON) and larger ones to ``torch.nn.functional.linear``, and never
 call an x86 kernel. (The x86 branches inside C++ kernels such as the paged attention are
@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from helpers import rand_prompts
 
-from specengine import LLM, SamplingParams, kernels
-from specengine._ext import ext
+from specengine import LLM, SamplingParams
 from specengine.models.loader import save_random_model
+from specengine.ops import kernels
+from specengine.ops.extension import ext
 
 pytestmark = pytest.mark.skipif(ext() is None, reason="specengine._C is not built")
 

@@ -1,4 +1,4 @@
-"""Batched sampling (``specengine.batch_sampling``) gives the per-row definitions' results bit for
+"""Batched sampling (``specengine.sampling.batched``) gives the per-row definitions' results bit for
 bit (``reference_sampling.py``): processed logits, drawn tokens, logprob entries, verified
 trees, noise rows; and seeded engine outputs are unchanged."""
 
@@ -10,8 +10,10 @@ import torch
 from helpers import rand_prompts
 
 from specengine import LLM, SamplingParams, batch_sampling
-from specengine._ext import ext
-from specengine.batch_sampling import (
+from specengine.engine.sequence import Sequence
+from specengine.models.loader import save_random_model
+from specengine.ops.extension import ext
+from specengine.sampling.batched import (
     TOP_P_WINDOW,
     NoiseStreams,
     draw,
@@ -21,10 +23,8 @@ from specengine.batch_sampling import (
     race,
     store_noise,
 )
-from specengine.models.loader import save_random_model
-from specengine.sampler import Sampler
-from specengine.sampling import SampleNoise, noise_rows, process_logits, sample
-from specengine.sequence import Sequence
+from specengine.sampling.params import SampleNoise, noise_rows, process_logits, sample
+from specengine.sampling.sampler import Sampler
 from specengine.speculative.tree import DraftTree
 
 EOS = 3

@@ -79,7 +79,7 @@ def test_generate_rejects_bad_arguments(tmp_path, capsys):
 
 
 def test_invalid_json_error_gives_the_column_in_the_line(tmp_path):
-    from specengine.jsonl import read_records
+    from specengine.data.jsonl import read_records
 
     (tmp_path / "i.jsonl").write_text('{"prompt": "x"}\n{"prompt": "a", "n": 2\n')
     (_, rec, err), (no, bad, why) = read_records(str(tmp_path / "i.jsonl"))

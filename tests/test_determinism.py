@@ -21,9 +21,10 @@ import torch
 from helpers import rand_prompts
 from safetensors.torch import load_file
 
-from specengine import LLM, SamplingParams, kernels
+from specengine import LLM, SamplingParams
 from specengine.kv import kv_bytes_per_block
 from specengine.models.loader import load_config, save_random_model
+from specengine.ops import kernels
 
 DTYPES = ["bfloat16", "float32"]
 BS = 8

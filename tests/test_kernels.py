@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specengine import kernels
-from specengine._ext import ext
 from specengine.attention.base import AttentionBackend, AttentionMetadata
 from specengine.attention.cpu import CpuAttention, paged_attention_masked_ref
 from specengine.attention.torch_ref import paged_attention_ref
-from specengine.kernels import batch_invariance
+from specengine.ops import kernels
+from specengine.ops.extension import ext
+from specengine.ops.kernels import batch_invariance
 
 needs_ext = pytest.mark.skipif(ext() is None, reason="specengine._C is not built "
                                "(pip install --no-build-isolation -e .)")
@@ -441,7 +441,7 @@ def test_isa_cap_setter_and_environment():
     finally:
         kernels.set_isa(prev)
     env = dict(os.environ, SPECENGINE_ISA="generic")
-    code = "from specengine import kernels; print(kernels.active_isa())"
+    code = "from specengine.ops import kernels; print(kernels.active_isa())"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specengine.fetch import sha256_file
+from specengine.data.fetch import sha256_file
 from specengine.models.config import ModelConfig
 from specengine.models.gguf import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES, convert_gguf
 from specengine.models.loader import (

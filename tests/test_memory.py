@@ -1,12 +1,12 @@
-"""Sleep and wake (``specengine.memory`` through ``LLM``): bytes released and given back, the
-same outputs after waking, level 2 needs new weights, errors while asleep, an EAGLE drafter's
+"""Sleep and wake (``specengine.lifecycle.memory`` through ``LLM``): bytes released and given back,
+the same outputs after waking, level 2 needs new weights, errors while asleep, an EAGLE drafter's
 own layer survives."""
 
 import pytest
 import torch
 
 from specengine import LLM, SamplingParams
-from specengine.memory import process_rss_bytes
+from specengine.lifecycle.memory import process_rss_bytes
 from specengine.models.loader import iter_safetensors, safetensors_files, save_random_model
 
 KW = {"block_size": 8, "kv_cache_memory_bytes": 8 << 20}

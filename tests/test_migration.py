@@ -9,9 +9,9 @@ import torch
 from helpers import rand_prompts
 
 from specengine import LLM, SamplingParams
-from specengine.migration import MigrationCost, merge_outputs
+from specengine.engine.sequence import SequenceStatus
+from specengine.lifecycle.migration import MigrationCost, merge_outputs
 from specengine.models.loader import save_random_model
-from specengine.sequence import SequenceStatus
 
 SPECS = {
     None: None,

@@ -1,4 +1,4 @@
-"""Repetition / presence / frequency penalties (``specengine.penalties``): the vectorised
+"""Repetition / presence / frequency penalties (``specengine.sampling.penalties``): the vectorised
 implementation against a per-token reference, greedy decoding against transformers with the
 same penalties, and token-identical outputs with and without speculation (each tree node
 penalised by its own path)."""
@@ -11,9 +11,9 @@ import torch
 from helpers import rand_prompts
 
 from specengine import LLM, SamplingParams
-from specengine.penalties import PenaltyCounts, committed_counts, penalize, tree_paths
-from specengine.sampling import SampleNoise
-from specengine.sequence import Sequence
+from specengine.engine.sequence import Sequence
+from specengine.sampling.params import SampleNoise
+from specengine.sampling.penalties import PenaltyCounts, committed_counts, penalize, tree_paths
 from specengine.speculative.drafters.coupling import coupled_logprobs
 from specengine.speculative.tree import DraftTree
 
@@ -286,7 +286,7 @@ def test_verification_without_the_path_context_is_not_exact(target_dir, plain, m
     prompts = rand_prompts(8, seed=21)
     params = mixed_params()
     want = run(plain, prompts, params)
-    import specengine.sampler as sampler_mod
+    import specengine.sampling.sampler as sampler_mod
 
     monkeypatch.setattr(sampler_mod, "tree_paths", lambda tree: [[]] * (tree.num_nodes + 1))
     llm = make(target_dir, SPECS["ngram-tree"])

@@ -13,7 +13,7 @@ ray = pytest.importorskip("ray")
 from specengine import LLM, SamplingParams  # noqa: E402
 from specengine.distributed import RolloutPool  # noqa: E402
 from specengine.distributed.migration import MigrationController  # noqa: E402
-from specengine.migration import MigrationCost, SequenceInfo  # noqa: E402
+from specengine.lifecycle.migration import MigrationCost, SequenceInfo  # noqa: E402
 from specengine.models.loader import save_random_model  # noqa: E402
 
 KW = {"dtype": "float32", "block_size": 8, "kv_cache_memory_bytes": 8 << 20}

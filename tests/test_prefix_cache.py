@@ -7,13 +7,13 @@ from helpers import rand_prompts
 from safetensors.torch import load_file
 
 from specengine import LLM, SamplingParams
-from specengine.batch import BatchEntry
+from specengine.engine.batch import BatchEntry
+from specengine.engine.model_runner import ModelRunner
+from specengine.engine.sequence import Sequence
 from specengine.kv.block_manager import BlockManager
 from specengine.kv.prefix_cache import PrefixCache, chain_hashes, hash_block, hash_partial
-from specengine.model_runner import ModelRunner
 from specengine.models.loader import save_random_model
-from specengine.sampling import SampleNoise
-from specengine.sequence import Sequence
+from specengine.sampling.params import SampleNoise
 from specengine.speculative.training.harvest import HiddenBuffer, harvest
 
 BS = 8

@@ -1,5 +1,6 @@
-"""Tests of specengine.prompt_sets: HumanEval and GSM loaders (small downloads), the incremental
-JSON array reader on synthetic files, and ShareGPT (125 MB download: marked integration)."""
+"""Tests of specengine.data.prompt_sets: HumanEval and GSM loaders (small downloads), the
+incremental JSON array reader on synthetic files, and ShareGPT (125 MB download: marked
+integration)."""
 
 import json
 import sys
@@ -7,7 +8,7 @@ import warnings
 
 import pytest
 
-from specengine import prompt_sets
+from specengine.data import prompt_sets
 
 # ---------------------------------------------------------------- HumanEval
 

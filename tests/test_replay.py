@@ -1,5 +1,6 @@
-"""Rollout traces (``specengine.trace``), step-cost tables (``specengine.cost_table``) and the
-replay projection (``specengine.replay``): hand-computed answers on a synthetic trace, a trace
+"""Rollout traces (``specengine.replay.trace``), step-cost tables (``specengine.replay.cost_table``)
+and the replay projection (``specengine.replay.projection``): hand-computed answers on a synthetic
+trace, a trace
 recorded on a tiny random model checked against its outputs, and bad inputs."""
 
 import json
@@ -9,11 +10,11 @@ import pytest
 from helpers import rand_prompts
 
 from specengine import LLM, SamplingParams
-from specengine.cost_table import CostTable, StepShape, model_sizes, roofline_table
 from specengine.models.config import ModelConfig
-from specengine.replay import AcceptanceStats, logged_shape, parse_policy, replay
+from specengine.replay.cost_table import CostTable, StepShape, model_sizes, roofline_table
+from specengine.replay.projection import AcceptanceStats, logged_shape, parse_policy, replay
+from specengine.replay.trace import RolloutTrace
 from specengine.speculative.strategy import Strategy
-from specengine.trace import RolloutTrace
 
 # forward(T, C) = 0.01 + 0.001 T + 1e-6 C: linear, so bilinear interpolation is exact
 TABLE = {

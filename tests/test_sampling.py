@@ -3,9 +3,15 @@ import math
 import pytest
 import torch
 
-from specengine._ext import ext
-from specengine.sampling import SampleNoise, SamplingParams, noise_rows, process_logits, sample
-from specengine.sequence import Sequence
+from specengine.engine.sequence import Sequence
+from specengine.ops.extension import ext
+from specengine.sampling.params import (
+    SampleNoise,
+    SamplingParams,
+    noise_rows,
+    process_logits,
+    sample,
+)
 from specengine.speculative.drafters.coupling import TOP_P_WINDOW, coupled_logprobs, filter_logits
 
 

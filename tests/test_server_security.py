@@ -29,9 +29,9 @@ openai = pytest.importorskip("openai")
 from test_server import Server, make_llm  # noqa: E402
 
 from specengine import SamplingParams  # noqa: E402
+from specengine.lifecycle.weights import WeightUpdateFailed  # noqa: E402
 from specengine.server.app import build_app  # noqa: E402
 from specengine.server.state import ServerOptions  # noqa: E402
-from specengine.weights import WeightUpdateFailed  # noqa: E402
 
 KEY = "s3cret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -8,8 +8,8 @@ import pytest
 from helpers import rand_prompts
 
 from specengine import LLM, SamplingParams
-from specengine._ext import ext
-from specengine.sampling import noise_rows
+from specengine.ops.extension import ext
+from specengine.sampling.params import noise_rows
 from specengine.speculative.config import METHODS, SpeculativeConfig
 from specengine.speculative.drafters import make_drafter
 from specengine.speculative.drafters.rollout_memory import (

@@ -1,13 +1,14 @@
-"""The adaptive thread count (specengine.threads.ThreadTuner) with an injected clock, and the
+"""The adaptive thread count (specengine.ops.threads.ThreadTuner) with an injected clock, and the
 kernels' thread-count invariance it relies on (outputs must not depend on the count)."""
 
 import pytest
 import torch
 
-from specengine import LLM, SamplingParams, kernels
-from specengine._ext import ext
+from specengine import LLM, SamplingParams
 from specengine.models.loader import save_random_model
-from specengine.threads import ThreadTuner, adaptive_from_env
+from specengine.ops import kernels
+from specengine.ops.extension import ext
+from specengine.ops.threads import ThreadTuner, adaptive_from_env
 from tests.helpers import rand_prompts
 
 

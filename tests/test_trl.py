@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
 from specengine import LLM
+from specengine.data.rewards import answers_equal, exact_answer_reward, final_answer, gsm_task
 from specengine.integrations.trl import RolloutLogger, SpecEngineRollout, _runs
-from specengine.rewards import answers_equal, exact_answer_reward, final_answer, gsm_task
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
                                         "ignore::DeprecationWarning")

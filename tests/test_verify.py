@@ -15,7 +15,7 @@ import reference_verify
 import torch
 from reference_verify import SampledTree, verify_sampling
 
-from specengine.sampling import SamplingParams, process_logits
+from specengine.sampling.params import SamplingParams, process_logits
 from specengine.speculative.tree import DraftTree
 from specengine.speculative.verify import (
     committed_tokens,

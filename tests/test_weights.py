@@ -1,13 +1,14 @@
-"""Streamed and one-call weight updates (``specengine.weights`` through ``LLM``): sessions equal
-one-call updates equal a freshly loaded engine; aborts, bad chunks and NaN weights change
+"""Streamed and one-call weight updates (``specengine.lifecycle.weights`` through ``LLM``): sessions
+equal one-call updates equal a freshly loaded engine; aborts, bad chunks and NaN weights change
 nothing; fused names; checkpoints; versions; the in-place repack of the kernels' copies."""
 
 import pytest
 import torch
 
-from specengine import LLM, SamplingParams, kernels
+from specengine import LLM, SamplingParams
+from specengine.lifecycle.weights import check_finite
 from specengine.models.loader import iter_safetensors, safetensors_files, save_random_model
-from specengine.weights import check_finite
+from specengine.ops import kernels
 
 KW = {"block_size": 8, "kv_cache_memory_bytes": 8 << 20}
 PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300], [42] * 7]

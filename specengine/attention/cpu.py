@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from specengine._ext import ext
 from specengine.attention.base import AttentionBackend, AttentionMetadata
 from specengine.attention.torch_ref import paged_attention_ref
+from specengine.ops.extension import ext
 
 _FLOATS = (torch.float32, torch.bfloat16)
 

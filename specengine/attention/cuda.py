@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from specengine._ext import ext
 from specengine.attention.base import AttentionBackend, AttentionMetadata
+from specengine.ops.extension import ext
 
 
 class CudaAttention(AttentionBackend):

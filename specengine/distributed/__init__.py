@@ -10,7 +10,7 @@ from specengine.distributed.controller import PoolController
 from specengine.distributed.migration import MigrationController
 from specengine.distributed.openrlhf import OpenRLHFRolloutActor, remote_actor
 from specengine.distributed.pool import RolloutPool
-from specengine.distributed.training import SpareTraining
+from specengine.distributed.spare_training import SpareTraining
 from specengine.distributed.worker import RolloutWorker
 
 __all__ = ["MigrationController", "OpenRLHFRolloutActor", "PoolController", "RolloutPool",

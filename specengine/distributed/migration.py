@@ -1,5 +1,6 @@
 """``MigrationController``: moving samples from busy to idle pool actors in a rollout's long tail
-(RLHFSpec, arXiv 2512.04752), with the engines' two-stage KV transfer (``specengine.migration``).
+(RLHFSpec, arXiv 2512.04752), with the engines' two-stage KV transfer
+(``specengine.lifecycle.migration``).
 
 Every ``interval`` seconds while a ``RolloutPool.generate`` runs (and at once when an actor's
 last request came back), it asks each live actor for its unfinished samples and their predicted
@@ -26,8 +27,8 @@ One round, source ``S`` and destination ``D``:
    bytes); ``D``'s running rollout stream adopts them, else the pool starts one there
    (``Rollout.stream``).
 
-Both paths give token for token the output of an unmoved run (``specengine.migration``); the
-pool joins a split request's parts. Metrics (``metrics()``, in ``RolloutPool.get_metrics()``):
+Both paths give token for token the output of an unmoved run (``specengine.lifecycle.migration``);
+the pool joins a split request's parts. Metrics (``metrics()``, in ``RolloutPool.get_metrics()``):
 ``migration_rounds``, ``migrated_samples`` (with K/V), ``reprefilled_samples``,
 ``migration_bytes`` (payload bytes received by destinations), ``migration_seconds`` (wall
 seconds of the rounds' export/import calls), ``controller_seconds`` (wall seconds in
@@ -46,7 +47,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from specengine.distributed.controller import PoolController
-from specengine.migration import MigrationCost
+from specengine.lifecycle.migration import MigrationCost
 
 
 class MigrationController(PoolController):

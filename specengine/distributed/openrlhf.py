@@ -29,8 +29,8 @@ import torch
 
 from specengine.distributed.collective import WeightGroup
 from specengine.distributed.worker import RolloutWorker
-from specengine.outputs import RequestOutput
-from specengine.sampling import SamplingParams
+from specengine.engine.outputs import RequestOutput
+from specengine.sampling.params import SamplingParams
 
 _FIELDS = [f.name for f in dataclasses.fields(SamplingParams) if f.init]
 

@@ -83,9 +83,9 @@ from specengine.distributed.balance import WorkModel, group_requests
 from specengine.distributed.controller import PoolController
 from specengine.distributed.requests import PoolRequest, SeedSource, prepare
 from specengine.distributed.rollout import Rollout
-from specengine.distributed.training import SpareScheduler, SpareTraining, merge_tau
+from specengine.distributed.spare_training import SpareScheduler, SpareTraining, merge_tau
 from specengine.distributed.worker import RolloutWorker
-from specengine.outputs import RequestOutput
+from specengine.engine.outputs import RequestOutput
 from specengine.speculative.config import SpeculativeConfig
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specengine.sampling import SamplingParams, per_prompt
+from specengine.sampling.params import SamplingParams, per_prompt
 
 
 @dataclass

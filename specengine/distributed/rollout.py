@@ -24,8 +24,8 @@ import ray
 
 from specengine.distributed.balance import assign, group_requests
 from specengine.distributed.requests import PoolRequest
-from specengine.migration import merge_outputs
-from specengine.outputs import RequestOutput
+from specengine.engine.outputs import RequestOutput
+from specengine.lifecycle.migration import merge_outputs
 
 
 class Rollout:

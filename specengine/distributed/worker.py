@@ -37,9 +37,9 @@ import ray
 import torch
 
 from specengine.api import LLM
-from specengine.distributed.training import SpareTrainingActor
-from specengine.migration import KVChunk, MigratedSequence
-from specengine.sampling import SamplingParams
+from specengine.distributed.spare_training import SpareTrainingActor
+from specengine.lifecycle.migration import KVChunk, MigratedSequence
+from specengine.sampling.params import SamplingParams
 
 
 class RolloutWorker(SpareTrainingActor):
@@ -191,7 +191,7 @@ class RolloutWorker(SpareTrainingActor):
                 self._outbox.pop(r, None)
             return len(outs)
 
-    # ---- migration (specengine.migration; RolloutPool's MigrationController) ----------------
+    # ---- migration (specengine.lifecycle.migration; RolloutPool's MigrationController) ----------
     def migration_status(self) -> dict:
         """``sequences``: ``LLM.running_sequences()`` (unfinished samples, predicted remaining
         tokens, KV bytes); ``prefill_seconds_per_token``: this engine's predicted prefill

@@ -50,7 +50,7 @@ import trl
 from transformers import TrainerCallback
 from trl.data_utils import is_conversational
 
-from specengine.sampling import SamplingParams
+from specengine.sampling.params import SamplingParams
 
 TESTED_TRL_VERSION = "1.16.0"
 

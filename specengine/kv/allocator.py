@@ -6,7 +6,7 @@ and the pure-Python ``BlockAllocator`` below otherwise; both have the same API a
 
 from __future__ import annotations
 
-from specengine._ext import ext
+from specengine.ops.extension import ext
 
 
 class BlockAllocator:

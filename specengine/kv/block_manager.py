@@ -26,10 +26,10 @@ from collections.abc import Callable
 
 import torch
 
+from specengine.engine.sequence import Sequence
 from specengine.kv.allocator import make_allocator
 from specengine.kv.block_features import BlockFeatures
 from specengine.kv.prefix_cache import PrefixCache, chain_hashes, hash_partial
-from specengine.sequence import Sequence
 
 
 def cdiv(a: int, b: int) -> int:

@@ -8,8 +8,8 @@ Tokens of all sequences in a step are packed flat into ``T`` rows (no batch dim,
 the attention backend finds each token's sequence and context through ``AttentionMetadata``.
 q/k/v and gate/up projections are fused into one matrix each (fewer GEMM calls); ``load_weights``
 (all weights) maps Hugging Face parameter names onto the fused layout (``hf_parameters``; a
-running engine's updates go through ``specengine.weights``, which writes the same views) and
-then prepacks the linear weights (``kernels.prepack``: AMX
+running engine's updates go through ``specengine.lifecycle.weights``, which writes the same views)
+and then prepacks the linear weights (``kernels.prepack``: AMX
 tiles for bfloat16 on CPUs that have them). Packed copies are checked against the parameters'
 version counters on use and rebuilt if a weight was modified.
 
@@ -26,10 +26,10 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from specengine import kernels
 from specengine.attention.base import AttentionBackend, AttentionMetadata
-from specengine.kernels import add_rms_norm
 from specengine.models.config import ModelConfig
+from specengine.ops import kernels
+from specengine.ops.kernels import add_rms_norm
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -229,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
 
     def drop_packed(self) -> None:
         """Forget the kernels' packed copies of the weights (and the float32 head copy); they
-        are rebuilt on first use (``specengine.memory``'s sleep frees them this way)."""
+        are rebuilt on first use (``specengine.lifecycle.memory``'s sleep frees them this way)."""
         for layer in self.layers:
             layer._packed.clear()
         self._lm_head_packed = None
@@ -245,8 +245,8 @@ class LlamaForCausalLM(nn.Module):
 
     def prepack(self) -> None:
         """Pack the linear weights for the fast kernels (``kernels.prepack``); ``load_weights``
-        and weight updates (``specengine.weights``) call it. Packed copies are rebuilt on use
-        if a weight changes afterwards (each is checked against its parameter's version
+        and weight updates (``specengine.lifecycle.weights``) call it. Packed copies are rebuilt on
+        use if a weight changes afterwards (each is checked against its parameter's version
         counter); this rebuilds the stale ones now."""
         for layer in self.layers:
             layer.prepack()

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from specengine.fetch import cache_dir
+from specengine.data.fetch import cache_dir
 from specengine.models.config import ModelConfig
 from specengine.models.gguf import convert_gguf
 from specengine.models.llama import LlamaForCausalLM
@@ -76,7 +76,7 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
     Raises:
         FileNotFoundError: a path that does not exist.
         ValueError: anything else (message lists the known aliases); a corrupt GGUF file.
-        specengine.fetch.FetchError: download or hash check failed.
+        specengine.data.fetch.FetchError: download or hash check failed.
     """
     name = str(name_or_path)
     if name in KNOWN_MODELS:

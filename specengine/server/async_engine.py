@@ -33,10 +33,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specengine.metrics import request_metrics
-from specengine.outputs import RequestOutput, request_output
-from specengine.sampling import SamplingParams
-from specengine.sequence import Logprob, Request, Sequence
+from specengine.engine.metrics import request_metrics
+from specengine.engine.outputs import RequestOutput, request_output
+from specengine.engine.sequence import Logprob, Request, Sequence
+from specengine.sampling.params import SamplingParams
 
 logger = logging.getLogger("specengine.server")
 

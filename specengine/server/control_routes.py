@@ -65,11 +65,11 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
+from specengine.lifecycle.weights import WeightUpdateFailed
 from specengine.server.async_engine import EngineDeadError
 from specengine.server.protocol import APIError, Strict, validation_error_body
 from specengine.server.state import ServerState
 from specengine.server.trl_routes import UpdateNamedParam, named_tensor, read_named_tensor
-from specengine.weights import WeightUpdateFailed
 
 router = APIRouter()
 
@@ -218,7 +218,7 @@ async def release_memory_occupation(request: Request):
     body = await _body(request, TagsRequest)
     tags = body.tags
     if tags is not None:
-        from specengine.memory import TAGS
+        from specengine.lifecycle.memory import TAGS
 
         bad = [t for t in tags if t not in TAGS]
         if bad:

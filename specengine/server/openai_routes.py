@@ -27,7 +27,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from specengine.sampling import SamplingParams
+from specengine.sampling.params import SamplingParams
 from specengine.server.protocol import (
     APIError,
     ChatCompletionRequest,

@@ -18,8 +18,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from specengine.sampling import SamplingParams
-from specengine.sequence import Logprob
+from specengine.engine.sequence import Logprob
+from specengine.sampling.params import SamplingParams
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs (the server uses its LLM's max_logprobs)
 LOGPROB_FLOOR = -9999.0  # -inf log-probabilities are sent as this (JSON has no infinity)

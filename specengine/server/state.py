@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
+from specengine.engine.outputs import RequestOutput
 from specengine.kv.block_manager import cdiv
-from specengine.outputs import RequestOutput
-from specengine.sampling import SamplingParams
+from specengine.sampling.params import SamplingParams
 from specengine.server.async_engine import (
     AsyncEngine,
     EngineDeadError,

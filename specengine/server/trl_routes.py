@@ -37,6 +37,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from specengine.lifecycle.weights import WeightUpdateFailed
 from specengine.server.protocol import (
     APIError,
     Strict,
@@ -48,7 +49,6 @@ from specengine.server.protocol import (
     validation_error_body,
 )
 from specengine.server.state import Prompt, ServerState
-from specengine.weights import WeightUpdateFailed
 
 router = APIRouter()
 

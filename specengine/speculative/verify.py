@@ -10,7 +10,7 @@ verification commits at least one token.
   the walk stops. Output equals non-speculative greedy decoding.
 - ``verify_coupled`` (every sampled request): the target's sample at each position is fixed
   by the request's sampling noise (the exponential race / Gumbel-max trick of
-  ``specengine.sampling``: ``argmax(p / E)`` with ``E ~ Exp(1)``, one noise row per output
+  ``specengine.sampling.params``: ``argmax(p / E)`` with ``E ~ Exp(1)``, one noise row per output
   position); accept the child carrying that sample, else stop with it as the bonus. Every
   committed token is exactly the plain sample of its position, so output is token-identical
   to non-speculative sampling with the same seed; a deterministic child x is accepted with
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from specengine.sampling import SamplingParams, process_logits
+from specengine.sampling.params import SamplingParams, process_logits
 from specengine.speculative.tree import DraftTree
 
 
@@ -84,8 +84,9 @@ def walk(tree: DraftTree, best: list[int]) -> tuple[list[int], int]:
 def verify_coupled(tree: DraftTree, target_probs: torch.Tensor,
                    noise: torch.Tensor) -> tuple[list[int], int]:
     """Sampling acceptance coupled to plain sampling by shared noise (the exponential race /
-    Gumbel-max trick, as in ``specengine.sampling``): the token the target samples after a node
-    at depth ``d`` is ``argmax(p / E_d)``; accept the child carrying it, else stop with it as the
+    Gumbel-max trick, as in ``specengine.sampling.params``): the token the target samples after a
+    node at depth ``d`` is ``argmax(p / E_d)``; accept the child carrying it, else stop with it as
+    the
     bonus. Every committed token is exactly the plain sample of its position, so the result is
     lossless and, for deterministic drafts, accepts child x with probability p(x) as the
     residual method does.

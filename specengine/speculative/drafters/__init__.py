@@ -38,7 +38,7 @@ def make_one(method: str, cfg: SpeculativeConfig, target, num_blocks: int,
                              cfg.suffix_history_decay, cfg.suffix_history_max_age,
                              cfg.suffix_max_matches, cfg.suffix_backoff)
     if method == "draft_model":
-        from specengine.config import parse_dtype
+        from specengine.engine.config import parse_dtype
         from specengine.models.loader import load_model
         from specengine.speculative.drafters.draft_model import (
             DraftModelDrafter,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from specengine.sequence import Sequence
+from specengine.engine.sequence import Sequence
 from specengine.speculative.strategy import Strategy
 from specengine.speculative.tree import DraftTree
 
@@ -60,7 +60,7 @@ class Drafter:
     def features(self, seq: Sequence) -> torch.Tensor | None:
         """The target features this drafter has observed for ``seq``, ``[n, hidden_size]``
         for positions ``0 .. n-1`` (a view; EAGLE keeps them), or None if it keeps none. A
-        sample moved to another engine takes them along (``specengine.migration``); that
+        sample moved to another engine takes them along (``specengine.lifecycle.migration``); that
         engine's drafter gets them through ``observe(seq, 0, features)``."""
         return None
 

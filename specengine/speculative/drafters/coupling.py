@@ -1,7 +1,7 @@
 """Noise-coupled drafting: the drafter proposes the tokens the target is about to sample.
 
 Sampling draws the token at output position ``j`` as ``argmax(p_j / E_j)`` with noise ``E_j``
-that plain sampling and verification share (``specengine.sampling``). A drafter that ranks a
+that plain sampling and verification share (``specengine.sampling.params``). A drafter that ranks a
 node's children by the perturbed draft score ``log q_T(x) - log E_j[x]`` (``q_T``: the draft
 distribution after the request's temperature, top-k, top-p and min-p) proposes first exactly the
 token the target samples when ``q_T = p_j``, and agrees with it with probability at least
@@ -11,7 +11,7 @@ Verification (``verify_coupled``) is unchanged, so output stays lossless whateve
 
 A request's repetition / presence / frequency penalties are applied to the draft logits first,
 each row with its own context (the committed tokens plus the draft path to the row's node,
-``specengine.penalties``), as verification applies them to the target's: not needed for
+``specengine.sampling.penalties``), as verification applies them to the target's: not needed for
 losslessness, but otherwise the draft keeps proposing the tokens the target is penalised for.
 """
 
@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from specengine.batch_sampling import gather_noise, store_noise
-from specengine.penalties import penalize
-from specengine.sampling import SamplingParams
-from specengine.sequence import Sequence
+from specengine.engine.sequence import Sequence
+from specengine.sampling.batched import gather_noise, store_noise
+from specengine.sampling.params import SamplingParams
+from specengine.sampling.penalties import penalize
 
 TOP_P_WINDOW = 256  # drafting's top-p keeps at most this many tokens
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from specengine.batch import BatchEntry
+from specengine.engine.batch import BatchEntry
+from specengine.engine.model_runner import ModelRunner
+from specengine.engine.sequence import Sequence
 from specengine.kv.block_manager import BlockManager
-from specengine.model_runner import ModelRunner
-from specengine.sequence import Sequence
 from specengine.speculative.drafters.base import Drafter
 from specengine.speculative.drafters.coupling import coupled_logprobs
 from specengine.speculative.drafters.shadow import new_shadow, sync_shadow

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from specengine.sequence import Sequence
+from specengine.engine.sequence import Sequence
 from specengine.speculative.drafters.base import Drafter
 from specengine.speculative.policy.calibration import SourceCalibrators, bin_of
 from specengine.speculative.sources import MergedTree, node_votes

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from specengine.sequence import Sequence
+from specengine.engine.sequence import Sequence
 from specengine.speculative.drafters.base import Drafter
 from specengine.speculative.strategy import Strategy
 from specengine.speculative.tree import DraftTree

@@ -10,8 +10,8 @@ the drafter writes next. The drafter's state thus always advances by exactly the
 
 from __future__ import annotations
 
+from specengine.engine.sequence import Sequence
 from specengine.kv.block_manager import BlockManager
-from specengine.sequence import Sequence
 
 
 def new_shadow(seq: Sequence) -> Sequence:

@@ -32,8 +32,8 @@ import math
 import time
 from collections.abc import Callable
 
-from specengine._ext import ext
-from specengine.sequence import Sequence
+from specengine.engine.sequence import Sequence
+from specengine.ops.extension import ext
 from specengine.speculative.drafters.base import Drafter
 from specengine.speculative.drafters.rollout_memory import INDEX_NS, RolloutMemory
 from specengine.speculative.strategy import Strategy

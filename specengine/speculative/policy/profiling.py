@@ -31,9 +31,9 @@ def profile_forward(runner, blocks, model: LatencyModel, budget_s: float = 1.5,
     """
     import torch
 
-    from specengine.batch import BatchEntry
-    from specengine.sampling import SamplingParams
-    from specengine.sequence import Sequence
+    from specengine.engine.batch import BatchEntry
+    from specengine.engine.sequence import Sequence
+    from specengine.sampling.params import SamplingParams
     from specengine.speculative.tree import DraftTree
 
     # (sequences, chain nodes per sequence, context per sequence)
@@ -87,8 +87,8 @@ def profile_draft(drafter, model: LatencyModel, feature, budget_s: float = 0.5,
     added."""
     import torch
 
-    from specengine.sampling import SamplingParams
-    from specengine.sequence import Sequence
+    from specengine.engine.sequence import Sequence
+    from specengine.sampling.params import SamplingParams
     from specengine.speculative.strategy import Strategy
 
     grid = [(1, Strategy(3)), (1, Strategy(7)), (4, Strategy(3)), (1, Strategy(4, 4, 16)),

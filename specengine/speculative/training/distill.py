@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from specengine.api import LLM
-from specengine.jsonl import read_records
+from specengine.data.jsonl import read_records
 from specengine.models.loader import LoadedModel
-from specengine.sampling import SamplingParams
+from specengine.sampling.params import SamplingParams
 from specengine.speculative.drafters.eagle import (
     EagleConfig,
     EagleModel,

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from specengine import kernels
+from specengine.ops import kernels
 from specengine.speculative.drafters.eagle import EagleModel, load_state, save_drafter
 from specengine.speculative.training.harvest import Rollout
 

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from specengine.batch import BatchEntry
+from specengine.engine.batch import BatchEntry
+from specengine.engine.model_runner import ModelRunner
+from specengine.engine.sequence import Sequence
 from specengine.kv.block_manager import BlockManager
-from specengine.model_runner import ModelRunner
-from specengine.sampling import SampleNoise, SamplingParams
-from specengine.sequence import Sequence
+from specengine.sampling.params import SampleNoise, SamplingParams
 from specengine.speculative.drafters.base import Drafter
 from specengine.speculative.strategy import Strategy
 from specengine.speculative.tree import DraftTree

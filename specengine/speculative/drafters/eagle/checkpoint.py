@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -18,7 +19,8 @@ from specengine.speculative.drafters.eagle.identity import match_target, target_
 from specengine.speculative.drafters.eagle.model import EagleConfig, EagleModel
 
 FORMAT = "specengine-eagle"
-DRAFTERS_DIR = Path(__file__).resolve().parents[3] / "drafters"  # specengine/drafters/
+# The shipped drafters (package data): specengine/data/drafters/<target>/.
+DRAFTERS_DIR = Path(str(resources.files("specengine.data") / "drafters"))
 
 
 def save_drafter(model: EagleModel, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
@@ -110,7 +112,7 @@ def load_state(model: EagleModel, sd: dict[str, torch.Tensor], where: str = "sta
 
 
 def shipped_drafter(target) -> Path | None:
-    """The drafter shipped in ``specengine/drafters/*/`` for ``target`` (a ``LoadedModel``), or
+    """The drafter shipped in ``specengine/data/drafters/*/`` for ``target`` (a ``LoadedModel``), or
     None. Found by what the target is, not by its path: the recorded target identity must
     match (``identity.match_target``: tokenizer, architecture config, weight sketch), so the
     alias, the HF directory and the GGUF file of one model all find it."""

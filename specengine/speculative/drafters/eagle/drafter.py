@@ -17,8 +17,8 @@ import torch
 
 from specengine.attention import make_backend
 from specengine.attention.base import AttentionMetadata
+from specengine.engine.sequence import Sequence
 from specengine.kv.block_manager import BlockManager
-from specengine.sequence import Sequence
 from specengine.speculative.drafters.base import Drafter
 from specengine.speculative.drafters.coupling import coupled_logprobs
 from specengine.speculative.drafters.eagle.checkpoint import (
@@ -311,7 +311,7 @@ def make_eagle(cfg, target, num_blocks: int, block_size: int) -> EagleDrafter:
     Raises:
         ValueError: no shipped drafter for the target, or a checkpoint that does not fit it.
     """
-    from specengine.config import parse_dtype
+    from specengine.engine.config import parse_dtype
 
     dtype = parse_dtype(cfg.draft_dtype) if cfg.draft_dtype else target.model.dtype
     if cfg.model == "random":

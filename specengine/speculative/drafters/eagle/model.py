@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specengine import kernels
 from specengine.attention.base import AttentionMetadata
 from specengine.models.config import ModelConfig
 from specengine.models.llama import DecoderLayer, add_rms_norm, apply_rope, rope_cache
+from specengine.ops import kernels
 from specengine.speculative.drafters.eagle.identity import target_identity
 
 LAYER_KEYS = ("input_norm", "qkv_proj", "qkv_bias", "o_proj", "o_bias", "post_attn_norm",

@@ -1,5 +1,6 @@
 """Step-cost tables: seconds an engine step takes, as a function of the tokens in its target
-forward and the context they attend, for replaying a rollout trace (``specengine.replay``).
+forward and the context they attend, for replaying a rollout trace
+(``specengine.replay.projection``).
 
 A table is JSON (``"format": "specengine-step-costs"``, ``"version": 1``):
 
@@ -39,7 +40,7 @@ import bisect
 import os
 from dataclasses import dataclass, field
 
-from specengine.jsonl import read_json, write_json_atomic
+from specengine.data.jsonl import read_json, write_json_atomic
 
 TABLE_FORMAT = "specengine-step-costs"
 TABLE_VERSION = 1

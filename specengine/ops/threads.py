@@ -39,7 +39,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from specengine import kernels
+from specengine.ops import kernels
 
 
 def adaptive_from_env() -> bool:

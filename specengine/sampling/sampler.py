@@ -6,7 +6,7 @@ Every row goes through the same pieces: the ``min_tokens`` masking of stop ids
 draw (greedy argmax, or the exponential race with the sequence's noise: ``batch_sampling.draw``
 for plain rows, ``speculative.verify.verify``'s walk along a token tree), then the logprob
 entries vLLM returns (``logprob_entries``). Every step is batched over the rows
-(``specengine.batch_sampling``), with the per-row definitions' results bit for bit.
+(``specengine.sampling.batched``), with the per-row definitions' results bit for bit.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 import torch
 
-from specengine.batch_sampling import NoiseStreams, draw, process_rows, race
-from specengine.penalties import penalize, tree_paths
-from specengine.sampling import SamplingParams
-from specengine.sequence import Logprob, Sequence
+from specengine.engine.sequence import Logprob, Sequence
+from specengine.sampling.batched import NoiseStreams, draw, process_rows, race
+from specengine.sampling.params import SamplingParams
+from specengine.sampling.penalties import penalize, tree_paths
 from specengine.speculative.tree import DraftTree
 from specengine.speculative.verify import committed_tokens, walk
 
@@ -60,7 +60,7 @@ class Sampler:
                ) -> tuple[list[int], list[LogprobEntry | None]]:
         """Next token of each sequence from its row of ``logits`` ``[B, V]`` float32 (row i is
         ``seqs[i]``'s, at its next output position): all rows processed together, the noise
-        of every sampled row raced in one extension call (``specengine.batch_sampling``).
+        of every sampled row raced in one extension call (``specengine.sampling.batched``).
 
         Returns:
             ``(tokens, entries)``: one token id and one logprob entry (None when the sequence

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from collections import deque
 
-from specengine.batch import BatchEntry
-from specengine.config import EngineConfig
+from specengine.engine.batch import BatchEntry
+from specengine.engine.config import EngineConfig
+from specengine.engine.sequence import Sequence, SequenceStatus
 from specengine.kv.block_manager import BlockManager, cdiv
-from specengine.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:

@@ -47,7 +47,7 @@ FUSED = {
 ABORTED = ("the weight update session was aborted: nothing of it was applied and the old "
            "weights keep serving")
 
-logger = logging.getLogger("specengine.weights")
+logger = logging.getLogger("specengine.lifecycle.weights")
 
 
 class WeightUpdateFailed(RuntimeError):

@@ -7,7 +7,7 @@ import enum
 import itertools
 from dataclasses import dataclass
 
-from specengine.sampling import SampleNoise, SamplingParams
+from specengine.sampling.params import SampleNoise, SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -65,7 +65,7 @@ class Sequence:
         self.text = ""
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.penalty_counts = None  # specengine.penalties.PenaltyCounts, made on first use
+        self.penalty_counts = None  # specengine.sampling.penalties.PenaltyCounts, made on first use
         # statistics: target forwards, and per verify step drafted / accepted draft tokens
         self.num_forwards = 0
         self.num_spec_steps = 0

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from specengine import kernels
 from specengine.attention import AttentionBackend, AttentionMetadata, make_backend
-from specengine.batch import BatchEntry
+from specengine.engine.batch import BatchEntry
 from specengine.kv.block_manager import BlockManager
+from specengine.ops import kernels
 
 
 class ModelRunner:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from specengine.sequence import Request
+from specengine.engine.sequence import Request
+from specengine.engine.step import Commit, ForwardLayout
 from specengine.speculative.policy import StepRecord
 from specengine.speculative.sources import SourceStats
 from specengine.speculative.strategy import Strategy
-from specengine.step import Commit, ForwardLayout
 
 
 @dataclass

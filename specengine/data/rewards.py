@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 
-from specengine.prompt_sets import gsm_questions
+from specengine.data.prompt_sets import gsm_questions
 
 INSTRUCTION = "Solve the problem. End your reply with the final number after '####'."
 _MARKED = re.compile(r"####\s*\$?\s*(-?[\d,]*\.?\d+)")
@@ -75,8 +75,8 @@ def gsm_task(n: int, seed: int = 1234) -> list[dict]:
     """``n`` GSM-style rows for a TRL dataset: ``prompt`` (a one-message conversation: the
     question and ``INSTRUCTION``) and ``answer`` (the number as text).
 
-    ``seed`` picks the questions (``specengine.prompt_sets.gsm_questions``); the default 1234 is
-    held out from the shipped EAGLE drafter's training data (seed 0).
+    ``seed`` picks the questions (``specengine.data.prompt_sets.gsm_questions``); the default 1234
+    is held out from the shipped EAGLE drafter's training data (seed 0).
 
     Raises:
         ValueError: as ``gsm_questions`` (``n`` not a non-negative int).

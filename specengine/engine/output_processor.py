@@ -4,7 +4,7 @@ before the match unless ``include_stop_str_in_output``), ``max_tokens`` and ``ma
 
 from __future__ import annotations
 
-from specengine.sequence import Logprob, Sequence
+from specengine.engine.sequence import Logprob, Sequence
 
 
 class OutputProcessor:

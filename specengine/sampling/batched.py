@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specengine._ext import ext
+from specengine.ops.extension import ext
 
 if TYPE_CHECKING:
-    from specengine.sampling import SampleNoise, SamplingParams
+    from specengine.sampling.params import SampleNoise, SamplingParams
 
 TOP_P_WINDOW = 256  # top-p looks for the cut among this many most likely tokens first
 
@@ -222,7 +222,7 @@ def noise_batch(keys: list[int], positions: list[int], vocab: int) -> torch.Tens
     if mod is not None and hasattr(mod, "exponential_noise_batch"):
         return mod.exponential_noise_batch(torch.tensor(keys, dtype=torch.int64),
                                            torch.tensor(positions, dtype=torch.int64), vocab)
-    from specengine.sampling import noise_rows
+    from specengine.sampling.params import noise_rows
 
     return torch.cat([noise_rows(k, [p], vocab) for k, p in zip(keys, positions)])
 

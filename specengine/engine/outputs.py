@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specengine.sequence import Logprob, Request
+from specengine.engine.sequence import Logprob, Request
 
 
 @dataclass

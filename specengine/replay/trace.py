@@ -5,8 +5,8 @@ step) and is fed twice per step: ``begin_step`` after scheduling (it notes each 
 sequence's length before the step) and ``record`` from ``Engine._account``. ``LLM.start_trace``
 / ``LLM.stop_trace`` drive it and hand back a ``RolloutTrace``, which ``save`` writes as JSON
 (atomically) and ``RolloutTrace.load`` reads back, checking the format.
-``specengine.replay`` predicts the rollout's wall time from it under other policies and step-cost
-tables (replay projection; none of the public RL rollout systems ships one).
+``specengine.replay.projection`` predicts the rollout's wall time from it under other policies and
+step-cost tables (replay projection; none of the public RL rollout systems ships one).
 
 JSON layout (``"format": "specengine-rollout-trace"``, ``"version": 1``), times in seconds since
 ``start_trace``, lengths in tokens:
@@ -35,7 +35,7 @@ import json
 import os
 import time
 
-from specengine.jsonl import read_json, write_json_atomic
+from specengine.data.jsonl import read_json, write_json_atomic
 from specengine.speculative.policy.base import strategy_name
 
 TRACE_FORMAT = "specengine-rollout-trace"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specengine.sequence import Sequence
+from specengine.engine.sequence import Sequence
 from specengine.speculative.tree import DraftTree
 
 

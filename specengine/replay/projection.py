@@ -1,6 +1,6 @@
 """Replay projection: a rollout's wall time under another speculation policy or on another
-machine, predicted from a ``RolloutTrace`` (``specengine.trace``) and a step-cost table
-(``specengine.cost_table``).
+machine, predicted from a ``RolloutTrace`` (``specengine.replay.trace``) and a step-cost table
+(``specengine.replay.cost_table``).
 
 Policies:
 
@@ -32,9 +32,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from specengine.cost_table import CostTable, StepShape
+from specengine.replay.cost_table import CostTable, StepShape
+from specengine.replay.trace import RolloutTrace
 from specengine.speculative.strategy import Strategy
-from specengine.trace import RolloutTrace
 
 
 @dataclass
@@ -68,7 +68,7 @@ class ReplayResult:
 
 def logged_shape(step: dict, default_source: str = "draft",
                  policy: str | None = None) -> StepShape:
-    """The ``StepShape`` of one logged trace step (see ``specengine.trace`` for the fields),
+    """The ``StepShape`` of one logged trace step (see ``specengine.replay.trace`` for the fields),
     decided by ``policy``.
 
     The drafting cost is charged per source for every decode sequence of a speculative step,

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specengine.sequence import Sequence
+from specengine.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from specengine.speculative.tree import DraftTree

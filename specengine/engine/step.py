@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specengine.batch import BatchEntry
-from specengine.sequence import Logprob, Sequence
+from specengine.engine.batch import BatchEntry
+from specengine.engine.sequence import Logprob, Sequence
 
 
 @dataclass

@@ -43,10 +43,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specengine.engine.outputs import RequestOutput
+from specengine.engine.sequence import Request, Sequence, SequenceStatus
 from specengine.kv.block_manager import cdiv
-from specengine.outputs import RequestOutput
-from specengine.sampling import SampleNoise, SamplingParams
-from specengine.sequence import Request, Sequence, SequenceStatus
+from specengine.sampling.params import SampleNoise, SamplingParams
 from specengine.speculative.policy.remaining import FINISHED, RemainingLength
 
 STATS = ("num_forwards", "num_spec_steps", "num_drafted", "num_accepted", "accepted_per_depth",

@@ -4,8 +4,8 @@ account.
 One ``Engine.step()`` advances every running sequence (by one token, or by the accepted part of
 its token tree plus the bonus token) and admits waiting requests; finished requests come back as
 ``RequestOutput``s. The phases are methods of ``Engine``; what they hand each other is in
-``specengine.step``, the drawing in ``specengine.sampler``, the counters in
-``specengine.metrics``.
+``specengine.engine.step``, the drawing in ``specengine.sampling.sampler``, the counters in
+``specengine.engine.metrics``.
 """
 
 from __future__ import annotations
@@ -18,33 +18,33 @@ import time
 import torch
 
 from specengine.attention import make_backend
-from specengine.batch import BatchEntry
-from specengine.config import EngineConfig
-from specengine.kv.block_manager import BlockManager, cdiv
-from specengine.metrics import (
+from specengine.engine.batch import BatchEntry
+from specengine.engine.config import EngineConfig
+from specengine.engine.metrics import (
     EngineMetrics,
     StepTimes,
     record_sequences,
     request_metrics,
     step_record,
 )
-from specengine.model_runner import ModelRunner
-from specengine.output_processor import OutputProcessor
-from specengine.outputs import RequestOutput, request_output
-from specengine.sampler import Sampler
-from specengine.sampling import SampleNoise, SamplingParams
-from specengine.scheduler import Scheduler
-from specengine.sequence import PartialSample, Request, ScoreSpec, Sequence, SequenceStatus
+from specengine.engine.model_runner import ModelRunner
+from specengine.engine.output_processor import OutputProcessor
+from specengine.engine.outputs import RequestOutput, request_output
+from specengine.engine.scheduler import Scheduler
+from specengine.engine.sequence import PartialSample, Request, ScoreSpec, Sequence, SequenceStatus
+from specengine.engine.step import Commit, ForwardLayout
+from specengine.kv.block_manager import BlockManager, cdiv
+from specengine.ops.threads import ThreadTuner, adaptive_from_env
+from specengine.sampling.params import SampleNoise, SamplingParams
+from specengine.sampling.sampler import Sampler
 from specengine.speculative.drafters.base import Drafter, prune_tree
 from specengine.speculative.policy import StaticPolicy
 from specengine.speculative.strategy import Strategy
-from specengine.step import Commit, ForwardLayout
-from specengine.threads import ThreadTuner, adaptive_from_env
 
 PAUSE_MODES = ("abort", "keep", "retract")
 PROMPT_ROWS = 256  # logits rows computed at once for prompt logprobs and scores
 
-logger = logging.getLogger("specengine.engine")
+logger = logging.getLogger("specengine.engine.engine")
 
 
 class InvalidRequestError(ValueError):
@@ -77,7 +77,7 @@ class Engine:
         drafter: drafter for speculative decoding (None: plain decoding).
         policy: picks the strategy per step (default: the drafter's strategy, always).
         attention_backend: ``"auto"``, ``"torch"``, ``"cpu"``, ``"cuda"`` or ``"triton"``.
-        adaptive_threads: let ``self.threads`` (``specengine.threads.ThreadTuner``) pick the
+        adaptive_threads: let ``self.threads`` (``specengine.ops.threads.ThreadTuner``) pick the
             kernels' thread count of steps run in them from measured step times (None: the
             environment variable ``SPECENGINE_ADAPTIVE_THREADS``, default on).
     """
@@ -112,7 +112,7 @@ class Engine:
         self._weight_version = 0
         self.weight_version = 0  # stamped on outputs; weights.WeightUpdater advances it
         self.ready_check = None  # callable raising when requests cannot run (memory.py)
-        self.trace = None  # specengine.trace.TraceRecorder while a rollout trace is recorded
+        self.trace = None  # specengine.replay.trace.TraceRecorder while a rollout trace is recorded
         # finished requests not returned by a step yet: the last unfinished sample of a request
         # left the engine (``detach``), the others had finished; the next ``step`` returns them
         self.outputs_ready: list[RequestOutput] = []
@@ -515,7 +515,7 @@ class Engine:
             self.held = [g for g in self.held if g[0].request_id != request_id]
         return True
 
-    # ---- samples moving between engines (specengine.migration) ----------------------------
+    # ---- samples moving between engines (specengine.lifecycle.migration) ------------------------
     def detach(self, seq: Sequence) -> None:
         """Take the unfinished sample ``seq`` out of this engine (it continues on another):
         it leaves the running set or the waiting queue, its KV blocks go back to the pool (full
@@ -826,7 +826,7 @@ class Engine:
                  times: StepTimes, num_proposed: int | None, num_appended: int) -> None:
         """Count the step on the sequences and the engine (``EngineMetrics``), hand the
         policy its ``StepRecord`` (with speculation) and the trace recorder the step (when
-        tracing, ``specengine.trace``)."""
+        tracing, ``specengine.replay.trace``)."""
         record_sequences(layout, commits)
         self.metrics.record_step(layout, commits, times, num_appended,
                                  self.scheduler.num_preemptions)

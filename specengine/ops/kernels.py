@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specengine._ext import ext
+from specengine.ops.extension import ext
 
 # Batch invariance (on by default; ``set_batch_invariant`` / SPECENGINE_BATCH_INVARIANT=0 turn
 # it off): every linear layer runs the extension's kernel for its weight whatever the number of
@@ -400,7 +400,7 @@ def packed_covers(rows: int) -> bool:
 def kernel_threads(active: bool = True, threads: int | None = None):
     """Within the block, torch runs on one thread and the extension's kernels on the threads
     torch had (its thread pool, ``csrc/pool.h``), or on ``threads`` (at most torch's count;
-    ``specengine.threads.ThreadTuner`` picks it), when ``active`` and the extension is built.
+    ``specengine.ops.threads.ThreadTuner`` picks it), when ``active`` and the extension is built.
     Results do not depend on the count (the kernels split work over disjoint outputs).
 
     Why: after each parallel op torch's OpenMP workers spin for milliseconds; with as many

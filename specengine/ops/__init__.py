@@ -1,0 +1,1 @@
+"""Kernels: the C++ extension loader, linear / norm / RoPE / SwiGLU over it, the thread tuner."""

@@ -1,0 +1,1 @@
+"""Rollout traces, step-cost tables and the replay projection of a trace."""

@@ -1,0 +1,2 @@
+"""Sampling: ``SamplingParams``, the engine's sampler and tree verifier, batched row
+processing, penalties."""
