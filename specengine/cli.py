@@ -23,12 +23,12 @@ ignored; error lines are tried again) and generates the rest; without it an exis
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
 import time
 
+from specengine.cli_args import speculative_config_arg
 from specengine.data.jsonl import (
     JsonlAppender,
     dump_line,
@@ -431,20 +431,6 @@ def generate(args: argparse.Namespace) -> int:
     for err in (errors[no] for no in sorted(errors)):
         print(f"  failed {err}")
     return 0
-
-
-def speculative_config_arg(text: str | None) -> dict | None:
-    """The ``--speculative-config`` JSON text as a dict (None when not given).
-
-    Raises:
-        ValueError: not valid JSON, naming the flag.
-    """
-    if not text:
-        return None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--speculative-config is not valid JSON ({e})") from None
 
 
 def main(argv: list[str] | None = None) -> int:

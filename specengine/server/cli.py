@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 
+from specengine.cli_args import speculative_config_arg
 from specengine.models.registry import DEFAULT_MODEL
 
 API_KEY_ENV = "SPECENGINE_API_KEY"
@@ -24,6 +25,13 @@ def add_serve_cli(sub) -> None:
                        description="Serve a model over HTTP: OpenAI /v1/completions and "
                        "/v1/chat/completions (streaming too), TRL vllm-serve routes, /health, "
                        "/metrics. Concurrent requests are batched together.")
+    _add_model_flags(s)
+    _add_security_flags(s)
+    _add_limit_flags(s)
+
+
+def _add_model_flags(s) -> None:
+    """The model, address and engine flags of ``serve``."""
     s.add_argument("--model", default=DEFAULT_MODEL,
                    help="known alias, Hugging Face directory or .gguf file")
     s.add_argument("--served-model-name", default=None,
@@ -45,6 +53,10 @@ def add_serve_cli(sub) -> None:
                    help="processed_logprobs is what TRL and verl use for importance sampling")
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+
+
+def _add_security_flags(s) -> None:
+    """The ``security`` group of ``serve`` (``ServerOptions``' exposure fields)."""
     sec = s.add_argument_group(
         "security", "What the server exposes and to whom (README: Security). By default it "
         "listens on 127.0.0.1 only, answers only Host: localhost/127.0.0.1/[::1], needs no key "
@@ -69,6 +81,11 @@ def add_serve_cli(sub) -> None:
     sec.add_argument("--allowed-weight-dirs", nargs="+", default=[], metavar="DIR",
                      help="directories /update_weights_from_disk may load from ([]: "
                      "every path is refused)")
+
+
+def _add_limit_flags(s) -> None:
+    """The ``limits`` group of ``serve`` (``ServerOptions``' per-request and server-wide
+    limits)."""
     lim = s.add_argument_group("limits", "Per-request and server-wide limits (requests over "
                                "them get 4xx answers; nothing else is affected).")
     lim.add_argument("--max-request-body-bytes", type=int, default=16 * MiB, metavar="B",
@@ -148,7 +165,6 @@ def serve_main(args: argparse.Namespace) -> int:
               f"(pip install 'specengine[serve]'): {e}", file=sys.stderr)
         return 2
     from specengine.api import LLM
-    from specengine.cli import speculative_config_arg
 
     if not 0 <= args.port <= 65535:
         print(f"error: --port {args.port} must be in [0, 65535]", file=sys.stderr)
