@@ -3,9 +3,19 @@
 The engine calls ``propose`` before the target forward, ``observe`` after it (EAGLE reads the
 target's hidden states there), ``release`` when a sequence finishes and ``set_weight_version``
 when the target's weights change.
+
+A drafter may wrap others (a training ``Harvester`` its inner drafter, a ``MergedDrafter`` its
+parts): ``wrapped()`` lists them, ``walk()`` visits the whole nest and ``find(kind)`` picks the
+first of a kind. What only some drafters have is declared here with neutral defaults:
+``kv_pools`` (a KV pool of their own), ``packed_weights`` / ``drop_packed`` (kernel copies of
+weights), ``trainable_model`` / ``publish`` (weights that can be trained and swapped in; EAGLE's
+``version`` then says which are in use).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TypeVar
 
 import torch
 
@@ -13,12 +23,19 @@ from specengine.engine.sequence import Sequence
 from specengine.speculative.strategy import Strategy
 from specengine.speculative.tree import DraftTree
 
+D = TypeVar("D", bound="Drafter")
+
 
 class Drafter:
-    """Base drafter. ``strategy`` is the tree shape used when no policy chooses one."""
+    """Base drafter. ``strategy`` is the tree shape used when no policy chooses one.
+
+    Attributes:
+        name: the source name its tree nodes carry.
+        wants_hidden: True: the engine calls ``observe`` with target hidden states.
+    """
 
     name = "base"
-    wants_hidden = False  # True: the engine calls ``observe`` with target hidden states
+    wants_hidden = False
 
     def __init__(self, strategy: Strategy):
         self.strategy = strategy
@@ -63,6 +80,50 @@ class Drafter:
         sample moved to another engine takes them along (``specengine.lifecycle.migration``); that
         engine's drafter gets them through ``observe(seq, 0, features)``."""
         return None
+
+    # ---- drafters inside drafters -----------------------------------------------------------
+    def wrapped(self) -> list[Drafter]:
+        """The drafters this one wraps, in order (a ``Harvester``: its inner drafter; a
+        ``MergedDrafter``: its parts); ``[]`` for a plain drafter."""
+        return []
+
+    def walk(self) -> Iterator[Drafter]:
+        """This drafter, then every drafter it wraps, depth first (in ``wrapped`` order)."""
+        yield self
+        for d in self.wrapped():
+            yield from d.walk()
+
+    def find(self, kind: type[D]) -> D | None:
+        """This drafter or the first one it wraps (depth first) that is an instance of
+        ``kind``; None if there is none."""
+        return next((d for d in self.walk() if isinstance(d, kind)), None)
+
+    # ---- optional capabilities (neutral defaults) ---------------------------------------------
+    def kv_pools(self) -> list[torch.Tensor]:
+        """The KV pool tensors this drafter owns (not those of drafters it wraps; use
+        ``walk``), which sleep releases and wake restores; ``[]`` (default): none."""
+        return []
+
+    def packed_weights(self) -> list:
+        """The kernels' packed copies (``ops.kernels.PackedWeight``) of weights this drafter
+        keeps (EAGLE: of its ``fc`` and the shared LM-head rows); ``[]`` (default): none."""
+        return []
+
+    def drop_packed(self) -> None:
+        """Forget the packed copies of ``packed_weights`` (rebuilt on first use); no-op here."""
+
+    def trainable_model(self) -> torch.nn.Module | None:
+        """The network whose weights can be trained and published (``publish`` takes its
+        ``state_dict``), or None (default): nothing to train."""
+        return None
+
+    def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Take new weights (a ``state_dict`` of ``trainable_model()``) as ``version``.
+
+        Raises:
+            ValueError: this drafter has no trainable weights (the default).
+        """
+        raise ValueError(f"drafter {self.name!r} takes no published weights")
 
 
 def prune_tree(tree: DraftTree | None, max_depth: int, max_nodes: int) -> DraftTree | None:

@@ -57,6 +57,10 @@ class DraftModelDrafter(Drafter):
         self.vocab_size = vocab_size
         self.shadows: dict[int, Sequence] = {}
 
+    def kv_pools(self) -> list[torch.Tensor]:
+        """The draft model's own KV pool (its runner's ``kv_cache``)."""
+        return [self.runner.kv_cache]
+
     def _shadow(self, seq: Sequence) -> Sequence:
         sh = self.shadows.get(seq.seq_id)
         if sh is None:

@@ -203,6 +203,10 @@ class MergedDrafter(Drafter):
                 return p
         raise KeyError(f"no drafter {name!r} among {[p.name for p in self.parts]}")
 
+    def wrapped(self) -> list[Drafter]:
+        """The parts, in order."""
+        return list(self.parts)
+
     def propose(self, seqs: list[Sequence], strategy: Strategy) -> list[DraftTree | None]:
         per_part = [p.propose(seqs, strategy) for p in self.parts]
         names = [p.name for p in self.parts]

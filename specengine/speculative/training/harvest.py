@@ -92,6 +92,10 @@ class Harvester(Drafter):
         self.inner, self.buffer = inner, buffer
         self.feats: dict[int, list[tuple[int, torch.Tensor]]] = {}
 
+    def wrapped(self) -> list[Drafter]:
+        """The inner drafter (``[]`` without one)."""
+        return [] if self.inner is None else [self.inner]
+
     def propose(self, seqs: list[Sequence], strategy: Strategy) -> list[DraftTree | None]:
         if self.inner is None:
             return [None] * len(seqs)

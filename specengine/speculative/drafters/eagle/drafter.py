@@ -125,6 +125,20 @@ class EagleDrafter(Drafter):
         if st is not None:
             self.blocks.free(st.shadow)
 
+    def kv_pools(self) -> list[torch.Tensor]:
+        """The drafter's own KV pool ``kv`` ``[2, num_blocks, block_size, kv_heads, head_dim]``."""
+        return [self.kv]
+
+    def packed_weights(self) -> list:
+        """The kernel copies of ``fc`` and the shared LM-head rows (``EagleModel._packed``)."""
+        return self.model.packed_weights()
+
+    def drop_packed(self) -> None:
+        self.model.drop_packed()
+
+    def trainable_model(self) -> EagleModel:
+        return self.model
+
     def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Queue new weights (thread-safe); they replace the current ones between steps."""
         with self._lock:

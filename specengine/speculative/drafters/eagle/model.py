@@ -150,6 +150,16 @@ class EagleModel(nn.Module):
             pw = self._packs[name] = kernels.prepack(weight)
         return pw
 
+    def drop_packed(self) -> None:
+        """Forget the kernels' packed copies and the gathered draft-head rows; they are rebuilt
+        on first use (``specengine.lifecycle.memory``'s sleep frees them this way)."""
+        self._packs.clear()
+        self._head = None
+
+    def packed_weights(self) -> list[kernels.PackedWeight]:
+        """The packed copies held now (for memory accounting)."""
+        return list(self._packs.values())
+
     def random_init(self, seed: int = 0) -> EagleModel:
         """Fill the weights randomly (unit-scale activations), in place; returns self."""
         g = torch.Generator().manual_seed(seed)
