@@ -17,7 +17,12 @@ from specengine.speculative.training.fit import (
     reduced_vocab,
     trainable_copy,
 )
-from specengine.speculative.training.harvest import HiddenBuffer, Rollout, harvest, teacher_force
+from specengine.speculative.training.harvest import (
+    HiddenBuffer,
+    SequenceFeatures,
+    harvest,
+    teacher_force,
+)
 from specengine.speculative.training.online import DrafterTrainer
 
 
@@ -38,17 +43,17 @@ def greedy(n=16):
 @pytest.fixture(scope="module")
 def rollouts(target):
     seqs = [(p * 6)[:48] for p in prompts(12, seed=3, length=8)]  # repetitive: learnable
-    return [Rollout(s, h) for s, h in zip(seqs, teacher_force(target.model, seqs))]
+    return [SequenceFeatures(s, h) for s, h in zip(seqs, teacher_force(target.model, seqs))]
 
 
 def test_hidden_buffer_bounds():
     buf = HiddenBuffer(max_items=3, max_bytes=10_000)
     for i in range(5):
-        buf.add(Rollout([i] * 10, torch.zeros(9, 16)))  # 576 + 80 bytes each
+        buf.add(SequenceFeatures([i] * 10, torch.zeros(9, 16)))  # 576 + 80 bytes each
     assert [r.token_ids[0] for r in buf.snapshot()] == [2, 3, 4]
     small = HiddenBuffer(max_items=100, max_bytes=1500)
     for i in range(5):
-        small.add(Rollout([i] * 10, torch.zeros(9, 16)))
+        small.add(SequenceFeatures([i] * 10, torch.zeros(9, 16)))
     assert [r.token_ids[0] for r in small.snapshot()] == [3, 4] and small.nbytes <= 1500
     with pytest.raises(ValueError, match="max_items"):
         HiddenBuffer(max_items=0)

@@ -1,6 +1,6 @@
-"""Fitting the EAGLE drafter (``drafters.eagle``) to harvested ``Rollout``s: ``TrainConfig``,
-the loss (``drafter_loss``), ``evaluate``, one optimizer step (``Fitter``), a whole resumable
-run (``fit``), and the FR-Spec draft vocabulary (``reduced_vocab``).
+"""Fitting the EAGLE drafter (``drafters.eagle``) to harvested ``SequenceFeatures``:
+``TrainConfig``, the loss (``drafter_loss``), ``evaluate``, one optimizer step (``Fitter``), a
+whole resumable run (``fit``), and the FR-Spec draft vocabulary (``reduced_vocab``).
 
 Loss (EAGLE arXiv 2401.15077, EAGLE-3 arXiv 2503.01840), per unrolled step s with weight
 ``decay**s``: cross-entropy of the draft distribution against the target's distribution (soft
@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from specengine.ops import kernels
 from specengine.speculative.drafters.eagle import EagleModel, load_state, save_drafter
-from specengine.speculative.training.harvest import Rollout
+from specengine.speculative.training.harvest import SequenceFeatures
 
 
 def reduced_vocab(sequences: list[list[int]], size: int, vocab_size: int,
@@ -85,7 +85,8 @@ class TrainConfig:
         return torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(self.autocast))
 
 
-def _batches(data: list[Rollout], batch_tokens: int, rng: random.Random, max_len: int):
+def _batches(data: list[SequenceFeatures], batch_tokens: int, rng: random.Random,
+             max_len: int):
     """Endless stream of lists of rollouts, about ``batch_tokens`` tokens each (padded size),
     grouped by similar length."""
     order = sorted(range(len(data)), key=lambda i: len(data[i].token_ids))
@@ -103,7 +104,7 @@ def _batches(data: list[Rollout], batch_tokens: int, rng: random.Random, max_len
         yield from groups
 
 
-def _pad(rollouts: list[Rollout], max_len: int) -> tuple[torch.Tensor, torch.Tensor,
+def _pad(rollouts: list[SequenceFeatures], max_len: int) -> tuple[torch.Tensor, torch.Tensor,
                                                           torch.Tensor]:
     """``tokens [B, L]``, ``feats [B, L, H]`` float32 (feature L-1 and pads zero), ``valid``
     ``[B, L]`` bool (position has a real feature)."""
@@ -182,7 +183,7 @@ def drafter_loss(model: EagleModel, tokens, feats, valid, cfg: TrainConfig,
     return stats
 
 
-def evaluate(model: EagleModel, data: list[Rollout], cfg: TrainConfig,
+def evaluate(model: EagleModel, data: list[SequenceFeatures], cfg: TrainConfig,
              batch_tokens: int = 4096) -> dict:
     """Mean top-1 agreement per step and estimated chain tau over ``data`` (no noise)."""
     model.eval()
@@ -232,7 +233,7 @@ class Fitter:
         frac = (s - c.warmup) / max(1, c.steps - c.warmup)
         return c.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
-    def step(self, batch: list[Rollout]) -> dict:
+    def step(self, batch: list[SequenceFeatures]) -> dict:
         self.model.train()
         tokens, feats, valid = _pad(batch, self.cfg.max_len)
         warm = self.step_no < self.cfg.warm_unroll_frac * self.cfg.steps
@@ -250,8 +251,9 @@ class Fitter:
         return st
 
 
-def fit(model: EagleModel, train: list[Rollout], val: list[Rollout], cfg: TrainConfig,
-        out_dir: str | Path | None = None, save_every: int = 200, progress: bool = True,
+def fit(model: EagleModel, train: list[SequenceFeatures], val: list[SequenceFeatures],
+        cfg: TrainConfig, out_dir: str | Path | None = None, save_every: int = 200,
+        progress: bool = True,
         save_dtype: torch.dtype = torch.bfloat16, log=None, until: int | None = None) -> dict:
     """Train ``model`` (a trainable copy, see ``trainable_copy``) on ``train`` for ``cfg.steps``
     steps (or stop at step ``until``); resumable from ``out_dir/train_state.pt`` (weights,

@@ -1,5 +1,5 @@
 """Harvesting the EAGLE drafter's training data: per finished sequence, its token ids and the
-target's features (``Rollout``).
+target's features (``SequenceFeatures``).
 
 Features are the target's post-norm last hidden states of positions 0..L-2 (the last token's
 feature is never computed in decoding). They come for free from decoding (``Harvester``,
@@ -27,7 +27,7 @@ from specengine.speculative.tree import DraftTree
 
 
 @dataclass
-class Rollout:
+class SequenceFeatures:
     """One finished sequence: ``token_ids`` ``[L]`` and target features ``hidden`` ``[L-1, H]``
     (feature i belongs to position i)."""
 
@@ -40,20 +40,20 @@ class Rollout:
 
 
 class HiddenBuffer:
-    """Bounded FIFO of ``Rollout``s: at most ``max_items`` and ``max_bytes``; the oldest are
-    dropped first. Thread-safe."""
+    """Bounded FIFO of ``SequenceFeatures``: at most ``max_items`` and ``max_bytes``; the oldest
+    are dropped first. Thread-safe."""
 
     def __init__(self, max_items: int = 1024, max_bytes: int = 1 << 30):
         if max_items < 1 or max_bytes < 1:
             raise ValueError(f"HiddenBuffer max_items={max_items}, max_bytes={max_bytes}: "
                              "both must be >= 1")
         self.max_items, self.max_bytes = max_items, max_bytes
-        self.items: deque[Rollout] = deque()
+        self.items: deque[SequenceFeatures] = deque()
         self.nbytes = 0
         self.total_added = 0
         self._lock = threading.Lock()
 
-    def add(self, r: Rollout) -> None:
+    def add(self, r: SequenceFeatures) -> None:
         if len(r.token_ids) < 3 or r.nbytes > self.max_bytes:
             return
         with self._lock:
@@ -63,11 +63,11 @@ class HiddenBuffer:
             while len(self.items) > self.max_items or self.nbytes > self.max_bytes:
                 self.nbytes -= self.items.popleft().nbytes
 
-    def snapshot(self) -> list[Rollout]:
+    def snapshot(self) -> list[SequenceFeatures]:
         with self._lock:
             return list(self.items)
 
-    def drain(self) -> list[Rollout]:
+    def drain(self) -> list[SequenceFeatures]:
         """Take every rollout out (oldest first); the buffer is left empty."""
         with self._lock:
             out, self.items, self.nbytes = list(self.items), deque(), 0
@@ -132,7 +132,7 @@ class Harvester(Drafter):
         if parts:
             hidden = torch.cat([h for _, h in parts])
             n = min(hidden.shape[0], len(seq) - 1)
-            self.buffer.add(Rollout(list(seq.token_ids[:n + 1]), hidden[:n]))
+            self.buffer.add(SequenceFeatures(list(seq.token_ids[:n + 1]), hidden[:n]))
         if self.inner is not None:
             self.inner.release(seq)
 

@@ -11,7 +11,7 @@ import time
 
 from specengine.speculative.drafters.eagle import EagleDrafter
 from specengine.speculative.training.fit import Fitter, TrainConfig, trainable_copy
-from specengine.speculative.training.harvest import HiddenBuffer, Rollout
+from specengine.speculative.training.harvest import HiddenBuffer, SequenceFeatures
 
 
 class DrafterTrainer:
@@ -44,7 +44,7 @@ class DrafterTrainer:
         self._thread: threading.Thread | None = None
         self._rng = random.Random(self.cfg.seed)
 
-    def _batch(self) -> list[Rollout] | None:
+    def _batch(self) -> list[SequenceFeatures] | None:
         data = self.buffer.snapshot()
         if len(data) < self.min_rollouts:
             return None
