@@ -140,6 +140,10 @@ class Harvester(Drafter):
         if self.inner is not None:
             self.inner.set_weight_version(version)
 
+    def stats(self) -> dict:
+        """The inner drafter's ``stats()`` (``{}`` without one): harvesting adds none."""
+        return self.inner.stats() if self.inner is not None else {}
+
 
 def harvest(llm, buffer: HiddenBuffer) -> Harvester:
     """Make ``llm`` (an ``LLM``) put every finished sequence into ``buffer``; returns the
