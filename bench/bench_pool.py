@@ -52,7 +52,7 @@ import ray  # noqa: E402
 from specengine import SamplingParams  # noqa: E402
 from specengine.data.rewards import gsm_task  # noqa: E402
 from specengine.distributed import PoolController, RolloutPool  # noqa: E402
-from specengine.distributed.migration import MigrationController  # noqa: E402
+from specengine.distributed.migration_controller import MigrationController  # noqa: E402
 from specengine.distributed.spare_training import SpareTraining  # noqa: E402
 from specengine.models.loader import resolve_model  # noqa: E402
 from specengine.models.registry import DEFAULT_MODEL  # noqa: E402

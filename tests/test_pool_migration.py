@@ -12,7 +12,7 @@ ray = pytest.importorskip("ray")
 
 from specengine import LLM, SamplingParams  # noqa: E402
 from specengine.distributed import RolloutPool  # noqa: E402
-from specengine.distributed.migration import MigrationController  # noqa: E402
+from specengine.distributed.migration_controller import MigrationController  # noqa: E402
 from specengine.lifecycle.migration import MigrationCost, SequenceInfo  # noqa: E402
 from specengine.models.loader import save_random_model  # noqa: E402
 

@@ -13,7 +13,7 @@ ray = pytest.importorskip("ray")
 
 from specengine import LLM, SamplingParams  # noqa: E402
 from specengine.distributed import PoolController, RolloutPool, SpareTraining  # noqa: E402
-from specengine.distributed import training as spare  # noqa: E402
+from specengine.distributed import spare_training as spare  # noqa: E402
 from specengine.distributed.spare_training import HarvestStore, merge_tau  # noqa: E402
 from specengine.distributed.worker import RolloutWorker  # noqa: E402
 from specengine.models.loader import save_random_model  # noqa: E402

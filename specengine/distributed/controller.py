@@ -4,12 +4,13 @@ The pool's dispatch loop reports each event here (requests placed on an actor, a
 finished, an actor died), asks it where to place a call's requests (``place``: by default
 ``balance.assign``, least predicted work first) and, when ``interval`` is set, calls ``on_tick``
 every ``interval`` seconds (sooner after a hook set ``due``). The base class does nothing else.
-``MigrationController`` (``distributed/migration.py``) is the migration controller built on these
-hooks (issue 17 item 2, RLHFSpec). ``RolloutPool(controller=...)`` takes one; hooks run on the
-thread that called ``generate``, between events, so a hook may call the pool's actors
-(``pool.actors``) but must not call ``pool.generate``.
+``MigrationController`` (``distributed/migration_controller.py``) is the migration controller
+built on these hooks (issue 17 item 2, RLHFSpec). ``RolloutPool(controller=...)`` takes one;
+hooks run on the thread that called ``generate``, between events, so a hook may call the pool's
+actors (``pool.actors``) but must not call ``pool.generate``.
 
-What a hook sees of a running ``generate`` (``on_tick``'s ``run``, a ``rollout.Rollout``):
+What a hook sees of a running ``generate`` (``on_tick``'s ``run``, a
+``generate_run.GenerateRun``):
 ``run.loc`` maps each unfinished sample ``(input index, sample index)`` to the actor holding it,
 ``run.rids`` the actor-side request id of each input index; ``run.moved`` records samples that
 changed actor, and ``run.stream(actor)`` starts a rollout stream on an actor that has none, so

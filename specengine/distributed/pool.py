@@ -23,8 +23,8 @@ times (default 1): one that is on an actor when it dies after that many re-place
 request: its prompt or params crash the engine process) fails alone: ``generate`` returns or
 raises everything else (``RequestFailedError`` names the request and the actors it was on;
 the other requests' outputs ride on it). So the blame is exact, a re-placed request runs on an
-actor that holds no other re-placed request (``_RetryRollout``): when such an actor dies, its
-re-placed request is the one that was on two dying actors, and its first-run requests are
+actor that holds no other re-placed request (``generate_run.RetryingRun``): when such an actor
+dies, its re-placed request is the one that was on two dying actors, and its first-run requests are
 re-placed as the dead actor's victims, not failed. Re-placed requests beyond one per live actor
 wait for a free actor (after a death with many requests in flight, their re-runs go one per
 actor at a time, beside the actors' own work). A poison request so costs two actors, never the
@@ -32,12 +32,13 @@ pool. Two independent faults can still blame a re-placed request wrongly (a fres
 request killing the actor it shares), and samples moved by migration may share an actor with
 another re-placed request.
 
-Migration: with ``controller=MigrationController()`` (``distributed/migration.py``) samples move
-from a busy actor to an idle one during the rollout (two-stage K/V transfer or re-prefill);
-actors are threaded (``max_concurrency`` 8) and step their engine one step per lock hold, so the
-controller's status, export and import calls run between steps. A request split that way comes
-back in parts; the pool joins them (``rollout.Rollout``), so ``generate`` still returns one output
-per request, in input order, with the samples one engine would give.
+Migration: with ``controller=MigrationController()`` (``distributed/migration_controller.py``)
+samples move from a busy actor to an idle one during the rollout (two-stage K/V transfer or
+re-prefill); actors are threaded (``max_concurrency`` 8) and step their engine one step per lock
+hold, so the controller's status, export and import calls run between steps. A request split
+that way comes back in parts; the pool joins them (``generate_run.GenerateRun``), so
+``generate`` still returns one output per request, in input order, with the samples one engine
+would give.
 
 Weights: ``update_weights`` / ``load_weights`` put the tensors into Ray's object store once
 (``ray.put``) and send every actor the same reference. Updates are all-or-nothing across the
@@ -57,7 +58,7 @@ Runs on whatever Ray the process is connected to: ``ray.init(num_cpus=2)`` on on
 (specengine must be installed on every node; a checkpoint path given to ``load_weights`` is read
 on each actor's node).
 
-Spare-instance drafter training (TLT, ``distributed.training``): with ``harvest=True`` every
+Spare-instance drafter training (TLT, ``distributed.spare_training``): with ``harvest=True`` every
 actor with an EAGLE drafter records its finished sequences' target features; the pool collects
 them into a bounded store of object-store references. With ``spare_training=SpareTraining(...)``
 an actor whose share of a ``generate`` is done while others still decode trains the EAGLE drafter
@@ -69,20 +70,17 @@ change (verification is lossless).
 from __future__ import annotations
 
 import itertools
-import os
 import queue
 import time
-import warnings
-from collections.abc import Iterable, Mapping
 
 import ray
-import torch
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayActorError
 
 from specengine.distributed.balance import WorkModel, group_requests
 from specengine.distributed.controller import PoolController
+from specengine.distributed.generate_run import RetryingRun
+from specengine.distributed.pool_weights import PoolWeightUpdates
 from specengine.distributed.requests import PoolRequest, SeedSource, prepare
-from specengine.distributed.rollout import Rollout
 from specengine.distributed.spare_training import SpareScheduler, SpareTraining, merge_tau
 from specengine.distributed.worker import RolloutWorker
 from specengine.engine.outputs import RequestOutput
@@ -108,103 +106,7 @@ class RequestFailedError(RuntimeError):
                          f"RequestFailedError.outputs): " + "; ".join(failures.values()))
 
 
-class _RetryRollout(Rollout):
-    """``Rollout`` with per-request retry accounting (the module docstring, Faults).
-
-    Attributes:
-        retries: input index -> times re-placed after an actor holding it died.
-        deaths: input index -> the actors that died holding it, with their errors.
-        failed: input index -> why it failed (not re-placed again).
-        retry_slot: live actor -> the re-placed request running there (at most one each).
-        waiting: re-placed requests waiting for an actor with no re-placed request.
-    """
-
-    def __init__(self, pool, reqs: list[PoolRequest], results: list, run_id: int):
-        super().__init__(pool, reqs, results, run_id)
-        self.retries = {i: 0 for i in self.reqs}
-        self.deaths: dict[int, list[str]] = {}
-        self.failed: dict[int, str] = {}
-        self.retry_slot: dict[int, int] = {}
-        self.waiting: list[int] = []
-
-    def handle(self, kind: str, cid: int, payload) -> int:
-        actor_id = super().handle(kind, cid, payload)
-        self.pump()
-        return actor_id
-
-    def _output(self, actor_id: int, out: RequestOutput) -> None:
-        if self.index_of.get(out.request_id) in self.failed:
-            return  # a sample of a failed request that ran on elsewhere (moved by migration)
-        super()._output(actor_id, out)
-
-    def dead(self, actor_id: int, error: Exception) -> None:
-        """Actor ``actor_id`` died: mark it; fail the requests on it that were re-placed
-        ``max_request_retries`` times already; queue the others for re-placement (``pump``).
-
-        Raises:
-            RuntimeError: requests are to be re-placed and no actor is left.
-        """
-        pool = self.pool
-        first = actor_id in pool.alive
-        pool._mark_dead(actor_id, error)
-        self.retry_slot.pop(actor_id, None)
-        hit = sorted({i for (i, _), a in self.loc.items() if a == actor_id} - set(self.failed))
-        if not first and not hit:
-            return
-        why = f"actor {actor_id} ({pool.dead.get(actor_id, type(error).__name__)})"
-        rerun = []
-        for i in hit:
-            self.deaths.setdefault(i, []).append(why)
-            if self.retries[i] >= pool.max_request_retries:
-                self._fail(i)
-            else:
-                rerun.append(i)
-        pool.num_requests_rerun += len(rerun)
-        pool.controller.on_actor_dead(pool, actor_id, error, rerun)
-        if rerun:
-            pool._require_alive(len(rerun))
-            for key in [k for k, a in self.loc.items() if a == actor_id]:
-                del self.loc[key]  # those samples run nowhere until re-placed
-            self.waiting.extend(rerun)
-            self.pump()
-
-    def _fail(self, i: int) -> None:
-        n, k = self.retries[i], len(self.deaths[i])
-        self.failed[i] = (f"input index {i} was on {k} actor{'s' if k != 1 else ''} that "
-                          f"died ({'; '.join(self.deaths[i])}) after {n} re-placement"
-                          f"{'s' if n != 1 else ''}; not retried again")
-        self._left -= 1
-        self.parts.pop(i, None)
-        for key in [k for k in self.loc if k[0] == i]:
-            del self.loc[key]
-        self.pool.num_requests_failed += 1
-
-    def pump(self) -> None:
-        """Free the retry slots whose request is no longer on their actor, then re-place
-        waiting requests on live actors without one (least predicted work first, then the
-        lowest actor id)."""
-        for a, i in list(self.retry_slot.items()):
-            if a not in self.pool.alive or not any(
-                    k[0] == i and where == a for k, where in self.loc.items()):
-                del self.retry_slot[a]
-        while self.waiting:
-            free = [a for a in self.pool.alive if a not in self.retry_slot]
-            if not free:
-                return
-            i = self.waiting.pop(0)
-            if i in self.failed or self.results[i] is not None:
-                continue
-            load = dict.fromkeys(free, 0.0)
-            for (j, _), a in self.loc.items():
-                if a in load:
-                    load[a] += self.pool.work.expected_output_len(self.reqs[j].params.max_tokens)
-            a = min(free, key=lambda a: (load[a], a))
-            self.retries[i] += 1
-            self.retry_slot[a] = i
-            self.launch({a: [self.reqs[i]]}, rerun=True)
-
-
-class RolloutPool:
+class RolloutPool(PoolWeightUpdates):
     """A pool of ``LLM`` engines on Ray actors.
 
     Args:
@@ -292,7 +194,7 @@ class RolloutPool:
         self.dead: dict[int, str] = {}  # actor id -> why
         self._next_id = 0
         self._runs = itertools.count()  # generate calls (actor-side request ids "<run>.<index>")
-        self._current = None  # the _RetryRollout of the generate call running (abort_all)
+        self._current = None  # the RetryingRun of the generate call running (abort_all)
 
     # ---- generation -----------------------------------------------------------------------
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = False,
@@ -349,9 +251,9 @@ class RolloutPool:
         ended train between (``SpareScheduler``). Returns the requests that failed alone
         (input index -> why; their ``results`` stay None) and each request's re-placements
         (input index -> count)."""
-        run = self._current = _RetryRollout(self, reqs, results, next(self._runs))
+        run = self._current = RetryingRun(self, reqs, results, next(self._runs))
         ctl, spare = self.controller, self.spare
-        self._require_alive()
+        self.require_alive()
         try:
             run.launch(ctl.place(self, group_requests(reqs), list(self.alive), self.work))
             if spare is not None:
@@ -407,249 +309,50 @@ class RolloutPool:
                 pass
         return stopped
 
-    def _consume(self, cid: int, actor_id: int, items: list, events: queue.Queue) -> None:
-        """Thread body: stream one actor call's outputs into ``events``."""
-        try:
-            stream = self.actors[actor_id].rollout.options(num_returns="streaming").remote(items)
-            for ref in stream:
-                events.put(("out", cid, ray.get(ref)))
-            events.put(("done", cid, None))
-        except RayActorError as e:
-            events.put(("dead", cid, e))
-        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-            events.put(("error", cid, e))
-
-    def _mark_dead(self, actor_id: int, error: Exception) -> None:
+    def mark_dead(self, actor_id: int, error: Exception) -> None:
+        """Drop ``actor_id`` from ``alive``; ``dead[actor_id]`` says why (``error``'s type and
+        first line). No-op for an actor already dead."""
         if actor_id in self.alive:
             self.alive.remove(actor_id)
             self.dead[actor_id] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
 
-    def _require_alive(self, unfinished: int = 0) -> None:
+    def require_alive(self, unfinished: int = 0) -> None:
+        """Raises RuntimeError when no actor is left (``unfinished``: requests left undone,
+        for the message)."""
         if not self.alive:
             raise RuntimeError(f"RolloutPool: no actor is left ({len(self.dead)} died: "
                                f"{self.dead}); {unfinished} requests unfinished")
 
     # ---- broadcast calls --------------------------------------------------------------------
-    def _broadcast(self, method: str, *args) -> list:
+    def broadcast(self, method: str, *args) -> list:
         """Call ``method`` on every live actor; results in actor order. An actor found dead is
         dropped (RuntimeError if none is left)."""
-        return list(self._broadcast_by_actor(method, *args).values())
+        return list(self.broadcast_by_actor(method, *args).values())
 
-    def _broadcast_by_actor(self, method: str, *args) -> dict:
-        self._require_alive()
+    def broadcast_by_actor(self, method: str, *args) -> dict:
+        """``broadcast`` keyed by actor id (live actors only)."""
+        self.require_alive()
         refs = [(a, getattr(self.actors[a], method).remote(*args)) for a in list(self.alive)]
         out = {}
         for a, ref in refs:
             try:
                 out[a] = ray.get(ref)
             except RayActorError as e:
-                self._mark_dead(a, e)
-        self._require_alive()
+                self.mark_dead(a, e)
+        self.require_alive()
         return out
-
-    def _put(self, obj) -> list:
-        """``obj`` into the object store once; returns ``[ref]`` (a list, so each actor receives
-        the reference itself and fetches the one stored copy)."""
-        self.num_objects_put += 1
-        return [ray.put(obj)]
-
-    @staticmethod
-    def _payload(weights: Mapping | Iterable) -> list:
-        """``(name, tensor)`` pairs, tensors detached (an ``nn.Parameter`` pickles with its
-        autograd flag; the engine needs the values only). No copy is made here."""
-        pairs = weights.items() if isinstance(weights, Mapping) else weights
-        return [(name, t.detach() if isinstance(t, torch.Tensor) else t) for name, t in pairs]
-
-    # ---- weight updates: all or nothing across the actors ----------------------------------
-    def update_weights(self, weights: Mapping | Iterable) -> list[str]:
-        """``LLM.update_weights`` on every actor, all or nothing (the module docstring,
-        Weights): the tensors are put in the object store once, every actor stages them
-        (checked and copied: each actor holds one staged copy of the tensors sent until it
-        applies them), then every actor applies them with the same ``weight_version`` (the
-        actors' current one + 1). Returns the names applied (the same on every actor).
-
-        Raises:
-            ValueError / TypeError / RuntimeError: as ``LLM.update_weights``, from the first
-                actor that refused; the message names it and says that nothing was applied
-                (every actor keeps its weights and ``weight_version``). RuntimeError: an actor
-                died while staging (nothing applied either), a weight update session is open,
-                or no actor is left.
-        """
-        if self._session:
-            raise RuntimeError("update_weights: a weight update session is open on the pool; "
-                               "finish_weight_update() or abort_weight_update() first")
-        staged = self._stage_all("update_weights", self._put(self._payload(weights)), True)
-        return self._finish_all("update_weights", None, staged)
-
-    def begin_weight_update(self) -> None:
-        """``LLM.begin_weight_update`` on every actor; if one fails, the sessions that opened
-        are aborted (the error names the actor).
-
-        Raises:
-            RuntimeError: a session is open (on the pool or an actor); an actor died; no actor
-                is left.
-        """
-        if self._session:
-            raise RuntimeError("begin_weight_update: a weight update session is already open "
-                               "on the pool; finish or abort it first")
-        self._stage_all("begin_weight_update", None, True, idle=False)
-        self._session = True
-
-    def load_weights(self, weights) -> list[str]:
-        """``LLM.load_weights`` on every actor: a chunk (put in the object store once) or a
-        checkpoint path (read by each actor on its own node). Within a session (after
-        ``begin_weight_update``) it is staged on every actor; a checkpoint with no session open
-        is one update (staged everywhere, then applied everywhere). Returns the names staged
-        (or applied).
-
-        Raises:
-            ValueError / TypeError / FileNotFoundError / RuntimeError: as ``LLM.load_weights``,
-                from the first actor that refused: the session is then aborted on every actor,
-                nothing of it is applied (the message names the actor). RuntimeError: a chunk
-                with no session open; an actor died; no actor is left.
-        """
-        if isinstance(weights, (str, os.PathLike)):
-            source = str(weights)
-        else:
-            if isinstance(weights, tuple) and len(weights) == 2 and isinstance(weights[0], str):
-                weights = [weights]
-            if not self._session:
-                raise RuntimeError("load_weights: no weight update session is open on the "
-                                   "pool; call begin_weight_update() first, or "
-                                   "update_weights() for a one-call update")
-            source = self._put(self._payload(weights))
-        if not self._session:  # a checkpoint as one update
-            staged = self._stage_all("load_weights", source, True)
-            return self._finish_all("load_weights", None, staged)
-        return self._stage_all("load_weights", source, False, idle=False)[self.alive[0]]["names"]
-
-    def finish_weight_update(self, weight_version: int | None = None) -> list[str]:
-        """``LLM.finish_weight_update`` on every actor, all with the same ``weight_version``
-        (given, or the actors' current one + 1). Returns the names applied.
-
-        Raises:
-            RuntimeError: no session is open on the pool; requests are in flight on an actor
-                or an actor cannot apply the update (the session is aborted on every actor:
-                nothing applied; the message names the actor); no actor is left.
-            ValueError: ``weight_version`` not an int >= 0 (the session stays open).
-        """
-        if not self._session:
-            raise RuntimeError("finish_weight_update: no weight update session is open on the "
-                               "pool")
-        if weight_version is not None and (not isinstance(weight_version, int)
-                                           or isinstance(weight_version, bool)
-                                           or weight_version < 0):
-            raise ValueError(f"weight_version must be an int >= 0, got {weight_version!r}")
-        staged = self._stage_all("finish_weight_update", None, False)  # ready: idle, versions
-        return self._finish_all("finish_weight_update", weight_version, staged)
-
-    def abort_weight_update(self) -> bool:
-        """``LLM.abort_weight_update`` on every actor; True if any had a session open."""
-        self._session = False
-        return any(self._broadcast("abort_weight_update"))
-
-    def _stage_all(self, what: str, source, begin: bool, idle: bool = True) -> dict[int, dict]:
-        """Phase one on every live actor: ``RolloutWorker.stage_weight_update(source, begin,
-        idle)``. Returns actor id -> its ``{"names", "weight_version"}``.
-
-        Raises:
-            the first refusal, renamed by ``_refused`` (after aborting every actor's session).
-        """
-        self._require_alive()
-        actors = list(self.alive)
-        refs = [(a, self.actors[a].stage_weight_update.remote(source, begin, idle))
-                for a in actors]
-        out, failed = {}, None
-        for a, ref in refs:
-            try:
-                out[a] = ray.get(ref)
-            except RayActorError as e:
-                self._mark_dead(a, e)
-                failed = failed or (a, e)
-            except Exception as e:  # noqa: BLE001 - every refusal aborts everywhere
-                failed = failed or (a, e)
-        if failed is not None:
-            raise self._refused(what, *failed)
-        return out
-
-    def _finish_all(self, what: str, version: int | None, staged: dict[int, dict]
-                    ) -> list[str]:
-        """Phase two: apply the staged sessions on every live actor with one weight version
-        (``version``, or the highest current one + 1). An actor that fails while others
-        applied is retired (killed, with a warning): every actor left serves the new weights.
-
-        Raises:
-            RuntimeError (or the actors' error type): every actor failed to apply it (the
-                sessions are aborted: nothing applied); no actor is left.
-        """
-        if version is None:
-            version = max(st["weight_version"] for st in staged.values()) + 1
-        refs = [(a, self.actors[a].finish_weight_update.remote(version)) for a in self.alive]
-        done, failed = {}, {}
-        for a, ref in refs:
-            try:
-                done[a] = ray.get(ref)
-            except RayActorError as e:  # died: it serves nothing, the others stay consistent
-                self._mark_dead(a, e)
-            except Exception as e:  # noqa: BLE001 - handled below
-                failed[a] = e
-        self._session = False
-        if failed and not done:
-            a, e = next(iter(failed.items()))
-            raise self._refused(what, a, e)
-        for a, e in failed.items():
-            why = f"retired: it failed to apply weight version {version} ({_cause(e)})"
-            ray.kill(self.actors[a], no_restart=True)
-            self._mark_dead(a, RuntimeError(why))
-            warnings.warn(f"RolloutPool.{what}: actor {a} {why}; the {len(done)} actors left "
-                          f"serve weight version {version}", RuntimeWarning, stacklevel=3)
-        self._require_alive()
-        return next(iter(done.values()))
-
-    def _refused(self, what: str, actor_id: int, error: Exception) -> Exception:
-        """Abort the weight update session on every live actor and return the error to raise:
-        the cause's type (ValueError, TypeError, FileNotFoundError, else RuntimeError), naming
-        ``actor_id`` and saying that nothing was applied, with the weight versions after."""
-        self._session = False
-        refs = [(a, self.actors[a].abort_weight_update.remote()) for a in self.alive]
-        for a, ref in refs:
-            try:
-                ray.get(ref)
-            except RayActorError as e:
-                self._mark_dead(a, e)
-            except Exception:  # noqa: BLE001 - best effort: it had no session to abort
-                pass
-        versions = {}
-        for a in list(self.alive):
-            try:
-                versions[a] = ray.get(self.actors[a].weight_version.remote())
-            except RayActorError as e:
-                self._mark_dead(a, e)
-        cause = error.cause if isinstance(error, RayTaskError) and error.cause is not None \
-            else error
-        died = isinstance(error, RayActorError)
-        kept = sorted(set(versions.values()))
-        msg = (f"RolloutPool.{what} failed on actor {actor_id}"
-               f"{' (it died)' if died else ''}: {_cause(error)}; the update was aborted on "
-               f"every actor: nothing was applied, the {len(versions)} live actors keep their "
-               f"weights (weight_version {kept[0] if len(kept) == 1 else kept})")
-        kind = type(cause) if type(cause) in (ValueError, TypeError, FileNotFoundError,
-                                              RuntimeError) else RuntimeError
-        err = kind(msg)
-        err.__cause__ = error
-        return err
 
     def sleep(self, level: int = 1) -> list[dict[str, int]]:
         """``LLM.sleep`` on every actor; the bytes each released."""
-        return self._broadcast("sleep", level)
+        return self.broadcast("sleep", level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """``LLM.wake_up`` on every actor."""
-        self._broadcast("wake_up", tags)
+        self.broadcast("wake_up", tags)
 
     def reset_prefix_cache(self) -> bool:
         """``LLM.reset_prefix_cache`` on every actor; True if all reset."""
-        return all(self._broadcast("reset_prefix_cache"))
+        return all(self.broadcast("reset_prefix_cache"))
 
     def get_metrics(self) -> dict:
         """``actors``: actor id -> its ``LLM.get_metrics()`` (live actors); ``num_actors``,
@@ -661,7 +364,7 @@ class RolloutPool:
         ``drafter_versions`` (actor id -> drafter version in use; EAGLE actors) and
         ``tau_per_drafter_version`` (drafter version -> tokens committed per verify step, over
         the pool)."""
-        d = {"actors": self._broadcast_by_actor("get_metrics"),
+        d = {"actors": self.broadcast_by_actor("get_metrics"),
              "num_actors": len(self.alive), "num_actors_dead": len(self.dead),
              "num_requests_rerun": self.num_requests_rerun,
              "num_requests_failed": self.num_requests_failed,
@@ -670,13 +373,14 @@ class RolloutPool:
             d["spare_training"] = self.spare.stats()
             d["drafter_versions"] = {a: m["drafter_version"] for a, m in d["actors"].items()
                                      if "drafter_version" in m}
-            counts = [c for c in self._broadcast("drafter_counts") if c is not None]
+            counts = [c for c in self.broadcast("drafter_counts") if c is not None]
             d["tau_per_drafter_version"] = merge_tau(counts)
         return d
 
     def harvested(self) -> list:
-        """ObjectRefs of the harvested rollout chunks the pool holds (``list[Rollout]`` each,
-        oldest first; ``harvest=True``), e.g. for training elsewhere. Empty without harvest."""
+        """ObjectRefs of the harvested rollout chunks the pool holds
+        (``list[harvest.SequenceFeatures]`` each, oldest first; ``harvest=True``), e.g. for
+        training elsewhere. Empty without harvest."""
         return self.spare.store.refs() if self.spare is not None else []
 
     def shutdown(self) -> None:
@@ -685,11 +389,3 @@ class RolloutPool:
             ray.kill(a)
         self.dead.update({a: "shut down" for a in self.alive})
         self.alive = []
-
-
-def _cause(error: Exception) -> str:
-    """One line for an actor call's error: the remote exception's type and first line (a
-    ``RayTaskError`` is unwrapped)."""
-    cause = error.cause if isinstance(error, RayTaskError) and error.cause is not None else error
-    text = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {text[0] if text else ''}"

@@ -39,7 +39,12 @@ from ray.exceptions import RayActorError
 from specengine.speculative.drafters.eagle import EagleDrafter, load_state
 from specengine.speculative.drafters.merged import MergedDrafter
 from specengine.speculative.training.fit import Fitter, TrainConfig, trainable_copy
-from specengine.speculative.training.harvest import Harvester, HiddenBuffer, Rollout, harvest
+from specengine.speculative.training.harvest import (
+    Harvester,
+    HiddenBuffer,
+    SequenceFeatures,
+    harvest,
+)
 
 
 def _default_train() -> TrainConfig:
@@ -81,10 +86,10 @@ class SpareTraining:
 
 
 class HarvestStore:
-    """The pool's harvested rollouts: chunks ``(ref, count, nbytes)`` of ``list[Rollout]``
-    objects in Ray's object store (the driver holds references only). At most ``max_rollouts``
-    rollouts and ``max_bytes`` bytes; the oldest chunks are dropped first (the newest is kept
-    even when alone over the bounds)."""
+    """The pool's harvested rollouts: chunks ``(ref, count, nbytes)`` of
+    ``list[SequenceFeatures]`` objects in Ray's object store (the driver holds references only).
+    At most ``max_rollouts`` rollouts and ``max_bytes`` bytes; the oldest chunks are dropped
+    first (the newest is kept even when alone over the bounds)."""
 
     def __init__(self, max_rollouts: int, max_bytes: int):
         self.max_rollouts, self.max_bytes = max_rollouts, max_bytes
@@ -131,7 +136,7 @@ class SpareTrainer:
         self.fitter = Fitter(self.model, cfg.train)
         self.version = drafter.version
         self.last_round: int | None = None  # pool round id of the weights last returned
-        self.data: dict[str, list[Rollout]] = {}
+        self.data: dict[str, list[SequenceFeatures]] = {}
         self.rng = random.Random(cfg.train.seed)
 
     def sync(self) -> None:
@@ -152,7 +157,7 @@ class SpareTrainer:
             self.data[h] = rs
         return sum(len(rs) for rs in self.data.values())
 
-    def batch(self) -> list[Rollout]:
+    def batch(self) -> list[SequenceFeatures]:
         """Random rollouts packed up to ``train.batch_tokens`` (padded size; at least one)."""
         pool = [r for rs in self.data.values() for r in rs]
         self.rng.shuffle(pool)
@@ -428,15 +433,15 @@ class SpareTrainingActor:
 
     def take_harvest(self) -> tuple[dict, list]:
         """The rollouts harvested since the last call, taken out of the buffer: ``({"count",
-        "nbytes"}, list[Rollout])`` (call with ``num_returns=2``: the list stays in the object
-        store, the caller reads the counts)."""
+        "nbytes"}, list[SequenceFeatures])`` (call with ``num_returns=2``: the list stays in the
+        object store, the caller reads the counts)."""
         items = self.harvest_buffer.drain() if self.harvest_buffer is not None else []
         return {"count": len(items), "nbytes": sum(r.nbytes for r in items)}, items
 
     def train_drafter(self, refs: list, cfg: SpareTraining, round_id: int) -> tuple[dict, dict]:
         """One spare-instance training round of this actor's EAGLE drafter on the rollouts at
-        ``refs`` (ObjectRefs of ``list[Rollout]``); see ``SpareTrainer.run`` for when it stops
-        (new work here, ``stop_training(round_id)``, ``cfg.seconds``, ``cfg.max_steps``). The
+        ``refs`` (ObjectRefs of ``list[SequenceFeatures]``); see ``SpareTrainer.run`` for when it
+        stops (new work here, ``stop_training(round_id)``, ``cfg.seconds``, ``cfg.max_steps``). The
         weights are not applied here: the pool publishes them (``set_drafter``).
 
         Returns:

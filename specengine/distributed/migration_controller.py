@@ -25,7 +25,7 @@ One round, source ``S`` and destination ``D``:
 4. ``D.import_sequences(stage two)`` with the staged stage one: the payloads go from ``S`` to
    ``D`` through Ray's object store (the controller passes their references, never the
    bytes); ``D``'s running rollout stream adopts them, else the pool starts one there
-   (``Rollout.stream``).
+   (``GenerateRun.stream``).
 
 Both paths give token for token the output of an unmoved run (``specengine.lifecycle.migration``);
 the pool joins a split request's parts. Metrics (``metrics()``, in ``RolloutPool.get_metrics()``):
@@ -104,7 +104,7 @@ class MigrationController(PoolController):
              "status_seconds", "migration_ticks"), 0)
         self._run = None
         self._done: set[tuple[str, int]] = set()
-        self.moves: list = []  # the last generate's moves (``Rollout.moved``)
+        self.moves: list = []  # the last generate's moves (``GenerateRun.moved``)
 
     def metrics(self) -> dict:
         return dict(self.stats)

@@ -1,4 +1,4 @@
-"""``Rollout``: the bookkeeping of one ``RolloutPool.generate`` while it runs.
+"""``GenerateRun``: the bookkeeping of one ``RolloutPool.generate`` while it runs.
 
 It knows where every unfinished sample is (``loc``: ``(input index, sample index)`` -> actor),
 starts actor calls (``launch`` for requests, ``stream`` for an actor that only continues samples
@@ -21,6 +21,7 @@ import queue
 import threading
 
 import ray
+from ray.exceptions import RayActorError
 
 from specengine.distributed.balance import assign, group_requests
 from specengine.distributed.requests import PoolRequest
@@ -28,7 +29,7 @@ from specengine.engine.outputs import RequestOutput
 from specengine.lifecycle.migration import merge_outputs
 
 
-class Rollout:
+class GenerateRun:
     """State of one ``generate`` (the module docstring).
 
     Args:
@@ -85,8 +86,21 @@ class Rollout:
     def _start(self, actor_id: int, items: list) -> None:
         cid = next(self._ids)
         self.calls[cid] = actor_id
-        threading.Thread(target=self.pool._consume, args=(cid, actor_id, items, self.events),
+        threading.Thread(target=self._consume, args=(cid, actor_id, items, self.events),
                          daemon=True).start()
+
+    def _consume(self, cid: int, actor_id: int, items: list, events: queue.Queue) -> None:
+        """Thread body: stream one actor call's outputs into ``events``."""
+        try:
+            actor = self.pool.actors[actor_id]
+            stream = actor.rollout.options(num_returns="streaming").remote(items)
+            for ref in stream:
+                events.put(("out", cid, ray.get(ref)))
+            events.put(("done", cid, None))
+        except RayActorError as e:
+            events.put(("dead", cid, e))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            events.put(("error", cid, e))
 
     def relocate(self, keys: list[tuple[str, int, str]], actor_id: int, src: int) -> None:
         """Samples ``(request id, sample index, how)`` moved from ``src`` now continue on
@@ -164,17 +178,113 @@ class Rollout:
         """Actor ``actor_id`` died: mark it, re-place the requests with samples on it."""
         pool = self.pool
         first = actor_id in pool.alive
-        pool._mark_dead(actor_id, error)
+        pool.mark_dead(actor_id, error)
         rerun = sorted({i for (i, _), a in self.loc.items() if a == actor_id})
         if not first and not rerun:
             return
         pool.num_requests_rerun += len(rerun)
         pool.controller.on_actor_dead(pool, actor_id, error, rerun)
         if rerun:
-            pool._require_alive(len(rerun))
+            pool.require_alive(len(rerun))
             load = {a: 0.0 for a in pool.alive}
             for (i, _), a in self.loc.items():
                 if a in load and i not in rerun:
                     load[a] += pool.work.expected_output_len(self.reqs[i].params.max_tokens)
             self.launch(assign(group_requests([self.reqs[i] for i in rerun]), pool.alive,
                                pool.work, load), rerun=True)
+
+
+class RetryingRun(GenerateRun):
+    """``GenerateRun`` with per-request retry accounting (the module docstring, Faults).
+
+    Attributes:
+        retries: input index -> times re-placed after an actor holding it died.
+        deaths: input index -> the actors that died holding it, with their errors.
+        failed: input index -> why it failed (not re-placed again).
+        retry_slot: live actor -> the re-placed request running there (at most one each).
+        waiting: re-placed requests waiting for an actor with no re-placed request.
+    """
+
+    def __init__(self, pool, reqs: list[PoolRequest], results: list, run_id: int):
+        super().__init__(pool, reqs, results, run_id)
+        self.retries = {i: 0 for i in self.reqs}
+        self.deaths: dict[int, list[str]] = {}
+        self.failed: dict[int, str] = {}
+        self.retry_slot: dict[int, int] = {}
+        self.waiting: list[int] = []
+
+    def handle(self, kind: str, cid: int, payload) -> int:
+        actor_id = super().handle(kind, cid, payload)
+        self.pump()
+        return actor_id
+
+    def _output(self, actor_id: int, out: RequestOutput) -> None:
+        if self.index_of.get(out.request_id) in self.failed:
+            return  # a sample of a failed request that ran on elsewhere (moved by migration)
+        super()._output(actor_id, out)
+
+    def dead(self, actor_id: int, error: Exception) -> None:
+        """Actor ``actor_id`` died: mark it; fail the requests on it that were re-placed
+        ``max_request_retries`` times already; queue the others for re-placement (``pump``).
+
+        Raises:
+            RuntimeError: requests are to be re-placed and no actor is left.
+        """
+        pool = self.pool
+        first = actor_id in pool.alive
+        pool.mark_dead(actor_id, error)
+        self.retry_slot.pop(actor_id, None)
+        hit = sorted({i for (i, _), a in self.loc.items() if a == actor_id} - set(self.failed))
+        if not first and not hit:
+            return
+        why = f"actor {actor_id} ({pool.dead.get(actor_id, type(error).__name__)})"
+        rerun = []
+        for i in hit:
+            self.deaths.setdefault(i, []).append(why)
+            if self.retries[i] >= pool.max_request_retries:
+                self._fail(i)
+            else:
+                rerun.append(i)
+        pool.num_requests_rerun += len(rerun)
+        pool.controller.on_actor_dead(pool, actor_id, error, rerun)
+        if rerun:
+            pool.require_alive(len(rerun))
+            for key in [k for k, a in self.loc.items() if a == actor_id]:
+                del self.loc[key]  # those samples run nowhere until re-placed
+            self.waiting.extend(rerun)
+            self.pump()
+
+    def _fail(self, i: int) -> None:
+        n, k = self.retries[i], len(self.deaths[i])
+        self.failed[i] = (f"input index {i} was on {k} actor{'s' if k != 1 else ''} that "
+                          f"died ({'; '.join(self.deaths[i])}) after {n} re-placement"
+                          f"{'s' if n != 1 else ''}; not retried again")
+        self._left -= 1
+        self.parts.pop(i, None)
+        for key in [k for k in self.loc if k[0] == i]:
+            del self.loc[key]
+        self.pool.num_requests_failed += 1
+
+    def pump(self) -> None:
+        """Free the retry slots whose request is no longer on their actor, then re-place
+        waiting requests on live actors without one (least predicted work first, then the
+        lowest actor id)."""
+        for a, i in list(self.retry_slot.items()):
+            if a not in self.pool.alive or not any(
+                    k[0] == i and where == a for k, where in self.loc.items()):
+                del self.retry_slot[a]
+        while self.waiting:
+            free = [a for a in self.pool.alive if a not in self.retry_slot]
+            if not free:
+                return
+            i = self.waiting.pop(0)
+            if i in self.failed or self.results[i] is not None:
+                continue
+            load = dict.fromkeys(free, 0.0)
+            for (j, _), a in self.loc.items():
+                if a in load:
+                    load[a] += self.pool.work.expected_output_len(self.reqs[j].params.max_tokens)
+            a = min(free, key=lambda a: (load[a], a))
+            self.retries[i] += 1
+            self.retry_slot[a] = i
+            self.launch({a: [self.reqs[i]]}, rerun=True)
