@@ -242,6 +242,18 @@ def build_app(llm, model_name: str | None = None, options: ServerOptions | None 
     app = FastAPI(title="specengine", lifespan=lifespan)
     app.state.server = state
     app.add_middleware(Guard, options=options)
+    add_error_handlers(app)
+    add_server_routes(app, state)
+    app.include_router(openai_routes.router)
+    app.include_router(trl_routes.router)
+    app.include_router(control_routes.router)
+    return app
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Answer every error with OpenAI's body: request validation (400), ``APIError`` (its
+    status and headers), HTTP errors (404, 405, 413, ...) and anything unhandled (500,
+    logged)."""
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
@@ -263,6 +275,11 @@ def build_app(llm, model_name: str | None = None, options: ServerOptions | None 
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
         return JSONResponse(status_code=500, content=error_body(
             f"internal error: {exc!r}", "internal_server_error"))
+
+
+def add_server_routes(app: FastAPI, state: ServerState) -> None:
+    """``GET /health``, ``GET /v1/models`` and ``GET /metrics`` for ``state``'s model."""
+    engine, llm = state.engine, state.llm
 
     @app.get("/health")
     async def health():
@@ -286,8 +303,3 @@ def build_app(llm, model_name: str | None = None, options: ServerOptions | None 
         failed, seconds in ``Engine.step``)."""
         m = await engine.call(llm.get_metrics)
         return json_safe({**m, "server": dataclasses.asdict(engine.stats)})
-
-    app.include_router(openai_routes.router)
-    app.include_router(trl_routes.router)
-    app.include_router(control_routes.router)
-    return app

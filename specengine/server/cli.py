@@ -1,6 +1,6 @@
 """The ``specengine serve`` subcommand: load a model and serve it over HTTP with uvicorn.
 
-Limits and security flags map one to one onto ``specengine.server.state.ServerOptions`` (their
+Limits and security flags map one to one onto ``specengine.server.options.ServerOptions`` (their
 defaults are its defaults); vLLM's names where vLLM has the flag (``--api-key``,
 ``--max-logprobs``, ``--trust-request-chat-template``), SGLang's for
 ``--max-queued-requests``."""
@@ -121,7 +121,7 @@ def server_options(args: argparse.Namespace):
     Raises:
         ValueError: an option out of range (the message names it).
     """
-    from specengine.server.state import ServerOptions
+    from specengine.server.options import ServerOptions
 
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     return ServerOptions(
@@ -141,7 +141,7 @@ def server_options(args: argparse.Namespace):
 
 def exposure_warnings(options) -> list[str]:
     """Warnings for a server others can reach without a key."""
-    from specengine.server.state import is_loopback
+    from specengine.server.options import is_loopback
 
     if options.api_key or is_loopback(options.host):
         return []

@@ -69,7 +69,7 @@ from specengine.lifecycle.weights import WeightUpdateFailed
 from specengine.server.async_engine import EngineDeadError
 from specengine.server.protocol import APIError, Strict, validation_error_body
 from specengine.server.state import ServerState
-from specengine.server.trl_routes import UpdateNamedParam, named_tensor, read_named_tensor
+from specengine.server.tensor_payload import UpdateNamedParam, named_tensor, read_named_tensor
 
 router = APIRouter()
 
@@ -156,25 +156,16 @@ async def _run(st: ServerState, fn, *args, exclusive: bool = True, param: str | 
 
 
 # ---- prefix cache ----------------------------------------------------------------------------
-async def reset_prefix_cache(st: ServerState) -> bool:
-    """``LLM.reset_prefix_cache()`` once no request is in flight; True when the engine has no
-    prefix cache (nothing to reset)."""
-    fn = getattr(st.llm, "reset_prefix_cache", None)
-    if fn is None:
-        return True
-    return bool(await st.engine.call(fn, exclusive=True))
-
-
 @router.post("/reset_prefix_cache")
 async def reset_prefix_cache_route(request: Request):
     """vLLM's ``POST /reset_prefix_cache`` (TRL's ``VLLMClient.reset_prefix_cache``)."""
-    return {"success": await reset_prefix_cache(request.app.state.server)}
+    return {"success": await request.app.state.server.reset_prefix_cache()}
 
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(request: Request):
     """SGLang's ``/flush_cache`` (slime retries a GET until it answers 200)."""
-    ok = await reset_prefix_cache(request.app.state.server)
+    ok = await request.app.state.server.reset_prefix_cache()
     return {"success": ok, "message": "Cache flushed." if ok else "Cache not flushed."}
 
 

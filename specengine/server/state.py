@@ -1,19 +1,13 @@
 """What every route needs: the served ``LLM``, its ``AsyncEngine``, the model's name, the
-server's options (limits, authentication, control routes: ``ServerOptions``), and request
-preparation (tokenize, render chat templates off the event loop, validate, admit, submit,
+server's options (``ServerOptions``, in ``options``), and request preparation (tokenize, render
+chat templates off the event loop (``chat_template``), validate (``limits``), admit, submit,
 wait) shared by the OpenAI and TRL routes."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
-import ipaddress
-import math
-import os
-import sys
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from starlette.requests import Request
 
@@ -26,139 +20,17 @@ from specengine.server.async_engine import (
     EngineNotReadyError,
     RequestAborted,
 )
+from specengine.server.chat_template import (
+    TemplateTimeout,
+    render_error,
+    run_with_deadline,
+    template_kwargs,
+)
+from specengine.server.limits import check_sampling_limits, memory_error, request_memory_bytes
+from specengine.server.options import ServerOptions
 from specengine.server.protocol import APIError
 
 DISCONNECT_POLL_S = 0.5  # how often a waiting handler checks whether its client is gone
-MiB, GiB = 1 << 20, 1 << 30
-
-# Host memory one request's outputs take, per token (measured with tracemalloc on CPython
-# 3.11): a token id in a list ~40 bytes; with logprobs a {token: Logprob} dict per token,
-# ~400 bytes for the sampled token alone and ~185 bytes per further top entry.
-TOKEN_BYTES = 40
-LOGPROB_DICT_BYTES = 400
-LOGPROB_ENTRY_BYTES = 185
-
-# Arguments of transformers' ``apply_chat_template`` that ``chat_template_kwargs`` must not
-# set (they change what is rendered or returned, not what the template sees).
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
-    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"})
-
-LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address or ``localhost``) only accepts connections from this
-    machine."""
-    h = host.strip("[]").lower()
-    if h == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(h).is_loopback
-    except ValueError:
-        return False
-
-
-@dataclass
-class ServerOptions:
-    """How ``specengine serve`` limits, authenticates and exposes itself; every field is a
-    flag of ``specengine serve`` (``--api-key``, ``--max-queued-requests``, ...) and a keyword
-    of ``build_app``. The defaults are the safe ones: loopback only, no control routes, no
-    request-supplied chat templates, no weights from disk.
-
-    Attributes:
-        api_key: when set, every route but ``/health`` (and TRL's ``/health/``) needs
-            ``Authorization: Bearer <api_key>`` (401 otherwise; compared in constant time).
-            The CLI reads ``SPECENGINE_API_KEY`` when ``--api-key`` is not given.
-        enable_control_routes: serve the routes that change the server (sleep / wake-up,
-            weight pushes and weights from disk, prefix-cache reset, TRL's
-            ``/update_named_param/``, ``/init_communicator/``, ``/close_communicator/``,
-            ``/reset_prefix_cache/``); off: they answer 404. On, they accept only
-            ``application/json`` or ``application/octet-stream`` bodies (415), or none, and
-            refuse requests a browser marks as cross-site (403).
-        host: the address served; decides ``allowed_hosts``' default.
-        allowed_hosts: the ``Host`` header values accepted (port ignored; ``"*"``: any), else
-            a 400. None: ``localhost`` / ``127.0.0.1`` / ``[::1]`` when ``host`` is a
-            loopback address (a web page that rebinds its own DNS name to 127.0.0.1 cannot
-            reach the server), any host otherwise.
-        trust_request_chat_template: accept a ``chat_template`` in the request (or in
-            ``chat_template_kwargs``); off: a 400.
-        chat_template_timeout: seconds a chat template may take to render (it runs on a
-            worker thread, never on the event loop); longer: the render is stopped, a 400.
-        allowed_weight_dirs: directories ``/update_weights_from_disk`` may load from (the
-            path, symlinks resolved, must be below one; ``..`` is refused). Empty: the route
-            refuses every path.
-        max_request_body_bytes: largest request body, bytes (413), weight pushes excepted.
-        max_weight_body_bytes: largest body of a weight push (``/update_named_param/``,
-            ``/update_weights``), bytes (413).
-        max_queued_requests: most engine requests (one per prompt) admitted and not finished,
-            running or waiting, over all clients; a request that would pass it is a 429 with
-            ``Retry-After`` (SGLang's ``--max-queued-requests``).
-        max_n: most samples per prompt (``n``); the engine's ``max_num_seqs`` caps it too (the
-            samples of a prompt are admitted together).
-        max_prompts_per_request: most prompts in one request (batch completions, TRL's
-            ``/generate/`` and ``/chat/``).
-        max_stop_strings: most stop strings per request; max_stop_string_len: the longest, in
-            characters; max_stop_token_ids: most stop token ids.
-        request_timeout: seconds from admission until a request must have finished; then it is
-            aborted (its KV freed) and answered 504 (a stream gets an error event); 0 or None:
-            no limit.
-        max_request_memory_bytes: most host memory the outputs of one request may take at
-            their longest (token ids, and logprob entries: see ``request_memory_bytes``), bytes;
-            more: a 400 naming ``n`` (or ``logprobs`` when logprobs make the difference).
-    """
-
-    api_key: str | None = None
-    enable_control_routes: bool = False
-    host: str = "127.0.0.1"
-    allowed_hosts: list[str] | None = None
-    trust_request_chat_template: bool = False
-    chat_template_timeout: float = 10.0
-    allowed_weight_dirs: list[str] = field(default_factory=list)
-    max_request_body_bytes: int = 16 * MiB
-    max_weight_body_bytes: int = 4 * GiB
-    max_queued_requests: int = 4096
-    max_n: int = 256
-    max_prompts_per_request: int = 1024
-    max_stop_strings: int = 16
-    max_stop_string_len: int = 512
-    max_stop_token_ids: int = 256
-    request_timeout: float | None = 1800.0
-    max_request_memory_bytes: int = 1 * GiB
-
-    def __post_init__(self):
-        for name in ("max_request_body_bytes", "max_weight_body_bytes", "max_queued_requests",
-                     "max_n", "max_prompts_per_request", "max_stop_strings",
-                     "max_stop_string_len", "max_stop_token_ids", "max_request_memory_bytes"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"ServerOptions.{name}={v!r}: must be an integer >= 1")
-        for name in ("chat_template_timeout", "request_timeout"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, (int, float)) or not math.isfinite(v)
-                                  or v < 0):
-                raise ValueError(f"ServerOptions.{name}={v!r}: must be a number of seconds "
-                                 ">= 0")
-        if not self.chat_template_timeout:
-            raise ValueError("ServerOptions.chat_template_timeout must be > 0")
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("ServerOptions.api_key must not be empty (None: no key)")
-        if isinstance(self.allowed_weight_dirs, (str, os.PathLike)):
-            self.allowed_weight_dirs = [self.allowed_weight_dirs]
-        self.allowed_weight_dirs = [str(d) for d in self.allowed_weight_dirs]
-        if isinstance(self.allowed_hosts, str):
-            self.allowed_hosts = [self.allowed_hosts]
-
-    def host_allow_list(self) -> set[str] | None:
-        """The ``Host`` names accepted (lower case, no brackets, no port), or None for any."""
-        hosts = self.allowed_hosts
-        if hosts is None:
-            if not is_loopback(self.host):
-                return None
-            hosts = list(LOOPBACK_HOSTS)
-        names = {h.strip().strip("[]").lower() for h in hosts if h.strip()}
-        return None if "*" in names else names
 
 
 @dataclass
@@ -167,35 +39,6 @@ class Prompt:
 
     text: str | None
     token_ids: list[int]
-
-
-class TemplateTimeout(BaseException):
-    """Raised inside a chat-template render that ran past its deadline (a BaseException, so
-    that no ``except Exception`` in the template's or the library's code swallows it)."""
-
-
-def _deadline_tracer(deadline: float):
-    """A ``sys.settrace`` function that raises ``TemplateTimeout`` at the first line run after
-    ``deadline`` (``time.monotonic()``): a template looping forever (Jinja compiles to Python)
-    is stopped."""
-
-    def trace(frame, event, arg):
-        if time.monotonic() > deadline:
-            raise TemplateTimeout()
-        return trace
-
-    return trace
-
-
-def run_with_deadline(fn, timeout: float, *args):
-    """``fn(*args)`` on this thread with Python-level tracing that stops it (raising
-    ``TemplateTimeout``) once ``timeout`` seconds have passed."""
-    old = sys.gettrace()
-    sys.settrace(_deadline_tracer(time.monotonic() + timeout))
-    try:
-        return fn(*args)
-    finally:
-        sys.settrace(old)
 
 
 class ServerState:
@@ -276,35 +119,10 @@ class ServerState:
 
     def template_kwargs(self, kwargs: dict | None, template: str | None,
                         param: str = "chat_template_kwargs") -> dict | None:
-        """The keyword arguments of the chat-template render: ``kwargs`` checked, plus the
-        request's own ``template`` when the server trusts request templates.
-
-        Raises:
-            APIError: 400 for a request template (field or kwarg) without
-                ``trust_request_chat_template``, or a reserved ``apply_chat_template``
-                argument in ``kwargs`` (``tokenize``, ``return_tensors``, ...).
-        """
-        kwargs = dict(kwargs or {})
-        if "chat_template" in kwargs:
-            if template is not None:
-                raise APIError("give chat_template once, not also in chat_template_kwargs",
-                               param=f"{param}.chat_template")
-            template, where = kwargs.pop("chat_template"), f"{param}.chat_template"
-        else:
-            where = "chat_template"
-        if template is not None:
-            if not self.options.trust_request_chat_template:
-                raise APIError("request-supplied chat templates are refused: this server "
-                               "renders only the model's own template (start it with "
-                               "--trust-request-chat-template to allow them)", param=where)
-            if not isinstance(template, str):
-                raise APIError(f"{where} must be a string", param=where)
-            kwargs["chat_template"] = template
-        bad = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS - {"chat_template"})
-        if bad:
-            raise APIError(f"{param}: {bad} cannot be set here (they are arguments of the "
-                           "render itself, not template variables)", param=f"{param}.{bad[0]}")
-        return kwargs or None
+        """``chat_template.template_kwargs`` with this server's
+        ``trust_request_chat_template``. Raises APIError (400) as it does."""
+        return template_kwargs(kwargs, template, self.options.trust_request_chat_template,
+                               param)
 
     async def encode_chat(self, messages: list[dict], param: str,
                           add_generation_prompt: bool = True,
@@ -325,18 +143,8 @@ class ServerState:
             text, ids = await self._off_loop(self.llm.encode_chat, messages, param,
                                              add_generation_prompt, chat_template_kwargs,
                                              timeout=limit)
-        except TemplateTimeout:
-            raise APIError(f"{param}: rendering the chat template took longer than "
-                           f"{limit:g} s; stopped", param="chat_template" if own else param,
-                           code="chat_template_timeout") from None
-        except (ValueError, TypeError) as e:
-            raise APIError(f"{param}: {e}", param=param) from None
-        except RecursionError:
-            raise APIError(f"{param}: the chat template recursed too deeply",
-                           param="chat_template" if own else param) from None
-        except Exception as e:  # noqa: BLE001 - a template error is the request's fault
-            raise APIError(f"{param}: the chat template failed: {e}",
-                           param="chat_template" if own else param) from None
+        except (TemplateTimeout, Exception) as e:  # a template error is the request's fault
+            raise render_error(e, param, own, limit) from None
         return Prompt(text, ids)
 
     # ---- checks ---------------------------------------------------------------------------
@@ -348,58 +156,12 @@ class ServerState:
                            "(--max-prompts-per-request)", param=param)
 
     def check_params(self, p: SamplingParams, names: dict[str, str] | None = None) -> None:
-        """Everything in ``p`` beyond ``SamplingParams``' own range checks that the server
-        limits, as a 400 naming the request's field (``names`` maps a ``SamplingParams``
-        field to it, e.g. ``logprobs`` -> ``top_logprobs``):
-
-        - ``n`` <= ``max_n`` and the engine's ``max_num_seqs``;
-        - ``logprobs`` / ``prompt_logprobs`` <= ``max_logprobs`` (the LLM's, vLLM's flag);
-        - at most ``max_stop_strings`` stop strings of at most ``max_stop_string_len``
-          characters; at most ``max_stop_token_ids`` stop token ids, each an integer in the
-          vocabulary;
-        - ``seed`` a 64-bit integer; boolean fields booleans; no ``return_hidden_states``
-          (hidden states are not sent over HTTP).
-        """
-        names = names or {}
-
-        def fail(f: str, msg: str):
-            raise APIError(msg, param=names.get(f, f))
-
-        if p.n > self.max_n:
-            why = "--max-n" if self.max_n == self.options.max_n else \
-                "the engine's max_num_seqs: a prompt's samples are admitted together"
-            fail("n", f"n={p.n} is more than this server allows per prompt: at most "
-                      f"{self.max_n} ({why})")
-        for f in ("logprobs", "prompt_logprobs"):
-            k = getattr(p, f)
-            if k is not None and k > self.max_logprobs:
-                fail(f, f"{names.get(f, f)}={k} is above max_logprobs={self.max_logprobs} "
-                        "(the server's --max-logprobs)")
-        stops = p.stop_strings
-        if len(stops) > self.options.max_stop_strings:
-            fail("stop", f"{len(stops)} stop strings; at most "
-                         f"{self.options.max_stop_strings} (--max-stop-strings)")
-        longest = max((len(s) for s in stops), default=0)
-        if longest > self.options.max_stop_string_len:
-            fail("stop", f"a stop string of {longest} characters; at most "
-                         f"{self.options.max_stop_string_len} (--max-stop-string-len)")
-        ids = p.stop_token_ids
-        if len(ids) > self.options.max_stop_token_ids:
-            fail("stop_token_ids", f"{len(ids)} stop token ids; at most "
-                                   f"{self.options.max_stop_token_ids}")
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
-               or not 0 <= t < self.vocab_size]
-        if bad:
-            fail("stop_token_ids", f"stop_token_ids {bad[:5]!r} are not token ids of the "
-                                   f"vocabulary [0, {self.vocab_size})")
-        if p.seed is not None and not -(1 << 63) <= p.seed < (1 << 64):
-            fail("seed", f"seed={p.seed} must be a 64-bit integer")
-        for f in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-                  "return_hidden_states"):
-            if not isinstance(getattr(p, f), bool):
-                fail(f, f"{names.get(f, f)} must be true or false")
-        if p.return_hidden_states:
-            fail("return_hidden_states", "return_hidden_states is not available over HTTP")
+        """Raise a 400 for anything in ``p`` past this server's limits
+        (``limits.check_sampling_limits``: ``n``, logprobs, stop strings and ids, seed, flags);
+        ``names`` maps a ``SamplingParams`` field to the request's (``logprobs`` ->
+        ``top_logprobs``)."""
+        check_sampling_limits(p, self.options, self.max_n, self.max_logprobs,
+                              self.vocab_size, names)
 
     def check_prompt(self, prompt: Prompt, params: SamplingParams, param: str) -> None:
         """Everything ``Engine.add_request`` and the scheduler would refuse, as a 400 before
@@ -420,42 +182,25 @@ class ServerState:
                            f"pool has {engine.blocks.num_blocks}; send a shorter prompt or a "
                            "smaller max_tokens", param=param)
 
-    @staticmethod
-    def request_memory_bytes(prompts: list[Prompt], params: list[SamplingParams]) -> int:
-        """Host memory the outputs of one request take at their longest, bytes: per sample
-        its token ids (prompt + ``max_tokens``, ``TOKEN_BYTES`` each) and, with ``logprobs``
-        = k, a dict of k + 1 entries per output token; with ``prompt_logprobs`` the same per
-        prompt token (once per prompt)."""
-        total = 0
-        for pr, sp in zip(prompts, params):
-            n_prompt = len(pr.token_ids)
-            per_sample = (n_prompt + sp.max_tokens) * TOKEN_BYTES
-            if sp.logprobs is not None:
-                per_sample += sp.max_tokens * (LOGPROB_DICT_BYTES
-                                               + sp.logprobs * LOGPROB_ENTRY_BYTES)
-            total += sp.n * per_sample
-            if sp.prompt_logprobs is not None:
-                total += n_prompt * (LOGPROB_DICT_BYTES + sp.prompt_logprobs
-                                     * LOGPROB_ENTRY_BYTES)
-        return total
+    request_memory_bytes = staticmethod(request_memory_bytes)
 
     def check_memory(self, prompts: list[Prompt], params: list[SamplingParams],
                      names: dict[str, str] | None = None) -> None:
         """Raise a 400 when ``request_memory_bytes`` is above ``max_request_memory_bytes``:
         naming ``logprobs`` when the request would fit without them, else ``n``."""
-        cap = self.options.max_request_memory_bytes
-        need = self.request_memory_bytes(prompts, params)
-        if need <= cap:
-            return
-        names = names or {}
-        plain = [dataclasses.replace(sp, logprobs=None, prompt_logprobs=None) for sp in params]
-        param = "logprobs" if self.request_memory_bytes(prompts, plain) <= cap else "n"
-        raise APIError(f"this request's outputs could take {need / MiB:.0f} MiB of host memory "
-                       f"at their longest (prompts x n x max_tokens, with logprobs); at most "
-                       f"{cap / MiB:.0f} MiB (--max-request-memory-bytes): ask for fewer "
-                       "samples, tokens or logprobs", param=names.get(param, param))
+        err = memory_error(prompts, params, self.options.max_request_memory_bytes, names)
+        if err is not None:
+            raise err
 
     # ---- running --------------------------------------------------------------------------
+    async def reset_prefix_cache(self) -> bool:
+        """``LLM.reset_prefix_cache()`` on the engine thread once no request is in flight;
+        True when the LLM has no prefix cache to reset."""
+        fn = getattr(self.llm, "reset_prefix_cache", None)
+        if fn is None:
+            return True
+        return bool(await self.engine.call(fn, exclusive=True))
+
     def check_ready(self) -> None:
         """Raise a 503 ``APIError`` while the engine is asleep (``/sleep``) or its weights were
         discarded and not loaded since. (Read on the event loop, so a request can still pass
