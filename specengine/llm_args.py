@@ -85,6 +85,14 @@ def parse_engine_args(kwargs: dict) -> EngineArgs:
                          f"logprobs_mode, speculative_config, device, attention_backend) and "
                          f"{list(NAMES)}")
     a = EngineArgs(**kwargs)
+    _check_sizes_and_flags(a)
+    _check_features(a)
+    _check_offload_and_revision(a)
+    return a
+
+
+def _check_sizes_and_flags(a: EngineArgs) -> None:
+    """Parallel sizes (1 only), ``gpu_memory_utilization`` and the boolean flags."""
     for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
         v = getattr(a, name)
         _int(name, v, 1)
@@ -101,6 +109,11 @@ def parse_engine_args(kwargs: dict) -> EngineArgs:
         _bool(name, getattr(a, name))
     if a.enable_chunked_prefill is not None:
         _bool("enable_chunked_prefill", a.enable_chunked_prefill)
+
+
+def _check_features(a: EngineArgs) -> None:
+    """What the engine cannot do: LoRA, other load formats, executors, worker extensions,
+    quantization, model implementations or KV cache dtypes; and ``max_logprobs``."""
     if a.enable_lora:
         _fail("enable_lora", True, "LoRA adapters are not supported; merge the adapter and "
               "push the merged weights with update_weights")
@@ -125,6 +138,11 @@ def parse_engine_args(kwargs: dict) -> EngineArgs:
     if a.kv_cache_dtype != "auto":
         _fail("kv_cache_dtype", a.kv_cache_dtype, "the KV cache is kept in the model dtype; "
               "use 'auto'")
+
+
+def _check_offload_and_revision(a: EngineArgs) -> None:
+    """``swap_space``, ``cpu_offload_gb`` (0 only), ``max_seq_len_to_capture``, ``revision``
+    (None only) and ``offload_dir`` (an existing directory)."""
     _number("swap_space", a.swap_space)
     _number("cpu_offload_gb", a.cpu_offload_gb)
     if a.cpu_offload_gb:
@@ -137,4 +155,3 @@ def parse_engine_args(kwargs: dict) -> EngineArgs:
               "aliases; there is no revision to choose")
     if a.offload_dir is not None and not os.path.isdir(a.offload_dir):
         _fail("offload_dir", a.offload_dir, "not an existing directory")
-    return a
