@@ -1,9 +1,5 @@
-"""Block tables of sequences over the reference-counted block allocator (vLLM's PagedAttention),
-with automatic prefix caching.
-
-A sequence's K/V for position ``p`` live in block ``block_table[p // block_size]`` at offset
-``p % block_size``. The ``n`` samples of one prompt share the prompt's blocks (reference counts);
-the first sample that writes into a shared block gets its own copy (copy-on-write).
+"""``BlockManager``: sequences' block tables (``BlockPool``, ``kv/block_pool.py``: reference
+counts, copy-on-write) with automatic prefix caching.
 
 With prefix caching (``enable_prefix_caching``), every block full of committed tokens is
 registered in a ``PrefixCache`` under the chain hash of its tokens and all tokens before it; the
@@ -27,16 +23,12 @@ from collections.abc import Callable
 import torch
 
 from specengine.engine.sequence import Sequence
-from specengine.kv.allocator import make_allocator
 from specengine.kv.block_features import BlockFeatures
+from specengine.kv.block_pool import BlockPool, cdiv
 from specengine.kv.prefix_cache import PrefixCache, chain_hashes, hash_partial
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-class BlockManager:
+class BlockManager(BlockPool):
     """Gives sequences KV blocks and takes them back.
 
     Args:
@@ -53,11 +45,8 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, copy_block: Callable[[int, int], None],
                  enable_prefix_caching: bool = False):
-        self.block_size = block_size
-        self.allocator = make_allocator(num_blocks)
-        self.copy_block = copy_block
-        self.cache = PrefixCache() if enable_prefix_caching else None
-        self.features: BlockFeatures | None = None
+        super().__init__(num_blocks, block_size, copy_block,
+                         PrefixCache() if enable_prefix_caching else None)
         # seq id -> (blocks the sequence registered at admission, tokens its prefill computes):
         # registered before their K/V are written (this step's forward); unregistered again if
         # the sequence is freed before that forward completed (an error, an abort)
@@ -65,66 +54,6 @@ class BlockManager:
         self._pending: set[int] = set()  # the blocks in ``_unconfirmed``
         self._version = 0  # weight version and resets so far: the namespace (``salt``)
         self._resets = 0
-
-    @property
-    def num_free(self) -> int:
-        """Blocks available to new work: free ones plus evictable cached ones."""
-        return self.allocator.num_free + (self.cache.num_evictable if self.cache is not None else 0)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.allocator.num_blocks
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """Blocks registered in the prefix cache (in use or evictable)."""
-        return len(self.cache) if self.cache is not None else 0
-
-    @property
-    def num_evictable(self) -> int:
-        """Cached blocks nobody uses (refcount 1, the cache's own reference)."""
-        return self.cache.num_evictable if self.cache is not None else 0
-
-    # ---- allocation primitives -------------------------------------------------------------
-    def _alloc_n(self, n: int) -> list[int]:
-        """``n`` fresh blocks with refcount 1, evicting least-recently-released cached blocks
-        when the free list is short. Raises RuntimeError (nothing changed) if ``n`` exceed
-        ``num_free``."""
-        if n > self.num_free:
-            raise RuntimeError(f"out of KV blocks: asked for {n}, {self.num_free} free")
-        while self.allocator.num_free < n:
-            self.allocator.free(self.cache.pop_lru())  # drops the cache's reference
-        blocks = list(self.allocator.allocate_n(n))
-        if self.features is not None:
-            self.features.invalidate(blocks)
-        return blocks
-
-    def _release(self, block: int) -> None:
-        """Drop one user's reference; a cached block left with only the cache's reference
-        becomes evictable."""
-        self.allocator.free(block)
-        if self.cache is not None and self.cache.is_registered(block) \
-                and self.allocator.refcount(block) == 1:
-            self.cache.release(block)
-
-    def _attach(self, block: int) -> None:
-        """One more user of cached ``block`` (revived if it was evictable)."""
-        self.cache.acquire(block)
-        self.allocator.incref(block)
-
-    def _register(self, h: bytes, block: int) -> bool:
-        """Register ``block`` under ``h`` (the cache takes a reference) unless either is
-        registered already; returns whether it was."""
-        if self.cache.lookup(h) is not None or self.cache.is_registered(block):
-            return False
-        self.cache.register(h, block)
-        self.allocator.incref(block)
-        return True
-
-    def _drop(self, block: int) -> None:
-        """Unregister ``block`` and drop the cache's reference."""
-        self.cache.unregister(block)
-        self._release(block)
 
     # ---- prefix caching ----------------------------------------------------------------------
     @property
@@ -229,12 +158,7 @@ class BlockManager:
         blocks = hit + self._alloc_n(cdiv(size, bs) - len(hit))
         last = (size - 1) // bs
         if len(hit) > last:  # the last token is written again: into a copy of its block
-            old, new = blocks[last], self._alloc_n(1)[0]
-            self.copy_block(old, new)
-            if self.features is not None:
-                self.features.copy_block(old, new)
-            self._release(old)
-            blocks[last] = new
+            blocks[last] = self._unshare(blocks[last])
         for _ in seqs[1:]:
             for b in blocks:
                 self.allocator.incref(b)
@@ -244,14 +168,27 @@ class BlockManager:
             s.num_cached = cached
         if self.cache is None:
             return
+        self._count_lookup(seqs, len(hit), cached)
+        self._register_admitted(seqs, blocks, len(hit))
+
+    def _count_lookup(self, seqs: list[Sequence], num_hit: int, cached: int) -> None:
+        """``allocate_shared``'s prefix-cache counters (its docstring)."""
+        size = len(seqs[0])
         requests = len({s.request_id for s in seqs})
-        found = min(len(hit) * bs, size)
+        found = min(num_hit * self.block_size, size)
         self.cache.queried_tokens += requests * size
         self.cache.hit_tokens += found + (requests - 1) * size
         self.cache.rerun_tokens += found - cached
+
+    def _register_admitted(self, seqs: list[Sequence], blocks: list[int], num_hit: int) -> None:
+        """Register the admitted blocks past the hit (full ones, then the partial last one),
+        pending until the leader's prefill forward completes (``commit``); every sequence
+        takes the leader's hashes and namespace."""
+        leader, bs = seqs[0], self.block_size
+        size = len(leader)
         full = size // bs
         hashes = self._hashes(leader, full)
-        pending = [blocks[i] for i in range(len(hit), full) if self._register(hashes[i], blocks[i])]
+        pending = [blocks[i] for i in range(num_hit, full) if self._register(hashes[i], blocks[i])]
         if size % bs and self._register(
                 hash_partial(hashes[full - 1] if full else leader.cache_salt,
                              leader.token_ids[full * bs:]),
@@ -322,63 +259,6 @@ class BlockManager:
             self.features = BlockFeatures(self.num_blocks, self.block_size, hidden_size, dtype,
                                           device)
 
-    def observe_features(self, spans: list[tuple[Sequence, int, int]], feats: torch.Tensor,
-                         prefills: list[bool]) -> list[tuple[int, torch.Tensor]]:
-        """Record the target features of one step: ``spans[i] = (seq, start, r)`` names the
-        positions ``start .. start+r-1`` of ``seq`` whose features are the next ``r`` rows of
-        ``feats`` ``[sum r, H]`` (stored when tracked, in one write for the whole step).
-        Returns per span what a drafter should observe: for a prefill after a prefix-cache
-        hit (``start`` > 0, ``prefills[i]``), the cached features of positions ``0 .. start-1``
-        prepended and start 0; else ``(start, its rows of feats)``."""
-        if self.features is not None:  # all writes first: a prefill may hit a prefix
-            slots = []  # another entry of this step computed
-            for seq, start, r in spans:
-                slots += self.slots(seq, start, start + r)
-            self.features.write(slots, feats)
-        out, row = [], 0
-        for (seq, start, r), prefill in zip(spans, prefills):
-            rows = feats[row:row + r]
-            row += r
-            if self.features is not None and prefill and start > 0:
-                prefix = self.features.read(self.slots(seq, 0, start)).to(rows.device, rows.dtype)
-                out.append((0, torch.cat([prefix, rows])))
-            else:
-                out.append((start, rows))
-        return out
-
-    # ---- sequences ---------------------------------------------------------------------------
-    def blocks_to_grow(self, seq: Sequence, num_new: int) -> int:
-        """Blocks that ``grow(seq, num_new)`` would take from the pool."""
-        first, end = seq.num_cached, seq.num_cached + num_new
-        need = max(0, cdiv(end, self.block_size) - len(seq.block_table))
-        i = first // self.block_size
-        if num_new and i < len(seq.block_table) and self.allocator.refcount(seq.block_table[i]) > 1:
-            need += 1  # copy-on-write of the shared block we will write into
-        return need
-
-    def grow(self, seq: Sequence, num_new: int) -> None:
-        """Make positions ``num_cached .. num_cached+num_new-1`` of ``seq`` writable: add blocks
-        and un-share the block written first if it is shared."""
-        i = seq.num_cached // self.block_size
-        if num_new and i < len(seq.block_table) and self.allocator.refcount(seq.block_table[i]) > 1:
-            old = seq.block_table[i]
-            new = self._alloc_n(1)[0]
-            self.copy_block(old, new)
-            if self.features is not None:
-                self.features.copy_block(old, new)
-            self._release(old)
-            seq.block_table[i] = new
-        need = cdiv(seq.num_cached + num_new, self.block_size) - len(seq.block_table)
-        if need > 0:
-            seq.block_table.extend(self._alloc_n(need))
-
-    def shrink(self, seq: Sequence, num_tokens: int) -> None:
-        """Release the blocks past the first ``num_tokens`` positions of ``seq``."""
-        keep = cdiv(num_tokens, self.block_size)
-        for b in reversed(seq.block_table[keep:]):
-            self._release(b)
-        del seq.block_table[keep:]
-
     def free(self, seq: Sequence) -> None:
         """Release all blocks of ``seq`` (shared blocks stay with the other holders, registered
         ones with the prefix cache). Blocks ``seq`` registered at admission whose K/V its
@@ -390,13 +270,4 @@ class BlockManager:
                 for b in pend[0]:
                     if self.cache.is_registered(b):
                         self._drop(b)
-        for b in reversed(seq.block_table):  # the tail is evicted before the head
-            self._release(b)
-        seq.block_table = []
-        seq.num_cached = 0
-        seq.num_registered_blocks = 0
-
-    def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
-        """Flat cache slots of positions ``start .. end-1`` of ``seq``."""
-        bs, table = self.block_size, seq.block_table
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+        super().free(seq)
