@@ -306,65 +306,89 @@ def _admission_units(trace: RolloutTrace) -> list[tuple[list[int], int, int]]:
     return units
 
 
+@dataclass
+class _StepSums:
+    """One simulated step's totals (``StepShape``'s fields but ``drafts``)."""
+
+    tokens: float = 0
+    context: float = 0
+    pairs: float = 0
+    rows: int = 0
+    nodes: float = 0.0
+
+
 def _simulate(trace: RolloutTrace, table: CostTable, strategy: Strategy | None,
               source: str | None, expect) -> list[dict]:
     """The fluid simulation behind ``off`` and ``static``: one cost dict per step.
     ``expect((group, index))`` gives a sequence's cumulative ``(accepted, nodes)`` per depth
     (``AcceptanceStats.expected``; None for ``off``)."""
-    seqs = trace.sequences
     max_seqs = trace.meta.get("max_num_seqs") or math.inf
     max_tokens = trace.meta.get("max_num_batched_tokens") or math.inf
     waiting = _admission_units(trace)
     running: list[list] = []  # [length, produced, output length, max_tokens, acc, nodes]
     parts = []
     while waiting or running:
-        tokens = context = pairs = rows = 0
-        nodes = 0.0
-        for r in running:
-            length, produced, out, cap, acc, nod = r
-            depth = 0
-            if strategy is not None:
-                depth = max(min(strategy.depth, int(cap - produced) - 1), 0)
-            a = acc[depth] if depth else 0.0
-            n = nod[depth] if depth else 0.0
-            context += length
-            tokens += 1 + n
-            nodes += n
-            pairs += length * (1 + n) + (sum(
-                (j + 1) * (nod[j + 1] - nod[j]) for j in range(depth)) if depth else 0)
-            rows += 1
-            step = min(1 + a, out - produced)
-            r[0] += step
-            r[1] += step
+        t = _StepSums()
+        _decode(running, strategy, t)
         drafting = len(running)
-        budget = max_tokens - len(running)
-        while waiting and len(running) + len(waiting[0][0]) <= max_seqs:
-            ids, new, cached = waiting[0]
-            if new > budget and tokens:
-                break
-            waiting.pop(0)
-            tokens += new
-            budget -= new
-            context += cached + new
-            pairs += new * cached + new * (new + 1) // 2
-            for i in ids:
-                s = seqs[i]
-                out = s["output_tokens"]
-                if out <= 0:
-                    continue
-                acc, nod = expect((s.get("group"), s.get("index"))) if expect else (None, None)
-                first = 1 if new else 0  # the prefill samples each sequence's first token
-                rows += first
-                running.append([s["prompt_tokens"] + first, first, out,
-                                s.get("max_tokens") or out, acc, nod])
-        if tokens == 0 and not running:
+        _admit(waiting, running, trace.sequences, expect, max_seqs, max_tokens - len(running), t)
+        if t.tokens == 0 and not running:
             if waiting:
                 raise ValueError("a sequence group of the trace cannot be admitted within its "
                                  f"max_num_seqs={max_seqs}")
             break
         drafts = {}
         if strategy is not None and drafting:
-            drafts[source] = (drafting, strategy.depth, nodes)
-        parts.append(table.step_seconds(StepShape(tokens, context, pairs, rows, nodes, drafts)))
+            drafts[source] = (drafting, strategy.depth, t.nodes)
+        parts.append(table.step_seconds(StepShape(t.tokens, t.context, t.pairs, t.rows, t.nodes,
+                                                  drafts)))
         running = [r for r in running if r[1] < r[2] - 1e-9]
     return parts
+
+
+def _decode(running: list[list], strategy: Strategy | None, t: _StepSums) -> None:
+    """One decode (or verify) step of every running sequence: adds its work to ``t`` and
+    advances each by its expected committed tokens (``1 + accepted`` at the strategy's depth,
+    capped by its output length)."""
+    for r in running:
+        length, produced, out, cap, acc, nod = r
+        depth = 0
+        if strategy is not None:
+            depth = max(min(strategy.depth, int(cap - produced) - 1), 0)
+        a = acc[depth] if depth else 0.0
+        n = nod[depth] if depth else 0.0
+        t.context += length
+        t.tokens += 1 + n
+        t.nodes += n
+        t.pairs += length * (1 + n) + (sum(
+            (j + 1) * (nod[j + 1] - nod[j]) for j in range(depth)) if depth else 0)
+        t.rows += 1
+        step = min(1 + a, out - produced)
+        r[0] += step
+        r[1] += step
+
+
+def _admit(waiting: list, running: list[list], seqs: list[dict], expect, max_seqs: float,
+           budget: float, t: _StepSums) -> None:
+    """Admit waiting units (``_admission_units``) in order while ``max_seqs`` and the token
+    ``budget`` allow (the first always fits a step with no other token): their prefills'
+    work goes into ``t``, their sequences join ``running``."""
+    while waiting and len(running) + len(waiting[0][0]) <= max_seqs:
+        ids, new, cached = waiting[0]
+        if new > budget and t.tokens:
+            break
+        waiting.pop(0)
+        t.tokens += new
+        budget -= new
+        t.context += cached + new
+        t.pairs += new * cached + new * (new + 1) // 2
+        for i in ids:
+            s = seqs[i]
+            out = s["output_tokens"]
+            if out <= 0:
+                continue
+            acc, nod = expect((s.get("group"), s.get("index"))) if expect else (None, None)
+            first = 1 if new else 0  # the prefill samples each sequence's first token
+            t.rows += first
+            running.append([s["prompt_tokens"] + first, first, out,
+                            s.get("max_tokens") or out, acc, nod])

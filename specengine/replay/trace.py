@@ -184,24 +184,7 @@ class TraceRecorder:
                               "cached": length - e.num_new}
             for s in e.samplers:
                 self._register(s, step_index)
-        decode: dict[int, dict] = {}
-        verified = {id(c.entry): c for c in commits if c.is_verified}
-        for e in layout.decodes:
-            s = e.seq
-            self._register(s, step_index)
-            row = {"seq": s.seq_id, "ctx": before.get(s.seq_id, len(s)) - 1}
-            c = verified.get(id(e))
-            if e.tree is not None and c is not None:
-                t = e.tree
-                sources = t.sources or [self.drafter_name] * t.num_nodes
-                nodes: dict[str, list[int]] = {}
-                for src, d in zip(sources, t.depths):
-                    per = nodes.setdefault(src, [])
-                    per += [0] * (d - len(per))
-                    per[d - 1] += 1
-                row.update(nodes=nodes, accepted=len(c.accepted),
-                           path=[sources[i] for i in c.accepted])
-            decode[s.seq_id] = row
+        decode = self._decode_rows(layout, commits, step_index)
         for e in layout.entries:  # tokens appended this step, after the stop rules
             appended = []
             for s in e.samplers:
@@ -224,6 +207,30 @@ class TraceRecorder:
             "proposed": num_proposed or 0,
             "forward_tokens": layout.num_tokens, "prefill": list(prefill.values()),
             "decode": list(decode.values())})
+
+    def _decode_rows(self, layout, commits, step_index: int) -> dict[int, dict]:
+        """``record``'s decode rows, by sequence id: context length, and for a verified token
+        tree its nodes per source and depth, the accepted count and the accepted path's
+        sources (registering each sequence seen)."""
+        decode: dict[int, dict] = {}
+        verified = {id(c.entry): c for c in commits if c.is_verified}
+        for e in layout.decodes:
+            s = e.seq
+            self._register(s, step_index)
+            row = {"seq": s.seq_id, "ctx": self._before.get(s.seq_id, len(s)) - 1}
+            c = verified.get(id(e))
+            if e.tree is not None and c is not None:
+                t = e.tree
+                sources = t.sources or [self.drafter_name] * t.num_nodes
+                nodes: dict[str, list[int]] = {}
+                for src, d in zip(sources, t.depths):
+                    per = nodes.setdefault(src, [])
+                    per += [0] * (d - len(per))
+                    per[d - 1] += 1
+                row.update(nodes=nodes, accepted=len(c.accepted),
+                           path=[sources[i] for i in c.accepted])
+            decode[s.seq_id] = row
+        return decode
 
     def _register(self, s, step_index: int) -> None:
         if s.seq_id not in self.sequences:
