@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -10,26 +9,28 @@ from collections.abc import Iterable, Mapping
 import torch
 from tqdm.auto import tqdm
 
-from specengine.engine.config import EngineConfig, parse_dtype
-from specengine.engine.engine import Engine
+from specengine.engine.config import parse_dtype
 from specengine.engine.outputs import RequestOutput, ScoreOutput
-from specengine.engine.sequence import PartialSample, ScoreSpec
-from specengine.kv import kv_bytes_per_block
+from specengine.engine.sequence import PartialSample
 from specengine.lifecycle.memory import MemoryManager
 from specengine.lifecycle.migration import KVChunk, MigratedSequence, Migrator, SequenceInfo
 from specengine.lifecycle.weights import WeightUpdater
 from specengine.llm_args import parse_engine_args
+from specengine.llm_metrics import llm_metrics
+from specengine.llm_setup import (
+    build_engine,
+    engine_config,
+    head_dtype_of,
+    resolve_device,
+    vllm_dtype,
+)
 from specengine.models.registry import DEFAULT_MODEL
-from specengine.ops.extension import ext
+from specengine.prompts import chat_prompts, check_logprobs, encode_chat, partial_of, to_token_ids
 from specengine.replay.trace import RolloutTrace, TraceRecorder
 from specengine.sampling.params import SamplingParams, per_prompt
+from specengine.scoring import run_scoring, score_specs
 from specengine.speculative.config import SpeculativeConfig
-from specengine.speculative.drafters import make_drafter
-from specengine.speculative.drafters.merged import share_calibration
-from specengine.speculative.policy import make_policy
 from specengine.speculative.training.harvest import Harvester
-
-DEFAULT_KV_BYTES = 1 << 30
 
 
 class LLM:
@@ -60,36 +61,11 @@ class LLM:
             ``specengine.speculative.config.SpeculativeConfig``. Outputs are unchanged by it: greedy
             output is identical, sampled output has the same distribution.
 
-    vLLM engine arguments (what verl, TRL and OpenRLHF pass; checked by
-    ``specengine.llm_args``), keyword only:
-
-    - honoured: ``enable_prefix_caching`` (default True: reuse the KV of full blocks already
-      computed for the same leading tokens, vLLM's automatic prefix caching; outputs are
-      unchanged by it),
-      ``load_format`` (``"auto"``/``"safetensors"``: the checkpoint; ``"dummy"``: random
-      weights, for a trainer that pushes real ones before rollouts), ``max_logprobs``
-      (default 20: ``SamplingParams.logprobs`` above it is refused; -1: no limit),
-      ``skip_tokenizer_init`` (no tokenizer: prompts must be token ids, ``text`` stays
-      empty), ``gpu_memory_utilization`` (on CUDA, without ``kv_cache_memory_bytes``: the KV
-      cache takes what is left of that fraction of the device's memory; on CPU it is checked
-      and ignored), ``offload_dir`` (specengine: the directory of the temporary file a CPU
-      engine's weights go to during ``sleep(level=1)``; default the system temp directory).
-    - accepted, nothing to do here: ``enable_sleep_mode`` (``sleep``/``wake_up`` always
-      work: nothing is reserved up front), ``enforce_eager`` (always eager: no CUDA graphs),
-      ``trust_remote_code`` (no model code from checkpoints is ever run; known architectures
-      only), ``distributed_executor_backend`` None/``"uni"``/``"external_launcher"`` (all
-      mean: this process), ``model_impl`` ``"auto"``/``"vllm"`` (specengine's own decoder),
-      ``tensor_parallel_size``/``pipeline_parallel_size``/``data_parallel_size`` = 1,
-      ``quantization`` None, ``kv_cache_dtype`` ``"auto"`` (the model dtype),
-      ``enable_chunked_prefill`` (prefills are never split: a prompt longer than
-      ``max_num_batched_tokens`` runs alone in its step), ``disable_log_stats``,
-      ``disable_custom_all_reduce``, ``swap_space`` (preemption recomputes; no swap),
-      ``max_seq_len_to_capture``, ``cpu_offload_gb`` = 0, ``enable_lora`` False,
-      ``revision`` None, ``worker_extension_cls`` None.
-    - refused (ValueError saying why): parallel sizes > 1, a Ray or multiprocessing executor,
-      a quantization method, a worker extension, LoRA, ``cpu_offload_gb`` > 0, a revision,
-      ``model_impl="transformers"``, another ``kv_cache_dtype`` or ``load_format``; an
-      unknown keyword (the message lists the accepted ones).
+    vLLM engine arguments (what verl, TRL and OpenRLHF pass), keyword only: checked by
+    ``specengine.llm_args.parse_engine_args``, whose module documents each, honoured
+    (``enable_prefix_caching``, ``load_format``, ``max_logprobs``, ``skip_tokenizer_init``,
+    ``gpu_memory_utilization``, ``offload_dir``), accepted with nothing to do, or refused
+    with a ValueError saying why.
 
     ``dtype`` also takes vLLM's ``"auto"`` (the checkpoint's float16/bfloat16, bfloat16 for a
     float32 checkpoint), ``"half"`` and ``"float"``.
@@ -112,10 +88,9 @@ class LLM:
 
         args = self.engine_args = parse_engine_args(engine_args)
         self.enable_prefix_caching = args.enable_prefix_caching
-        torch_dtype = parse_dtype(_vllm_dtype(dtype, model))
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        head = _head_dtype(head_dtype, torch_dtype)
+        torch_dtype = parse_dtype(vllm_dtype(dtype, model))
+        device = resolve_device(device)
+        head = head_dtype_of(head_dtype, torch_dtype)
         loaded = load_model(model, dtype=torch_dtype, device=device,
                             dummy=args.load_format == "dummy")
         loaded.model.head_dtype = head
@@ -123,44 +98,13 @@ class LLM:
         self.model_name = model
         self.model_dir = loaded.model_dir
         self.tokenizer = None if args.skip_tokenizer_init else loaded.tokenizer
-        cfg = loaded.config
-        limit = cfg.max_position_embeddings
-        if max_model_len is None:
-            max_model_len = limit
-        elif not 1 < max_model_len <= limit:
-            raise ValueError(f"max_model_len={max_model_len} must be in [2, {limit}] "
-                             f"(the model's max_position_embeddings)")
-        per_block = kv_bytes_per_block(cfg, block_size, torch_dtype)
-        if (kv_cache_memory_bytes is None and args.gpu_memory_utilization is not None
-                and torch.device(device).type == "cuda"):
-            free, total = torch.cuda.mem_get_info(torch.device(device))
-            kv_cache_memory_bytes = int(args.gpu_memory_utilization * total) - (total - free)
-        kv_bytes = DEFAULT_KV_BYTES if kv_cache_memory_bytes is None else kv_cache_memory_bytes
-        num_blocks = kv_bytes // per_block
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory_bytes={kv_bytes} holds no KV block "
-                             f"({per_block} bytes each)")
-        if kv_cache_memory_bytes is None:  # no need for more than max_num_seqs full sequences
-            num_blocks = min(num_blocks, max_num_seqs * -(-max_model_len // block_size))
-        self.engine_config = EngineConfig(
-            max_model_len=max_model_len, block_size=block_size, num_kv_blocks=num_blocks,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens or max(4096, max_model_len),
-            enable_prefix_caching=bool(args.enable_prefix_caching),
-            prefix_cache_policy=prefix_cache_policy)
+        self.engine_config = engine_config(
+            loaded.config, args, torch_dtype, device, max_model_len, kv_cache_memory_bytes,
+            block_size, max_num_seqs, max_num_batched_tokens, prefix_cache_policy)
         self.speculative_config = SpeculativeConfig.from_dict(speculative_config)
-        drafter = make_drafter(self.speculative_config, loaded, num_blocks, block_size) \
-            if self.speculative_config else None
-        policy = make_policy(self.speculative_config, seed) if drafter else None
-        share_calibration(drafter, policy)  # a merged drafter fills its budget with them
-        eos = None  # default: the model's and the tokenizer's
-        if self.tokenizer is None and getattr(loaded.tokenizer, "eos_token_id", None) is not None:
-            eos = {*cfg.eos_token_ids, loaded.tokenizer.eos_token_id}  # skip_tokenizer_init
-        self.engine = Engine(loaded.model, self.tokenizer, self.engine_config, seed=seed,
-                             logprobs_mode=logprobs_mode, eos_token_ids=eos, drafter=drafter,
-                             policy=policy, attention_backend=attention_backend)
-        if policy is not None:
-            policy.warm_start(self.engine)
+        self.engine = build_engine(loaded, self.tokenizer, self.engine_config,
+                                   self.speculative_config, seed, logprobs_mode,
+                                   attention_backend)
         self._wall_time = 0.0
         self.memory = MemoryManager(self.engine, args.offload_dir)
         self.engine.ready_check = self.memory.check_ready
@@ -172,60 +116,11 @@ class LLM:
         return self.tokenizer
 
     def get_metrics(self) -> dict:
-        """Engine counters since start: requests, prompt/generated tokens, steps, prefill and
-        decode time (seconds), preemptions, KV blocks (total and free), wall time in
-        ``generate`` (seconds); with speculation, the policy's ``stats()`` (strategies run,
-        steps, predicted and observed tokens/s, decision time; with ``auto`` also
-        ``policy_budget``, how draft nodes were spread over sequences, and
-        ``policy_remaining``, the remembered output lengths) and ``tau_per_weight_version``
-        (target weight version -> tokens committed per verify step while it served: drift
-        after a weight update shows here); with an EAGLE drafter (also inside a
-        ``Harvester`` or merged with others), ``drafter_version`` and ``tau_per_version``
-        (drafter version -> tokens committed per verify step, see ``EagleDrafter.stats``); with
-        several drafters merged, ``merged_nodes_proposed`` / ``merged_nodes_kept`` per source
-        (``MergedDrafter.stats``); with speculation, ``source_stats``: per draft source, nodes
-        verified and accepted, overall and per depth (``sources.SourceStats``), and where the
-        policy calibrates per source (``auto``, or any policy with a merged drafter) its
-        ``calibration`` map (acceptance probability per confidence bin, also in
-        ``policy_calibration_per_source``); with the suffix drafter, ``rollout_memory_bytes`` /
-        ``_groups`` / ``_tokens`` / ... and the index update and lookup seconds
-        (``suffix_update_seconds``, ``suffix_lookup_seconds``, totals and per step; see
-        ``SuffixDrafter.stats``). Always: ``weight_version``,
-        ``weight_updates``, ``weight_update_time`` / ``last_weight_update_time`` (seconds
-        applying updates) and ``sleep_level`` (0 awake, else the deepest level slept); prefix
-        caching: ``prefix_cache_hit_rate`` (hit / queried prompt tokens),
-        ``prefix_cache_hit_tokens``, ``prefix_cache_queried_tokens``,
-        ``prefix_cache_rerun_tokens`` (hit tokens run again for their logits),
-        ``prefix_cache_blocks`` (cached now; those nobody uses count in ``kv_blocks_free``,
-        evicted on demand); migration (``specengine.lifecycle.migration.Migrator``):
-        ``migration_stage1_seconds`` / ``_bytes``, ``migration_stage2_seconds`` / ``_bytes``,
-        ``migration_import_seconds`` / ``_bytes``, ``migrated_out`` / ``migrated_in`` (with
-        K/V), ``reprefilled_out`` / ``reprefilled_in`` (as tokens); threads
-        (``specengine.ops.threads.ThreadTuner.stats``): ``kernel_threads`` (forward-size bucket ->
-        the kernels' thread count chosen), ``kernel_threads_max``, ``thread_probes``,
-        ``thread_switches``, ``adaptive_threads``, and ``kernel_pool``, the process's kernel
-        pool counters (jobs, helper_chunks, waits and sleeps of the caller for a helper's
-        chunk, wait_ns, late_helpers; see ``csrc/pool.h``)."""
-        d = self.engine.metrics.as_dict()
-        d.update(kv_blocks_total=self.engine.blocks.num_blocks,
-                 kv_blocks_free=self.engine.blocks.num_free, generate_time=self._wall_time,
-                 sleep_level=self.memory.level, **self.weights.stats())
-        d.update(self.engine.threads.stats())
-        if hasattr(ext(), "pool_stats"):  # (an extension built before it has none)
-            d["kernel_pool"] = ext().pool_stats()
-        d.update(self.engine.blocks.prefix_cache_stats())
-        drafter = self.engine.drafter
-        if drafter is not None:
-            d.update(self.engine.policy.stats())
-            d["tau_per_weight_version"] = self.weights.tau_per_weight_version()
-        if isinstance(drafter, Harvester):
-            drafter = drafter.inner
-        if drafter is not None:  # EAGLE: versions; suffix: rollout memory and its costs
-            d.update(drafter.stats())
-        for src, cal in d.get("policy_calibration_per_source", {}).items():
-            if src in d.get("source_stats", {}):
-                d["source_stats"][src]["calibration"] = cal
-        return d
+        """Engine counters since start (requests, tokens, steps, times, KV blocks, weight
+        version and updates, sleep level, prefix cache, migration, kernel threads) and, with
+        speculation, the policy's, the drafter's and each draft source's statistics: every
+        key is listed in ``specengine.llm_metrics.llm_metrics``."""
+        return llm_metrics(self.engine, self.weights, self.memory, self._wall_time)
 
     # ---- rollout traces (specengine.replay.trace) -----------------------------------------------
     def start_trace(self) -> None:
@@ -240,8 +135,8 @@ class LLM:
         if self.engine.trace is not None:
             raise RuntimeError("a rollout trace is already being recorded; stop_trace() first")
         drafter = self.engine.drafter
-        if isinstance(drafter, Harvester):
-            drafter = drafter.inner
+        if isinstance(drafter, Harvester):  # the training wrapper drafts nothing itself
+            drafter = next(iter(drafter.wrapped()), None)
         cfg = self.engine_config
         meta = {"model": self.model_name, "dtype": str(self.engine.runner.dtype).split(".")[-1],
                 "device": str(self.engine.runner.device),
@@ -394,38 +289,6 @@ class LLM:
         """True while the KV cache or the target's weights are released."""
         return self.memory.is_sleeping
 
-    def _to_token_ids(self, prompt, i: int) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"prompt {i} is text but the model has no tokenizer")
-            return prompt, self.tokenizer(prompt).input_ids
-        if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids", "partial"}
-            if unknown:
-                raise ValueError(f"prompt {i}: unknown keys {sorted(unknown)}")
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-            if "prompt" in prompt:
-                return self._to_token_ids(prompt["prompt"], i)
-            raise ValueError(f"prompt {i}: a dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise ValueError(f"prompt {i} has type {type(prompt).__name__}; expected str, list of "
-                         "token ids or a dict with 'prompt' / 'prompt_token_ids'")
-
-    @staticmethod
-    def _partial_of(prompt, i: int) -> PartialSample | None:
-        """A dict prompt's ``"partial"`` (a ``PartialSample`` or a dict of its fields)."""
-        part = prompt.get("partial") if isinstance(prompt, dict) else None
-        if part is None or isinstance(part, PartialSample):
-            return part
-        if not isinstance(part, dict) or not isinstance(part.get("token_ids"), (list, tuple)) \
-                or set(part) - {"token_ids", "index", "weight_versions"}:
-            raise ValueError(f"prompt {i}: 'partial' must be a dict with 'token_ids' (list) and "
-                             "optionally 'index' and 'weight_versions'")
-        return PartialSample(list(part["token_ids"]), part.get("index", 0),
-                             part.get("weight_versions"))
-
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None
                  = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate completions for ``prompts``; results come back in input order.
@@ -458,15 +321,8 @@ class LLM:
         Raises:
             ValueError: no tokenizer or no chat template; a malformed conversation.
         """
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"model {self.model_name!r} has no chat template")
-        if messages and isinstance(messages[0], dict):
-            messages = [messages]
-        prompts = []
-        for i, conv in enumerate(messages):
-            text, ids = self.encode_chat(conv, f"conversation {i}", add_generation_prompt,
-                                         chat_template_kwargs)
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        prompts = chat_prompts(self.tokenizer, self.model_name, messages,
+                               add_generation_prompt, chat_template_kwargs)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def encode_chat(self, conv: list[dict], what: str = "conversation",
@@ -477,15 +333,8 @@ class LLM:
         Raises:
             ValueError: naming ``what``, if ``conv`` is not a non-empty list of role/content dicts.
         """
-        if not isinstance(conv, list) or not conv or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str) for m in conv):
-            raise ValueError(f"{what} must be a non-empty list of "
-                             "{'role': str, 'content': str} dicts")
-        text = self.tokenizer.apply_chat_template(
-            conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-            **(chat_template_kwargs or {}))
-        return text, self.tokenizer(text, add_special_tokens=False).input_ids
+        return encode_chat(self.tokenizer, conv, what, add_generation_prompt,
+                           chat_template_kwargs)
 
     def generate_iter(self, prompts, sampling_params: SamplingParams | list[SamplingParams]
                       | None = None, use_tqdm: bool = True):
@@ -497,22 +346,14 @@ class LLM:
             raise RuntimeError(f"generation is paused ({self.engine.paused!r}): call "
                                "resume_generation() first")
         for i, p in enumerate(params):
-            self._check_logprobs(p, f"prompt {i}")
-        tokenized = [self._to_token_ids(p, i) for i, p in enumerate(prompts)]
-        partials = [self._partial_of(p, i) for i, p in enumerate(prompts)]
+            check_logprobs(p, self.engine_args.max_logprobs, f"prompt {i}")
+        tokenized = [to_token_ids(p, i, self.tokenizer) for i, p in enumerate(prompts)]
+        partials = [partial_of(p, i) for i, p in enumerate(prompts)]
         for i, ((_, ids), part, p) in enumerate(zip(tokenized, partials, params)):
             self.engine.validate_prompt(ids, f"prompt {i}")
             if part is not None:
                 self.engine.check_partial(part, ids, p, f"prompt {i}")
         return self._iter(tokenized, params, use_tqdm, partials)
-
-    def _check_logprobs(self, p: SamplingParams, what: str) -> None:
-        cap = self.engine_args.max_logprobs
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(p, name)
-            if cap >= 0 and k is not None and k > cap:
-                raise ValueError(f"{what}: {name}={k} is above max_logprobs={cap} (raise it "
-                                 "with LLM(max_logprobs=...))")
 
     def score(self, prompts, completions: list[list[int]],
               sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -551,31 +392,11 @@ class LLM:
         if len(completions) != len(prompts):
             raise ValueError(f"got {len(completions)} completions for {len(prompts)} prompts")
         self.memory.check_ready()
-        self._check_logprobs(SamplingParams(logprobs=logprobs), "score")
-        tokenized = [self._to_token_ids(p, i) for i, p in enumerate(prompts)]
-        specs = []
-        for i, ((_, ids), comp, p) in enumerate(zip(tokenized, completions, params)):
-            if not isinstance(comp, (list, tuple)) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in comp):
-                raise ValueError(f"completions[{i}] must be a list of token ids")
-            self.engine.validate_prompt(ids + list(comp)[:-1], f"prompt {i} + completion")
-            specs.append(ScoreSpec(len(ids), list(comp), p, logprobs))
-        greedy = SamplingParams(temperature=0, max_tokens=1)
-        index = {}
-        try:
-            for i, ((_, ids), spec) in enumerate(zip(tokenized, specs)):
-                if spec.completion:
-                    rid = self.engine.add_request(ids + spec.completion[:-1], greedy,
-                                                  score=spec)
-                    index[rid] = i
-            with tqdm(total=len(index), desc="score", disable=not use_tqdm) as bar:
-                while self.engine.has_unfinished():
-                    bar.update(len(self.engine.step()))
-        finally:
-            self.engine.abort_all()
-        return [ScoreOutput(ids, s.completion, s.raw or [], s.processed or [],
-                            s.entries if logprobs is not None else None)
-                for (_, ids), s in zip(tokenized, specs)]
+        check_logprobs(SamplingParams(logprobs=logprobs), self.engine_args.max_logprobs,
+                       "score")
+        tokenized = [to_token_ids(p, i, self.tokenizer) for i, p in enumerate(prompts)]
+        specs = score_specs(self.engine, tokenized, completions, params, logprobs)
+        return run_scoring(self.engine, tokenized, specs, logprobs, use_tqdm)
 
     # ---- step by step, and samples moving between engines (specengine.lifecycle.migration) ------
     def add_request(self, prompt, sampling_params: SamplingParams | None = None,
@@ -591,10 +412,10 @@ class LLM:
         """
         params = sampling_params if sampling_params is not None else SamplingParams()
         self.memory.check_ready()
-        self._check_logprobs(params, "prompt")
-        text, ids = self._to_token_ids(prompt, 0)
+        check_logprobs(params, self.engine_args.max_logprobs, "prompt")
+        text, ids = to_token_ids(prompt, 0, self.tokenizer)
         return self.engine.add_request(ids, params, prompt=text, request_id=request_id,
-                                       partial=self._partial_of(prompt, 0))
+                                       partial=partial_of(prompt, 0))
 
     def step(self) -> list[RequestOutput]:
         """One engine step (nothing when no request is unfinished); returns the requests that
@@ -685,32 +506,3 @@ class LLM:
             self.engine.abort_all()  # no-op after a normal finish; frees KV after an error
             self._wall_time += time.perf_counter() - t0
 
-
-def _head_dtype(head_dtype, model_dtype: torch.dtype) -> torch.dtype | None:
-    """``LLM``'s ``head_dtype`` -> torch.float32, or None for the model dtype.
-
-    Raises ValueError for anything but None, ``"auto"``, float32 or the model dtype."""
-    if head_dtype is None or head_dtype == "auto":
-        return None
-    names = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-             "bfloat16": torch.bfloat16, "float16": torch.float16}
-    dt = names.get(head_dtype) if isinstance(head_dtype, str) else head_dtype
-    if dt == model_dtype:
-        return None
-    if dt != torch.float32:
-        raise ValueError(f"head_dtype={head_dtype!r}: use 'float32' or 'auto' (the model "
-                         f"dtype, {str(model_dtype)[6:]})")
-    return torch.float32
-
-
-def _vllm_dtype(dtype, model) -> str | torch.dtype:
-    """vLLM's dtype names: ``"auto"`` -> the checkpoint's float16/bfloat16 (``torch_dtype`` in
-    its config.json; bfloat16 for float32 or unknown), ``"half"`` -> float16, ``"float"`` ->
-    float32; anything else unchanged (``parse_dtype`` checks it)."""
-    if dtype == "auto":
-        from specengine.models.loader import resolve_model
-
-        hf = json.loads((resolve_model(model) / "config.json").read_text())
-        return "float16" if hf.get("torch_dtype", hf.get("dtype")) == "float16" else "bfloat16"
-    return {"half": "float16", "float": "float32"}.get(dtype, dtype) if isinstance(dtype, str) \
-        else dtype

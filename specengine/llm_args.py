@@ -4,7 +4,35 @@ engine, accepted without effect where they only tune what specengine does not ha
 graphs, custom all-reduce), and refused with a ValueError that says why where they ask for
 something it cannot do (tensor parallelism, quantized kernels, worker extensions).
 
-``parse_engine_args(kwargs)`` returns an ``EngineArgs``; ``LLM`` documents each field.
+``parse_engine_args(kwargs)`` returns an ``EngineArgs``. ``LLM`` takes them keyword only:
+
+- honoured: ``enable_prefix_caching`` (default True: reuse the KV of full blocks already
+  computed for the same leading tokens, vLLM's automatic prefix caching; outputs are
+  unchanged by it),
+  ``load_format`` (``"auto"``/``"safetensors"``: the checkpoint; ``"dummy"``: random
+  weights, for a trainer that pushes real ones before rollouts), ``max_logprobs``
+  (default 20: ``SamplingParams.logprobs`` above it is refused; -1: no limit),
+  ``skip_tokenizer_init`` (no tokenizer: prompts must be token ids, ``text`` stays
+  empty), ``gpu_memory_utilization`` (on CUDA, without ``kv_cache_memory_bytes``: the KV
+  cache takes what is left of that fraction of the device's memory; on CPU it is checked
+  and ignored), ``offload_dir`` (specengine: the directory of the temporary file a CPU
+  engine's weights go to during ``sleep(level=1)``; default the system temp directory).
+- accepted, nothing to do here: ``enable_sleep_mode`` (``sleep``/``wake_up`` always
+  work: nothing is reserved up front), ``enforce_eager`` (always eager: no CUDA graphs),
+  ``trust_remote_code`` (no model code from checkpoints is ever run; known architectures
+  only), ``distributed_executor_backend`` None/``"uni"``/``"external_launcher"`` (all
+  mean: this process), ``model_impl`` ``"auto"``/``"vllm"`` (specengine's own decoder),
+  ``tensor_parallel_size``/``pipeline_parallel_size``/``data_parallel_size`` = 1,
+  ``quantization`` None, ``kv_cache_dtype`` ``"auto"`` (the model dtype),
+  ``enable_chunked_prefill`` (prefills are never split: a prompt longer than
+  ``max_num_batched_tokens`` runs alone in its step), ``disable_log_stats``,
+  ``disable_custom_all_reduce``, ``swap_space`` (preemption recomputes; no swap),
+  ``max_seq_len_to_capture``, ``cpu_offload_gb`` = 0, ``enable_lora`` False,
+  ``revision`` None, ``worker_extension_cls`` None.
+- refused (ValueError saying why): parallel sizes > 1, a Ray or multiprocessing executor,
+  a quantization method, a worker extension, LoRA, ``cpu_offload_gb`` > 0, a revision,
+  ``model_impl="transformers"``, another ``kv_cache_dtype`` or ``load_format``; an
+  unknown keyword (the message lists the accepted ones).
 """
 
 from __future__ import annotations
@@ -16,7 +44,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class EngineArgs:
-    """Checked engine arguments (defaults as vLLM's where they exist; see ``LLM``)."""
+    """Checked engine arguments (defaults as vLLM's where they exist; each is described in the
+    module docstring)."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
