@@ -11,18 +11,21 @@ import numpy as np
 import pytest
 import test_verify as tv
 import torch
+import trees
 from helpers import rand_prompts
 from reference_verify import verify_sampling
 
 from specengine import LLM, SamplingParams
 from specengine.speculative.config import SpeculativeConfig
 from specengine.speculative.drafters.base import Drafter, prune_tree
+from specengine.speculative.drafters.eagle import EagleDrafter
 from specengine.speculative.drafters.merged import MergedDrafter, merge_trees
 from specengine.speculative.policy import AutoPolicy, StepRecord
 from specengine.speculative.policy.calibration import SourceCalibrators, bin_of
 from specengine.speculative.policy.parts import TreeCutter
 from specengine.speculative.sources import MergedTree, SourceStats, node_votes
 from specengine.speculative.strategy import Strategy
+from specengine.speculative.training.harvest import Harvester, HiddenBuffer
 from specengine.speculative.tree import DraftTree
 
 
@@ -154,10 +157,6 @@ class FixedDrafter(Drafter):
     def release(self, seq):
         self.calls.append("release")
 
-    def set_version(self, v):
-        self.calls.append(("version", v))
-        return v
-
 
 def test_merged_drafter_forwards_hooks_and_names_itself():
     a = FixedDrafter("a", labelled([1, 2], [-1, 0], [0.5, 0.5], "a"))
@@ -171,14 +170,13 @@ def test_merged_drafter_forwards_hooks_and_names_itself():
     m.discard(None)  # a moved sample: each part drops it (the base discard releases)
     assert a.calls == ["release"] * 2 and b.calls == ["observe", "release", "release"]
     assert m.features(None) is None
-    assert m.set_version(3) == [3, 3]  # a hook several parts have reaches each of them
     assert m.stats()["merged_nodes_proposed"] == {"a": 4, "b": 4}
     with pytest.raises(ValueError, match="empty"):
         MergedDrafter([])
     with pytest.raises(ValueError, match="repeat"):
         MergedDrafter([a, FixedDrafter("a", None)])
-    with pytest.raises(AttributeError):
-        m.no_such_thing  # noqa: B018
+    with pytest.raises(AttributeError):  # nothing of a part is forwarded
+        m.tree  # noqa: B018
 
 
 # ---- exactness in the engine ---------------------------------------------------------------
@@ -293,7 +291,7 @@ def merged_tree(seq, budget, scorer):
     for _ in range(3):
         x, y = y, OTHER[x][y][0]
         chain.append(y)
-    g = DraftTree.chain(chain, [math.log(0.5)] * 3)
+    g = trees.chain(chain, [math.log(0.5)] * 3)
     g.sources = ["g"] * 3
     return merge_trees([q, g], ["q", "g"], budget, scorer)
 
@@ -454,13 +452,14 @@ def test_method_list_forms():
 
 def test_sleep_releases_the_merged_drafters_kv_and_wakes_to_the_same_outputs(target_dir):
     """The memory manager finds the EAGLE part's KV pool and LM-head copies through the merged
-    drafter (its attributes reach the one part that has them)."""
+    drafter (``Drafter.walk`` and each part's ``kv_pools`` / ``packed_weights``)."""
     llm = make(target_dir, merged())
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = rand_prompts(3, seed=2)
     before = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     eagle = llm.engine.drafter.part("eagle")
-    assert llm.engine.drafter.kv is eagle.kv
+    assert [t for d in llm.engine.drafter.walk() for t in d.kv_pools()] == [eagle.kv]
+    assert llm.engine.drafter.find(EagleDrafter) is eagle and not hasattr(llm.engine.drafter, "kv")
     released = llm.sleep(level=1)
     assert released["kv_cache"] == (8 << 20) + eagle.kv.numel() * 4
     assert eagle.kv.untyped_storage().nbytes() == 0
@@ -492,3 +491,21 @@ def test_ngram_with_a_self_draft_model_learns_which_source_pays(target_dir, plai
     b = bin_of(0.5)  # the draft model's well-calibrated confidence bins pay more
     assert cal.get("draft_model").rate_per_bin()[b:].mean() > \
         cal.get("ngram").rate_per_bin()[b:].mean()
+
+
+def test_drafters_inside_drafters_are_found_without_forwarding():
+    """``wrapped`` / ``walk`` / ``find`` see through a Harvester and a MergedDrafter; nothing of
+    a part is reached as an attribute of the merged drafter."""
+    a, b = FixedDrafter("a", None), FixedDrafter("b", None)
+    merged = MergedDrafter([a, b])
+    outer = Harvester(merged, HiddenBuffer())
+    assert outer.wrapped() == [merged] and merged.wrapped() == [a, b] and a.wrapped() == []
+    assert list(outer.walk()) == [outer, merged, a, b]
+    assert outer.find(MergedDrafter) is merged and outer.find(FixedDrafter) is a
+    assert a.find(MergedDrafter) is None and Harvester(None, HiddenBuffer()).wrapped() == []
+    assert a.kv_pools() == [] and a.trainable_model() is None
+    with pytest.raises(ValueError, match=r"no part of 'a\+b' takes published weights"):
+        merged.publish({}, 1)
+    with pytest.raises(ValueError, match="takes no published weights"):
+        a.publish({}, 1)
+

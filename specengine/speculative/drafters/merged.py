@@ -10,12 +10,12 @@ confidence in the node's path. A node proposed by several sources keeps all thei
 (``sources.MergedTree``), so each source's calibration learns from all its nodes; the tree's
 ``sources`` names the best one per node. Children are ordered by probability and siblings carry
 distinct tokens (a trie), so the tree is deterministic and verification stays exact
-(``speculative.verify``). The per-source merge follows the multi-drafter token trees of SpecInfer
+(``sampling.verify``). The per-source merge follows the multi-drafter token trees of SpecInfer
 (arXiv 2305.09781), with EAGLE-2's best-first budget fill (arXiv 2406.16858).
 
 The drafter fills the budget with per-source calibrators the policy trains on the verified
-nodes (``share_calibration``): with the ``auto`` policy its own, which then also cut the merged
-tree further; with another policy a learner the policy feeds every step.
+nodes (``policy.make_policy`` wires them): with the ``auto`` policy its own, which then also cut
+the merged tree further; with another policy a learner the policy feeds every step.
 """
 
 from __future__ import annotations
@@ -159,16 +159,16 @@ class MergedDrafter(Drafter):
 
     The engine's hooks go to every part: ``observe`` to those that want hidden states,
     ``release`` and ``discard`` to all, ``features`` from the part that keeps them,
-    ``publish`` (EAGLE's hot swap of drafter weights) to those that have it. Any other
-    attribute a part has is reached through the merged drafter (e.g. ``kv``, ``model``
-    of the one model part; a method several parts have, such as a weight-version hook, is
-    called on each of them and returns their results in part order).
+    ``publish`` (EAGLE's hot swap of drafter weights) to those with trainable weights
+    (``set_weight_version`` is the base no-op: the parts do not hear of target versions).
+    Anything else of a part is reached through the part itself (``part(name)``,
+    ``find(kind)``, ``walk()``).
 
     Args:
         parts: the drafters, each with a distinct ``name`` (their order breaks ties).
         strategy: default tree shape (default: the first part's).
         scorer: per-source calibrators used to fill the budget (default: new ones at their
-            prior; ``share_calibration`` gives it the policy's).
+            prior; ``policy.make_policy`` gives it the policy's through ``use_scorer``).
         explore_every: one sequence in this many is filled round-robin (0: never).
 
     Raises:
@@ -191,6 +191,10 @@ class MergedDrafter(Drafter):
         self.explore_every = explore_every
         self.calls = 0
         self.counts: dict[str, dict[str, int]] = {"proposed": {}, "kept": {}}
+
+    def use_scorer(self, scorer: SourceCalibrators) -> None:
+        """Fill the budget with ``scorer`` from now on (calibrators a policy trains)."""
+        self.scorer = scorer
 
     def part(self, name: str) -> Drafter:
         """The part called ``name``.
@@ -245,7 +249,7 @@ class MergedDrafter(Drafter):
         Raises:
             ValueError: no part takes published weights.
         """
-        takers = [p for p in self.parts if hasattr(p, "publish")]
+        takers = [p for p in self.parts if p.trainable_model() is not None]
         if not takers:
             raise ValueError(f"no part of {self.name!r} takes published weights")
         for p in takers:
@@ -257,40 +261,7 @@ class MergedDrafter(Drafter):
         and those of them the budget fill kept (a node several proposed counts for each)."""
         out: dict = {}
         for p in self.parts:
-            if hasattr(p, "stats"):
-                out.update(p.stats())
+            out.update(p.stats())
         out["merged_nodes_proposed"] = dict(self.counts["proposed"])
         out["merged_nodes_kept"] = dict(self.counts["kept"])
         return out
-
-    def __getattr__(self, name: str):
-        parts = self.__dict__.get("parts")
-        if parts is None or name.startswith("__"):
-            raise AttributeError(name)
-        having = [p for p in parts if hasattr(p, name)]
-        if not having:
-            raise AttributeError(f"no part of the merged drafter has {name!r}")
-        values = [getattr(p, name) for p in having]
-        if len(values) == 1:
-            return values[0]
-        if all(callable(v) for v in values):
-            return lambda *args, **kw: [v(*args, **kw) for v in values]
-        raise AttributeError(f"{name!r} is an attribute of several parts "
-                             f"({[p.name for p in having]}): use part(name)")
-
-
-def share_calibration(drafter: Drafter, policy) -> None:
-    """Let a ``MergedDrafter`` (possibly wrapped, e.g. by a ``Harvester``) fill its budget with
-    per-source calibrators that ``policy`` trains on the verified nodes: an ``AutoPolicy``'s
-    own (``TreeCutter.sources``, which also cut the trees); for another policy a
-    ``TreeCutter`` that only learns (``Policy.calibration_learner``). Nothing happens for
-    another drafter or without a policy."""
-    while drafter is not None and not isinstance(drafter, MergedDrafter):
-        drafter = drafter.__dict__.get("inner")
-    if drafter is None or policy is None:
-        return
-    cutter = getattr(policy, "cutter", None)
-    if cutter is None:
-        from specengine.speculative.policy.parts import TreeCutter
-        cutter = policy.calibration_learner = TreeCutter()
-    drafter.scorer = cutter.sources

@@ -33,6 +33,7 @@ from specengine.speculative.policy.base import (
     bucket_label,
     strategy_name,
 )
+from specengine.speculative.policy.parts import TreeCutter
 from specengine.speculative.strategy import Strategy
 
 __all__ = ["AutoPolicy", "BanditPolicy", "BucketPolicy", "Policy", "StaticPolicy", "StepRecord",
@@ -55,16 +56,43 @@ def candidate_strategies(cfg) -> list[Strategy]:
     return list(dict.fromkeys(out))
 
 
-def make_policy(cfg, seed: int = 0) -> Policy:
+def make_policy(cfg, seed: int = 0, drafter=None) -> Policy:
     """The policy named by ``cfg.policy`` (a ``SpeculativeConfig``; ``seed`` seeds the bandit's
-    exploration). Raises ValueError for a name not in ``config.POLICIES``."""
+    exploration) for ``drafter`` (the engine's ``Drafter``, or None).
+
+    A ``MergedDrafter`` in ``drafter`` (also inside a training ``Harvester``) is given per-source
+    calibrators the policy trains on the verified nodes (``wire_calibration``).
+
+    Raises:
+        ValueError: a policy name not in ``config.POLICIES``.
+    """
     if cfg.policy == "static":
-        return StaticPolicy(cfg.strategy)
-    if cfg.policy == "bandit":
-        return BanditPolicy(candidate_strategies(cfg), seed=seed)
-    if cfg.policy == "auto":
+        policy = StaticPolicy(cfg.strategy)
+    elif cfg.policy == "bandit":
+        policy = BanditPolicy(candidate_strategies(cfg), seed=seed)
+    elif cfg.policy == "auto":
         policy = AutoPolicy(candidate_strategies(cfg))
         if isinstance(cfg.method, str):  # a single drafter: its trees' source by default
             policy.cutter.sources.default = cfg.method
-        return policy
-    raise ValueError(f"speculative_config policy={cfg.policy!r}: use one of {POLICIES}")
+    else:
+        raise ValueError(f"speculative_config policy={cfg.policy!r}: use one of {POLICIES}")
+    if drafter is not None:
+        wire_calibration(drafter, policy)
+    return policy
+
+
+def wire_calibration(drafter, policy: Policy) -> None:
+    """Let the ``MergedDrafter`` in ``drafter`` (``Drafter.find``) fill its budget with
+    per-source calibrators ``policy`` trains on the verified nodes: an ``AutoPolicy``'s own
+    (``TreeCutter.sources``, which also cut the trees); for another policy a ``TreeCutter``
+    that only learns (set as ``Policy.calibration_learner``). Nothing happens without one."""
+    from specengine.speculative.drafters.merged import MergedDrafter
+
+    merged = drafter.find(MergedDrafter)
+    if merged is None:
+        return
+    if isinstance(policy, AutoPolicy):
+        cutter = policy.cutter
+    else:
+        cutter = policy.calibration_learner = TreeCutter()
+    merged.use_scorer(cutter.sources)

@@ -104,7 +104,7 @@ class Policy:
         self.keep_trace = False
         self._predicted: float | None = None  # tok/s predicted for the step being run
         # a policy without its own tree cutter still trains a merged drafter's per-source
-        # calibration (``drafters.merged.share_calibration`` sets it): a ``TreeCutter``
+        # calibration (``policy.wire_calibration`` sets it): a ``TreeCutter``
         self.calibration_learner = None
 
     def choose(self, num_running: int) -> Strategy | None:
