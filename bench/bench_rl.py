@@ -11,7 +11,7 @@ and seeds are the same in every run:
 
   (a) ``trl``: TRL's built-in generation (``use_vllm=False``, no ``rollout_func``: the
       trainer's model calls transformers ``generate`` on the left-padded batch);
-  (b) ``specengine``: ``SpecEngineRollout`` over a ``specengine.LLM`` without speculation;
+  (b) ``specengine``: ``RolloutFunc`` over a ``specengine.LLM`` without speculation;
   (c) ``specengine+eagle``: the same with ``speculative_config={"method": "eagle"}`` (policy
       ``auto``) and the EAGLE drafter trained online: the engine harvests each step's rollouts
       (token ids and the target's features, recorded during decoding: no extra forward;
@@ -63,7 +63,7 @@ from transformers import TrainerCallback  # noqa: E402
 
 from specengine import LLM  # noqa: E402
 from specengine.data.rewards import gsm_task  # noqa: E402
-from specengine.integrations.trl import SpecEngineRollout  # noqa: E402
+from specengine.integrations.trl import RolloutFunc  # noqa: E402
 from specengine.models.loader import resolve_model  # noqa: E402
 from specengine.speculative.drafters.merged import MergedDrafter  # noqa: E402
 from specengine.speculative.training.fit import TrainConfig  # noqa: E402
@@ -80,10 +80,10 @@ BACKENDS = tuple(SPEC)
 
 
 class Recorder:
-    """A rollout_func around ``SpecEngineRollout`` that keeps each step's completion ids and
+    """A rollout_func around ``RolloutFunc`` that keeps each step's completion ids and
     the EAGLE drafter version its generation used (None without EAGLE)."""
 
-    def __init__(self, rollout: SpecEngineRollout, eagle=None):
+    def __init__(self, rollout: RolloutFunc, eagle=None):
         self.rollout, self.eagle = rollout, eagle
         self.completions, self.drafter_versions = [], []
 
@@ -166,7 +166,7 @@ def run(backend: str, a, model_dir, rows, steps: int, greedy: bool, log) -> dict
         if train and a.train_steps:
             online = OnlineDrafter(llm, eagle, a.train_steps, steps - 1, a.train_window,
                                    a.train_batch_tokens, a.train_lr, a.seed)
-        rollout = SpecEngineRollout(llm, seed=a.seed)
+        rollout = RolloutFunc(llm, seed=a.seed)
         recorder = Recorder(rollout, eagle)
     gen_kwargs = None
     if greedy:

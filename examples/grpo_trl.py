@@ -9,7 +9,7 @@ The policy is the default model (``smollm2-135m-instruct``) as a transformers
 (``specengine.models.loader.resolve_model``), so trainer and engine hold the same parameters.
 The engine is a ``specengine.LLM`` over the same directory with speculation on (the shipped
 EAGLE drafter by default, policy ``auto``) and ``logprobs_mode="processed_logprobs"``;
-``specengine.integrations.trl.SpecEngineRollout`` is the trainer's ``rollout_func``: it pushes
+``specengine.integrations.trl.RolloutFunc`` is the trainer's ``rollout_func``: it pushes
 the trainer's weights into the engine whenever the trainer's step changed and samples
 ``--generations`` completions per prompt with the trainer's sampling settings and step-derived
 seeds (a rerun with the same flags samples the same tokens).
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from specengine import LLM
     from specengine.data.rewards import gsm_task
-    from specengine.integrations.trl import RolloutLogger, SpecEngineRollout
+    from specengine.integrations.trl import RolloutFunc, RolloutLogger
     from specengine.models.loader import resolve_model
 
     model_dir = resolve_model(MODEL)
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(str(model_dir), dtype=a.engine_dtype, logprobs_mode="processed_logprobs",
               max_model_len=2048, seed=a.seed,
               speculative_config=speculative_config(a.speculative, a.policy))
-    rollout = SpecEngineRollout(llm, seed=a.seed)
+    rollout = RolloutFunc(llm, seed=a.seed)
     logger = RolloutLogger(rollout, print_fn=lambda line: print(line, flush=True))
     trainer = build_trainer(
         model_dir, gsm_task(a.steps * a.prompts), a.output_dir, steps=a.steps,

@@ -1,4 +1,4 @@
-"""TRL's real ``GRPOTrainer`` generating through ``specengine.integrations.trl.SpecEngineRollout``.
+"""TRL's real ``GRPOTrainer`` generating through ``specengine.integrations.trl.RolloutFunc``.
 
 Each GRPO run wraps the rollout so that, at every step, while the trainer still holds the
 weights it generated with, the test records: the engine's weights against the trainer's, the
@@ -18,7 +18,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from specengine import LLM
 from specengine.data.rewards import answers_equal, exact_answer_reward, final_answer, gsm_task
-from specengine.integrations.trl import RolloutLogger, SpecEngineRollout, _runs
+from specengine.integrations.trl import RolloutFunc, RolloutLogger, _runs
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
                                         "ignore::DeprecationWarning")
@@ -58,7 +58,7 @@ def engine_llm(model_dir, spec=None, **kw):
 class Checked:
     """A rollout_func that runs ``rollout`` and records, per step, what the test asserts."""
 
-    def __init__(self, rollout: SpecEngineRollout, plain: SpecEngineRollout):
+    def __init__(self, rollout: RolloutFunc, plain: RolloutFunc):
         self.rollout, self.plain, self.records = rollout, plain, []
 
     def __call__(self, prompts, trainer):
@@ -91,7 +91,7 @@ def run_checked(model_dir, tmp_path, llm, plain_llm, **kw):
     """Train; returns ``(rollout, records, logger, weight version before the run)`` (an
     engine shared between runs has its version counted on from the earlier ones)."""
     base = llm.weight_version
-    rollout, plain = SpecEngineRollout(llm), SpecEngineRollout(plain_llm)
+    rollout, plain = RolloutFunc(llm), RolloutFunc(plain_llm)
     checked = Checked(rollout, plain)
     logger = RolloutLogger(rollout, print_fn=None)
     trainer = make_trainer(model_dir, tmp_path, checked, callbacks=[logger], **kw)
@@ -163,7 +163,7 @@ def test_grpo_tiny_served_by_engine(tiny_llama_tok_dir, tmp_path, greedy):
 @pytest.fixture(scope="module")
 def tiny_trainer(tiny_llama_tok_dir, tmp_path_factory):
     llm = engine_llm(tiny_llama_tok_dir)
-    rollout = SpecEngineRollout(llm)
+    rollout = RolloutFunc(llm)
     trainer = make_trainer(tiny_llama_tok_dir, tmp_path_factory.mktemp("t"), rollout)
     return trainer, rollout, tiny_llama_tok_dir
 
@@ -180,7 +180,7 @@ def test_tokenize_matches_trl(tiny_trainer):
 
 def test_push_only_when_step_changes(tiny_trainer):
     trainer, _, model_dir = tiny_trainer
-    rollout = SpecEngineRollout(engine_llm(model_dir))
+    rollout = RolloutFunc(engine_llm(model_dir))
     prompts = [[{"role": "user", "content": "Hi"}]] * 3 + [[{"role": "user", "content": "Yo"}]]
     trainer.state.global_step = 5
     a = rollout(prompts, trainer)
@@ -195,7 +195,7 @@ def test_push_only_when_step_changes(tiny_trainer):
     rollout(prompts, trainer)
     assert rollout.num_weight_pushes == 2 and rollout.history[-1].synced
     # a rerun with the same step and call samples the same tokens
-    again = SpecEngineRollout(engine_llm(model_dir))
+    again = RolloutFunc(engine_llm(model_dir))
     trainer.state.global_step = 5
     assert again(prompts, trainer)["completion_ids"] == a["completion_ids"]
     trainer.state.global_step = 0
@@ -203,7 +203,7 @@ def test_push_only_when_step_changes(tiny_trainer):
 
 def test_sync_weights_off(tiny_trainer):
     trainer, _, model_dir = tiny_trainer
-    rollout = SpecEngineRollout(engine_llm(model_dir),
+    rollout = RolloutFunc(engine_llm(model_dir),
                                 sync_weights=False, seed=3)
     out = rollout(["a b c"] * 2, trainer)
     assert rollout.num_weight_pushes == 0 and out["weight_version"] == [0, 0]
@@ -243,11 +243,11 @@ def test_bad_arguments(tiny_trainer):
     with pytest.raises(TypeError, match="prompts must be a non-empty list, got str"):
         rollout("hello", trainer)
     with pytest.raises(TypeError, match="llm must be a specengine.LLM"):
-        SpecEngineRollout(object())
+        RolloutFunc(object())
     with pytest.raises(TypeError, match="seed must be an int"):
-        SpecEngineRollout(rollout.llm, seed="1")
+        RolloutFunc(rollout.llm, seed="1")
     with pytest.warns(RuntimeWarning, match="processed_logprobs"):
-        SpecEngineRollout(LLM(str(model_dir), dtype="float32",
+        RolloutFunc(LLM(str(model_dir), dtype="float32",
                               max_model_len=64, kv_cache_memory_bytes=8 << 20))
 
 

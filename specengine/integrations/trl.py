@@ -7,7 +7,7 @@ is this process's slice of the generation batch, already repeated ``num_generati
 completion per entry: ``{"prompt_ids", "completion_ids", "logprobs"}`` plus any extra
 per-entry fields, which TRL hands to the reward functions as keyword arguments.
 
-``SpecEngineRollout`` is that ``f``, bound to one ``specengine.LLM``. Each call it
+``RolloutFunc`` is that ``f``, bound to one ``specengine.LLM``. Each call it
 
 1. pushes ``trainer.model``'s parameters into the engine (``LLM.update_weights``) when the
    trainer's ``global_step`` differs from the step last pushed (TRL's own vLLM path does the
@@ -31,12 +31,12 @@ logprobs reach the trainer but its loss does not use them.
 Usage::
 
     from specengine import LLM
-    from specengine.integrations.trl import SpecEngineRollout
+    from specengine.integrations.trl import RolloutFunc
     llm = LLM("smollm2-135m-instruct", dtype="float32", logprobs_mode="processed_logprobs",
               speculative_config={"method": "eagle"})
     trainer = GRPOTrainer(model=hf_model, reward_funcs=reward, args=GRPOConfig(...),
                           train_dataset=ds, processing_class=tokenizer,
-                          rollout_func=SpecEngineRollout(llm))
+                          rollout_func=RolloutFunc(llm))
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ TESTED_TRL_VERSION = "1.16.0"
 
 @dataclass
 class RolloutStats:
-    """What one ``SpecEngineRollout`` call did.
+    """What one ``RolloutFunc`` call did.
 
     Attributes:
         step: the trainer's ``global_step`` at the call.
@@ -66,7 +66,7 @@ class RolloutStats:
         synced: whether the weights were pushed before generating.
         sync_seconds: wall seconds of the push (0.0 when not synced).
         generate_seconds: wall seconds of ``LLM.generate``.
-        weight_version: ``SpecEngineRollout.weight_version`` after the push.
+        weight_version: ``RolloutFunc.weight_version`` after the push.
         generated_tokens: completion tokens the engine committed during the call.
         spec_steps: speculative verify steps (one per sequence per verifying step).
         accepted_tokens: draft tokens accepted in them.
@@ -111,7 +111,7 @@ def _runs(prompts: list) -> list[tuple[int, int]]:
     return runs
 
 
-class SpecEngineRollout:
+class RolloutFunc:
     """A ``rollout_func`` for TRL's ``GRPOTrainer`` that generates with a ``specengine.LLM``.
 
     Args:
@@ -140,10 +140,10 @@ class SpecEngineRollout:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
         if trl.__version__ != TESTED_TRL_VERSION:
-            warnings.warn(f"SpecEngineRollout was written against trl=={TESTED_TRL_VERSION}; "
+            warnings.warn(f"RolloutFunc was written against trl=={TESTED_TRL_VERSION}; "
                           f"trl {trl.__version__} is installed", RuntimeWarning, stacklevel=2)
         if getattr(llm.engine, "logprobs_mode", None) != "processed_logprobs":
-            warnings.warn("SpecEngineRollout: the LLM returns raw logprobs; TRL expects those of "
+            warnings.warn("RolloutFunc: the LLM returns raw logprobs; TRL expects those of "
                           "the distribution sampled from (LLM(logprobs_mode="
                           "'processed_logprobs'))", RuntimeWarning, stacklevel=2)
         self.llm = llm
@@ -188,15 +188,8 @@ class SpecEngineRollout:
         call = self._calls_at_step.get(step, 0)
         self._calls_at_step = {step: call + 1}
 
-        prompt_ids = self.tokenize(prompts, trainer)
         runs = _runs(prompts)
-        base = trainer.args.seed if self.seed is None else self.seed
-        process = int(getattr(trainer.accelerator, "process_index", 0))
-        requests, params = [], []
-        for r, (start, length) in enumerate(runs):
-            requests.append({"prompt_token_ids": prompt_ids[start]})
-            params.append(self.sampling_params(
-                trainer, n=length, seed=_derived_seed(base, process, step, call, r)))
+        requests, params = self.requests(prompts, runs, trainer, step, call)
         before = self.llm.get_metrics()
         t0 = time.perf_counter()
         outs = self.llm.generate(requests, params, use_tqdm=False)
@@ -204,18 +197,7 @@ class SpecEngineRollout:
         after = self.llm.get_metrics()
 
         version = self.weight_version
-        result: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "logprobs": [],
-                                   "finish_reason": [], "weight_version": []}
-        forwards = 0
-        for out in outs:
-            forwards += out.metrics.get("target_forwards", 0)
-            for sample in out.outputs:
-                result["prompt_ids"].append(list(out.prompt_token_ids))
-                result["completion_ids"].append(list(sample.token_ids))
-                result["logprobs"].append(
-                    [lp[tok].logprob for tok, lp in zip(sample.token_ids, sample.logprobs)])
-                result["finish_reason"].append(sample.finish_reason)
-                result["weight_version"].append(version)
+        result, forwards = _completions(outs, version)
         generated = after["generated_tokens"] - before["generated_tokens"]
         spec = after.get("spec_steps", 0) - before.get("spec_steps", 0)
         accepted = after.get("accepted_tokens", 0) - before.get("accepted_tokens", 0)
@@ -230,6 +212,21 @@ class SpecEngineRollout:
 
     # ------------------------------------------------------------------ the parts
 
+    def requests(self, prompts: list, runs: list[tuple[int, int]], trainer, step: int,
+                 call: int) -> tuple[list[dict], list[SamplingParams]]:
+        """One engine request per run ``(start, length)`` of identical prompts: its prompt ids
+        (``tokenize``) and ``SamplingParams`` with ``n`` = the run's length and the seed
+        derived from ``(seed, process index, step, call, run)``."""
+        prompt_ids = self.tokenize(prompts, trainer)
+        base = trainer.args.seed if self.seed is None else self.seed
+        process = int(getattr(trainer.accelerator, "process_index", 0))
+        requests, params = [], []
+        for r, (start, length) in enumerate(runs):
+            requests.append({"prompt_token_ids": prompt_ids[start]})
+            params.append(self.sampling_params(
+                trainer, n=length, seed=_derived_seed(base, process, step, call, r)))
+        return requests, params
+
     def push_weights(self, trainer) -> float:
         """Copy the trainer model's parameters into the engine now (cast to the engine's
         dtype); returns the wall seconds it took.
@@ -241,7 +238,7 @@ class SpecEngineRollout:
         """
         model = trainer.accelerator.unwrap_model(trainer.model)
         if getattr(model, "peft_config", None) is not None:
-            raise TypeError("SpecEngineRollout: the trainer's model is a PEFT model; the engine "
+            raise TypeError("RolloutFunc: the trainer's model is a PEFT model; the engine "
                             "holds full weights (merge the adapter before pushing)")
         t0 = time.perf_counter()
         self.llm.update_weights((name, p.detach()) for name, p in model.named_parameters())
@@ -294,6 +291,25 @@ class SpecEngineRollout:
         return SamplingParams(**kw)
 
 
+def _completions(outs: list, version: int) -> tuple[dict[str, list], int]:
+    """TRL's per-entry lists from the engine's outputs (one entry per sample, in order):
+    ``prompt_ids``, ``completion_ids``, ``logprobs`` (the sampled token's, per completion
+    token), ``finish_reason``, ``weight_version``; and the target forwards the outputs took."""
+    result: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "logprobs": [],
+                               "finish_reason": [], "weight_version": []}
+    forwards = 0
+    for out in outs:
+        forwards += out.metrics.get("target_forwards", 0)
+        for sample in out.outputs:
+            result["prompt_ids"].append(list(out.prompt_token_ids))
+            result["completion_ids"].append(list(sample.token_ids))
+            result["logprobs"].append(
+                [lp[tok].logprob for tok, lp in zip(sample.token_ids, sample.logprobs)])
+            result["finish_reason"].append(sample.finish_reason)
+            result["weight_version"].append(version)
+    return result, forwards
+
+
 class RolloutLogger(TrainerCallback):
     """A ``transformers.TrainerCallback`` that joins each trainer log with the rollouts done
     since the previous one: one row per log (per step with ``logging_steps=1``).
@@ -305,11 +321,11 @@ class RolloutLogger(TrainerCallback):
     absent).
 
     Args:
-        rollout: the ``SpecEngineRollout`` passed as ``rollout_func``.
+        rollout: the ``RolloutFunc`` passed as ``rollout_func``.
         print_fn: called with one formatted line per row (None: silent).
     """
 
-    def __init__(self, rollout: SpecEngineRollout, print_fn=print):
+    def __init__(self, rollout: RolloutFunc, print_fn=print):
         self.rollout = rollout
         self.print_fn = print_fn
         self.rows: list[dict] = []

@@ -20,7 +20,7 @@ same fields and the rollout class stands alone. ``register()`` puts
 Not provided: a ``RolloutReplica`` (verl's Ray actor plumbing that launches server actors).
 
 What is read from verl's rollout ``config`` (a ``RolloutConfig``, an OmegaConf ``DictConfig``
-or a plain dict; missing keys take verl's defaults):
+or a plain dict; missing keys take verl's defaults; ``verl_config.RolloutSettings`` reads them):
 
 - engine: ``dtype``, ``max_model_len`` (default ``prompt_length + response_length``),
   ``max_num_seqs``, ``max_num_batched_tokens``, ``seed``, ``logprobs_mode`` (default
@@ -51,25 +51,12 @@ directory), ``trust_remote_code``. ``device_mesh`` is kept and not used (one pro
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from specengine.server.async_engine import AsyncEngine, RequestAborted
+from specengine.async_llm import AsyncEngine, RequestAborted
+from specengine.integrations.verl_config import RolloutSettings
 
-_DEFAULTS = {"prompt_length": 512, "response_length": 512, "dtype": "bfloat16",
-             "max_num_seqs": 1024, "seed": 0, "logprobs_mode": "processed_logprobs",
-             "free_cache_engine": True, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
-             "repetition_penalty": 1.0, "ignore_eos": False, "full_determinism": False}
-_ENGINE_ARGS = {  # verl config key -> LLM keyword
-    "enable_prefix_caching": "enable_prefix_caching",
-    "gpu_memory_utilization": "gpu_memory_utilization", "load_format": "load_format",
-    "enable_sleep_mode": "enable_sleep_mode", "enforce_eager": "enforce_eager",
-    "skip_tokenizer_init": "skip_tokenizer_init",
-    "tensor_model_parallel_size": "tensor_parallel_size",
-    "data_parallel_size": "data_parallel_size",
-    "pipeline_model_parallel_size": "pipeline_parallel_size",
-    "max_num_batched_tokens": "max_num_batched_tokens"}
 REGISTRY_VALUE = "specengine.integrations.verl.SpecEngineRollout"
 
 
@@ -124,16 +111,6 @@ def register(name: str = "specengine") -> None:
     _ROLLOUT_REGISTRY[(name, "async")] = REGISTRY_VALUE
 
 
-def cfg_get(obj, path: str, default=None):
-    """``obj.a.b`` for ``path="a.b"`` over dataclasses, attribute objects, dicts and OmegaConf
-    configs; ``default`` where a key is missing or None."""
-    for key in path.split("."):
-        if obj is None:
-            return default
-        obj = obj.get(key) if isinstance(obj, Mapping) else getattr(obj, key, None)
-    return default if obj is None else obj
-
-
 async def _aiter(weights):
     """A sync or async iterable of ``(name, tensor)`` as an async iterator."""
     if hasattr(weights, "__aiter__"):
@@ -164,24 +141,14 @@ class SpecEngineRollout(_VerlBaseRollout or object):
                  replica_rank: int = 0, **kwargs):
         self.config, self.model_config, self.device_mesh = config, model_config, device_mesh
         self.replica_rank = replica_rank
-        c = self._c
-        extra = dict(cfg_get(config, "engine_kwargs.specengine", {}) or {})
-        self.sleep_level = extra.pop("sleep_level", 2)
-        if self.sleep_level not in (1, 2):
-            raise ValueError(f"engine_kwargs.specengine.sleep_level={self.sleep_level!r} must "
-                             "be 1 or 2")
-        if cfg_get(config, "mtp.enable", False) and cfg_get(config, "mtp.enable_rollout", False):
-            raise ValueError("mtp.enable_rollout: MTP drafters are not supported by specengine;"
-                             " set engine_kwargs.specengine.speculative_config (ngram, "
-                             "draft_model, eagle) instead")
-        self.prompt_length, self.response_length = c("prompt_length"), c("response_length")
-        self.free_cache_engine = bool(c("free_cache_engine"))
-        self.bucket_bytes = int(cfg_get(
-            config, "checkpoint_engine.update_weights_bucket_megabytes", 2048)) << 20
+        self.settings = st = RolloutSettings(config, model_config, replica_rank)
+        self.sleep_level, self.free_cache_engine = st.sleep_level, st.free_cache_engine
+        self.prompt_length, self.response_length = st.prompt_length, st.response_length
+        self.bucket_bytes = st.bucket_bytes
         if llm is None:
-            llm = self._build_llm(extra)
-        elif extra:
-            raise ValueError(f"engine_kwargs.specengine {sorted(extra)} cannot apply to the "
+            llm = st.build_llm()
+        elif st.extra:
+            raise ValueError(f"engine_kwargs.specengine {sorted(st.extra)} cannot apply to the "
                              "LLM given as llm=")
         self.llm = llm
         self.max_model_len = llm.engine_config.max_model_len
@@ -192,26 +159,6 @@ class SpecEngineRollout(_VerlBaseRollout or object):
         self._paused = False
         self._rejecting = False
         self._gate: asyncio.Event | None = None
-
-    def _c(self, key: str):
-        return cfg_get(self.config, key, _DEFAULTS.get(key))
-
-    def _build_llm(self, extra: dict):
-        from specengine import LLM
-
-        path = cfg_get(self.model_config, "local_path") or cfg_get(self.model_config, "path")
-        if path is None:
-            raise ValueError("model_config has no local_path or path (and no llm= was given)")
-        c = self._c
-        kwargs = {k2: cfg_get(self.config, k) for k, k2 in _ENGINE_ARGS.items()
-                  if cfg_get(self.config, k) is not None}
-        if cfg_get(self.model_config, "trust_remote_code") is not None:
-            kwargs["trust_remote_code"] = cfg_get(self.model_config, "trust_remote_code")
-        max_len = cfg_get(self.config, "max_model_len") or (self.prompt_length
-                                                             + self.response_length)
-        return LLM(str(path), dtype=c("dtype"), max_model_len=max_len,
-                   max_num_seqs=c("max_num_seqs"), seed=c("seed"),
-                   logprobs_mode=c("logprobs_mode"), **kwargs, **extra)
 
     # ---- engine-thread calls --------------------------------------------------------------
     async def call(self, fn, *args, exclusive: bool = False):
@@ -288,36 +235,6 @@ class SpecEngineRollout(_VerlBaseRollout or object):
         return names
 
     # ---- server side ----------------------------------------------------------------------
-    def _sampling_params(self, n_prompt: int, sp: dict):
-        """verl's request dict -> ``(SamplingParams, logprobs wanted)``, as verl's vLLM server
-        builds them: ``max_tokens`` / ``max_new_tokens`` (default ``min(response_length,
-        prompt_length + response_length - n_prompt)``) clamped to ``[1, max_model_len -
-        n_prompt]``, ``logprobs: bool`` -> the sampled token's only."""
-        from specengine.server.protocol import APIError, make_sampling_params
-
-        room = self.max_model_len - n_prompt
-        if room < 1:
-            raise ValueError(f"the prompt has {n_prompt} tokens: no room to generate within "
-                             f"max_model_len={self.max_model_len}")
-        max_tokens = sp.pop("max_tokens", None)
-        alt = sp.pop("max_new_tokens", None)
-        if max_tokens is None:
-            max_tokens = alt
-        if max_tokens is None:
-            max_tokens = min(self.response_length,
-                             self.prompt_length + self.response_length - n_prompt)
-        want = bool(sp.pop("logprobs", False))
-        for key in ("temperature", "top_p", "top_k", "repetition_penalty", "ignore_eos"):
-            sp.setdefault(key, self._c(key))
-        if self._c("full_determinism"):
-            sp.setdefault("seed", self.replica_rank + self._c("seed"))
-        sp["max_tokens"] = max(1, min(int(max_tokens), room))
-        sp["logprobs"] = 0 if want else None
-        try:
-            return make_sampling_params(sp), want
-        except APIError as e:
-            raise ValueError(f"sampling_params: {e}") from None
-
     def _token_output(self, **kw):
         extra = {"global_steps": self.global_steps, **kw.pop("extra_fields", {})}
         return TokenOutput(routed_experts=None, num_preempted=None, extra_fields=extra, **kw)
@@ -350,14 +267,24 @@ class SpecEngineRollout(_VerlBaseRollout or object):
         """
         if any(x is not None for x in (image_data, video_data, audio_data)):
             raise ValueError("generate: multimodal data is not supported (text models only)")
-        params, want = self._sampling_params(len(prompt_ids), dict(sampling_params))
+        params, want = self.settings.sampling_params(len(prompt_ids), dict(sampling_params),
+                                                     self.max_model_len)
         while self._paused:
             if self._rejecting:
                 return self._token_output(token_ids=[], log_probs=None, stop_reason="aborted")
             if self._gate is None:
                 self._gate = asyncio.Event()
             await self._gate.wait()
-        handle = self.engine.submit(list(prompt_ids), params, stream=True)
+        ids, lps, out = await self._stream(request_id, list(prompt_ids), params)
+        if out is None:  # aborted: what was generated before the abort
+            return self._token_output(token_ids=ids, log_probs=lps if want else None,
+                                      stop_reason="aborted")
+        return self._finished(out, want)
+
+    async def _stream(self, request_id: str, prompt_ids: list[int], params):
+        """Submit one request and follow it: ``(token ids, sampled logprobs, final
+        RequestOutput or None when aborted)``."""
+        handle = self.engine.submit(prompt_ids, params, stream=True)
         self._handles[request_id] = handle
         ids, lps, out = [], [], None
         try:
@@ -372,9 +299,10 @@ class SpecEngineRollout(_VerlBaseRollout or object):
             pass
         finally:
             self._handles.pop(request_id, None)
-        if out is None:  # aborted: what was generated before the abort
-            return self._token_output(token_ids=ids, log_probs=lps if want else None,
-                                      stop_reason="aborted")
+        return ids, lps, out
+
+    def _finished(self, out, want: bool):
+        """The ``TokenOutput`` of a finished request (``want``: with logprobs)."""
         o = out.outputs[0]
         reason = {"stop": "completed", "length": "completed", "abort": "aborted"}.get(
             o.finish_reason, o.finish_reason)
