@@ -2,7 +2,7 @@
 
 A request that could make a step fail is refused by ``Engine.add_request`` with a ValueError
 naming the field (a 400 from the server's routes); a step that still raises because of one
-request fails only that request (``Engine.recover_from_failed_step``, ``Engine.isolate``,
+request fails only that request (``StepRecovery.recover_from_failed_step`` and ``isolate``,
 ``AsyncEngine``), and every other request finishes with the tokens and logprobs (compared with
 ``==``) a fresh engine gives it alone. Faults are injected with monkeypatches that raise
 when a step sees the bad request, in each phase of the step; victims are in flight each time,
@@ -20,8 +20,8 @@ import pytest
 from helpers import rand_prompts
 
 from specengine import LLM, SamplingParams
+from specengine.async_llm import AsyncEngine, EngineStepError
 from specengine.engine.engine import InvalidRequestError
-from specengine.server.async_engine import AsyncEngine, EngineStepError
 
 DTYPES = ["bfloat16", "float32"]
 BS = 8
@@ -203,18 +203,18 @@ def test_engine_recovers_and_isolates_the_failing_request(target_dir, dtype, pha
     inject(e, phase, monkeypatch)
     with pytest.raises(Injected):
         e.step()
-    suspects = e.recover_from_failed_step()
+    suspects = e.recovery.recover_from_failed_step()
     assert suspects[0] == bad and set(suspects) == set(rids) | {bad}
     assert not e.scheduler.running
     # the most suspect request alone: it fails again, so it is the culprit
-    e.isolate(bad)
+    e.recovery.isolate(bad)
     assert {g[0].request_id for g in e.scheduler.waiting} == {bad}
     assert {g[0].request_id for g in e.held} == set(rids)
     with pytest.raises(Injected):
         drive(e, outs, max_steps=3)
-    e.recover_from_failed_step()
-    assert e.fail_request(bad) and not e.fail_request(bad)
-    e.end_isolation()
+    e.recovery.recover_from_failed_step()
+    assert e.recovery.fail_request(bad) and not e.recovery.fail_request(bad)
+    e.recovery.end_isolation()
     assert e.held is None
     drive(e, outs)
     assert bad not in outs
@@ -246,7 +246,7 @@ def test_recovery_trims_a_half_appended_token(target_dir, monkeypatch):
         e.step()
     seq = e.requests[rids[1]].seqs[1]
     assert len(seq.weight_versions) == seq.num_output_tokens + 1
-    e.recover_from_failed_step()
+    e.recovery.recover_from_failed_step()
     for r in rids:
         for s in e.requests[r].seqs:
             assert len(s.weight_versions) == len(s.logprobs) == s.num_output_tokens
@@ -267,17 +267,17 @@ def test_a_probe_that_passes_changes_nothing(target_dir):
         for o in e.step():
             outs[o.request_id] = o
     with pytest.raises(ValueError, match="4 sequences of other requests are running"):
-        e.isolate(rids[0])
+        e.recovery.isolate(rids[0])
     for rid in reversed(rids):
-        e.recover_from_failed_step()  # also fine after a step that did not fail
-        e.isolate(rid)
+        e.recovery.recover_from_failed_step()  # also fine after a step that did not fail
+        e.recovery.isolate(rid)
         with pytest.raises(ValueError, match="already isolating"):
-            e.isolate(rid)
+            e.recovery.isolate(rid)
         for _ in range(2):
             for o in e.step():
                 outs[o.request_id] = o
         assert {s.request_id for s in e.scheduler.running} == {rid}
-        e.end_isolation()
+        e.recovery.end_isolation()
     drive(e, outs)
     assert [key(outs[r]) for r in rids] == want
     assert at_baseline(e)

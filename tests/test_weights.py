@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specengine import LLM, SamplingParams
-from specengine.lifecycle.weights import check_finite
+from specengine.lifecycle.weight_checks import check_finite
 from specengine.models.loader import iter_safetensors, safetensors_files, save_random_model
 from specengine.ops import kernels
 

@@ -53,18 +53,13 @@ def _release(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(0)
 
 
-def _unwrap(drafter):
-    while drafter is not None and hasattr(drafter, "inner"):  # a training Harvester
-        drafter = drafter.inner
-    return drafter
-
-
 class MemoryManager:
     """Sleep state of one ``Engine`` (what ``LLM.sleep`` / ``wake_up`` drive).
 
     Args:
-        engine: the engine; its ``runner.model`` is the target, ``runner.kv_cache`` its KV
-            pool, ``drafter`` (possibly wrapped by a Harvester) may have its own KV pool.
+        engine: the engine; its ``model`` is the target, its ``releasable_tensors`` the KV
+            pools (the target's, and those of its drafters), its ``packed_weights`` the
+            kernels' packed copies (``drop_packed`` forgets them).
         offload_dir: directory of the temporary file that holds a CPU engine's weights during
             a level-1 sleep (default: the system temp directory; on a tmpfs the bytes stay in
             RAM, outside the process).
@@ -90,36 +85,20 @@ class MemoryManager:
     # ---- what is managed --------------------------------------------------------------------
     @property
     def model(self):
-        return self.engine.runner.model
+        return self.engine.model
 
     def _weight_tensors(self) -> list[torch.Tensor]:
         """The target's parameters (``parameters()`` lists a tied LM head once)."""
         return list(self.model.parameters())
 
     def _kv_tensors(self) -> list[torch.Tensor]:
-        out = [self.engine.runner.kv_cache]
-        d = _unwrap(self.engine.drafter)
-        for t in (getattr(d, "kv", None), getattr(getattr(d, "runner", None), "kv_cache", None)):
-            if isinstance(t, torch.Tensor):
-                out.append(t)
-        return out
-
-    def _drop_packed(self) -> None:
-        """Forget the kernels' packed copies of the target's weights (and an EAGLE drafter's
-        copies of the shared LM head); they are rebuilt on first use."""
-        self.model.drop_packed()
-        eagle = getattr(_unwrap(self.engine.drafter), "model", None)
-        if hasattr(eagle, "_packs"):
-            eagle._packs.clear()
-            eagle._head = None
+        return self.engine.releasable_tensors()
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes held now: ``weights`` (the target's parameters), ``packed`` (their kernel
         copies), ``kv_cache`` (the target's and drafter's KV pools), and ``total``."""
         w = sum(_nbytes(t) for t in self._weight_tensors())
-        packs = self.model.packed_weights()
-        eagle = getattr(_unwrap(self.engine.drafter), "model", None)
-        packs += list(getattr(eagle, "_packs", {}).values())
+        packs = self.engine.packed_weights()
         p = sum(_nbytes(pw.packed) for pw in packs if pw is not None and pw.packed is not None)
         kv = sum(_nbytes(t) for t in self._kv_tensors())
         return {"weights": w, "packed": p, "kv_cache": kv, "total": w + p + kv}
@@ -154,7 +133,7 @@ class MemoryManager:
                 _release(t)
             self.kv_resident = False
         if self.weights == "resident":
-            self._drop_packed()
+            self.engine.drop_packed()
             self._weight_sizes = [(t, _nbytes(t)) for t in self._weight_tensors()]
             if level == 1:
                 self._save()
@@ -167,7 +146,7 @@ class MemoryManager:
         if self.weights == "discarded":
             self.missing = set(self._names)
         self.level = max(self.level, level)
-        if self.engine.runner.device.type == "cuda":
+        if self.engine.model.device.type == "cuda":
             torch.cuda.empty_cache()
         _trim_heap()
         after = self.resident_bytes()
@@ -245,7 +224,7 @@ class MemoryManager:
     def _save(self) -> None:
         """Copy the weights out before their storage is released: CUDA -> pinned host
         tensors, CPU -> an anonymous temporary file (raw bytes, in order)."""
-        if self.engine.runner.device.type == "cuda":
+        if self.engine.model.device.type == "cuda":
             host = []
             for t, _ in self._weight_sizes:
                 h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)

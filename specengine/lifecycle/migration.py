@@ -45,7 +45,6 @@ import torch
 
 from specengine.engine.outputs import RequestOutput
 from specengine.engine.sequence import Request, Sequence, SequenceStatus
-from specengine.kv.block_manager import cdiv
 from specengine.sampling.params import SampleNoise, SamplingParams
 from specengine.speculative.policy.remaining import FINISHED, RemainingLength
 
@@ -257,7 +256,7 @@ class Migrator:
         c = seq.num_output_tokens
         room = max(1, min(seq.params.max_tokens - c,
                           self.engine.config.max_model_len - len(seq)))
-        policy = getattr(self.engine.policy, "remaining", None)
+        policy = self.engine.remaining_lengths()
         if isinstance(policy, RemainingLength) and policy.prior.recent:
             e = policy.expected(seq)
         else:
@@ -268,19 +267,13 @@ class Migrator:
     def kv_bytes(self, num_tokens: int) -> int:
         """Bytes a KV transfer moves for ``num_tokens`` positions (K/V of every layer, plus the
         target features when this engine keeps them)."""
-        c = self.engine.runner.kv_cache
-        per = c.shape[0] * 2 * c.shape[4] * c.shape[5] * c.element_size()
-        if self._feature_source():
-            per += self.engine.runner.model.config.hidden_size * c.element_size()
-        return num_tokens * per
+        return num_tokens * self.engine.transfer.kv_bytes_per_token()
 
     def running_sequences(self) -> list[SequenceInfo]:
         """Every unfinished sample (running ones first, in admission order, then waiting ones)
         with its predicted remaining work."""
-        eng = self.engine
-        seqs = list(eng.scheduler.running) + [s for g in eng.scheduler.waiting for s in g]
         out = []
-        for s in seqs:
+        for s in self.engine.transfer.unfinished_samples():
             steps = s.num_spec_steps
             tau = (s.num_accepted + steps) / steps if steps else 1.0
             running = s.status == SequenceStatus.RUNNING
@@ -295,7 +288,7 @@ class Migrator:
         """Predicted seconds of a prefill of ``num_tokens`` tokens here: the speculation
         policy's fitted latency model when it has one with data, else the prefill seconds per
         token measured so far, else 1 ms per token."""
-        lat = getattr(self.engine.policy, "latency", None)
+        lat = self.engine.latency_model()
         if lat is not None and getattr(lat, "num_forward", 0):
             return float(lat.forward_time(num_tokens, 0, 1))
         m = self.engine.metrics
@@ -304,34 +297,10 @@ class Migrator:
         return 1e-3 * num_tokens
 
     # ---- source ----------------------------------------------------------------------------
-    def _find(self, request_id: str, index: int) -> Sequence:
-        req = self.engine.requests.get(request_id)
-        seq = next((s for s in req.seqs if s.index == index), None) if req else None
-        if seq is None or seq.is_finished:
-            raise ValueError(f"request {request_id!r} has no unfinished sample {index} here")
-        return seq
-
-    def _feature_source(self) -> bool:
-        eng = self.engine
-        return eng.blocks.features is not None or (eng.drafter is not None
-                                                   and eng.drafter.wants_hidden)
-
     def _chunk(self, seq: Sequence, start: int, end: int) -> KVChunk:
-        """K/V and features of ``seq``'s positions ``start .. end-1``."""
-        eng = self.engine
-        slots = eng.blocks.slots(seq, start, end)
-        feats = None
-        bf = eng.blocks.features
-        if bf is not None and (not slots or bool(bf.valid[slots].all())):
-            feats = bf.read(slots).cpu() if slots else None
-        if feats is None and eng.drafter is not None:
-            have = eng.drafter.features(seq)
-            if have is not None and have.shape[0] >= end:
-                feats = have[start:end].clone().cpu()
-        if feats is None and not slots and self._feature_source():
-            h = eng.runner.model.config.hidden_size
-            feats = torch.empty(0, h, dtype=eng.runner.dtype)
-        return KVChunk(start, end, eng.runner.read_kv(slots), feats)
+        """K/V and features of ``seq``'s positions ``start .. end-1`` (``Engine.transfer``)."""
+        kv, feats = self.engine.transfer.export_kv(seq, start, end)
+        return KVChunk(start, end, kv, feats)
 
     def export_prefix(self, request_id: str, index: int) -> KVChunk:
         """Stage one: a copy of the K/V (and features) of the sample's full blocks of
@@ -342,12 +311,13 @@ class Migrator:
             ValueError: no such unfinished sample, or it is not running (no KV here).
         """
         t0 = self.clock()
-        seq = self._find(request_id, index)
+        seq = self.engine.transfer.find_sample(request_id, index)
         if seq.status != SequenceStatus.RUNNING:
             raise ValueError(f"sample {request_id}#{index} is not running: it has no KV to copy")
         live = self.engine.requests
         self._staged = {k: v for k, v in self._staged.items() if k[0] in live}
-        end = seq.num_cached // self.engine.blocks.block_size * self.engine.blocks.block_size
+        bs = self.engine.config.block_size
+        end = seq.num_cached // bs * bs
         chunk = self._chunk(seq, 0, end)
         self._staged[(request_id, index)] = (seq.seq_id, seq.num_preemptions, end)
         self._count(migration_stage1_seconds=self.clock() - t0,
@@ -371,7 +341,7 @@ class Migrator:
         """
         t0 = self.clock()
         eng = self.engine
-        seq = self._find(request_id, index)
+        seq = self.engine.transfer.find_sample(request_id, index)
         staged = self._staged.pop((request_id, index), None)
         running = seq.status == SequenceStatus.RUNNING
         tail, num_cached = None, 0
@@ -393,7 +363,7 @@ class Migrator:
             cumulative_logprob=seq.cumulative_logprob, text=seq.text,
             stats={k: _copy(getattr(seq, k)) for k in STATS}, age=now - req.arrival_time,
             first_token_age=(now - req.first_token_time) if req.first_token_time else None)
-        eng.detach(seq)
+        eng.transfer.detach(seq)
         if tail is not None:
             self._count(migrated_out=1)
         else:
@@ -423,6 +393,34 @@ class Migrator:
         t0 = self.clock()
         eng = self.engine
         what = f"sample {state.request_id}#{state.index}"
+        req = self._check_import(state, what)
+        chunks = self._chunks(state, prefix, what)
+        feats = None
+        if chunks is not None and chunks and all(c.features is not None for c in chunks):
+            feats = torch.cat([c.features for c in chunks])
+        if eng.drafter is not None and eng.drafter.wants_hidden and feats is None:
+            chunks = None  # the drafter could not draft for it: recompute the features
+        seq = _sequence(state)
+        if chunks is not None:
+            eng.transfer.import_kv(seq, state.num_cached,
+                                   [(c.start, c.end, c.kv) for c in chunks], feats, what)
+        if req is None:
+            now = time.perf_counter()
+            req = Request(state.request_id, state.prompt, list(state.prompt_token_ids),
+                          state.params, [], now - state.age,
+                          now - state.first_token_age if state.first_token_age is not None
+                          else None)
+        eng.transfer.attach(seq, req, feats if chunks is not None else None)
+        how = "kv" if chunks is not None else "reprefill"
+        self._count(migration_import_seconds=self.clock() - t0,
+                    migration_import_bytes=state.nbytes + (prefix.nbytes if prefix else 0),
+                    **{"migrated_in" if how == "kv" else "reprefilled_in": 1})
+        return how
+
+    def _check_import(self, state: MigratedSequence, what: str) -> Request | None:
+        """Raise ValueError unless ``state`` can continue here (import_sequence's list);
+        returns this engine's request of its id, if any."""
+        eng = self.engine
         if state.weight_version != eng.weight_version:
             raise ValueError(f"{what}: exported at weight version {state.weight_version}, this "
                              f"engine serves version {eng.weight_version}")
@@ -430,7 +428,7 @@ class Migrator:
         if len(state.token_ids) >= eng.config.max_model_len:
             raise ValueError(f"{what}: {len(state.token_ids)} tokens reach max_model_len="
                              f"{eng.config.max_model_len}")
-        vocab = eng.runner.model.config.vocab_size
+        vocab = eng.model.config.vocab_size
         if any(not 0 <= t < vocab for t in state.token_ids):
             raise ValueError(f"{what}: a token id is outside the vocabulary [0, {vocab})")
         req = eng.requests.get(state.request_id)
@@ -438,38 +436,7 @@ class Migrator:
                                 or any(s.index == state.index for s in req.seqs)):
             raise ValueError(f"{what}: request id {state.request_id!r} is in use here by "
                              "another prompt or already has that sample")
-        chunks = self._chunks(state, prefix, what)
-        feats = None
-        if chunks is not None and chunks and all(c.features is not None for c in chunks):
-            feats = torch.cat([c.features for c in chunks])
-        wants = eng.drafter is not None and eng.drafter.wants_hidden
-        if wants and feats is None:
-            chunks = None  # the drafter could not draft for it: recompute the features
-        seq = Sequence(state.request_id, state.index, list(state.prompt_token_ids),
-                       state.params, SampleNoise.from_key(state.noise_key))
-        seq.token_ids = list(state.token_ids)
-        if state.params.logprobs is not None:
-            seq.logprobs = list(state.logprobs or [])
-        seq.cumulative_logprob, seq.text = state.cumulative_logprob, state.text
-        for k, v in state.stats.items():
-            if k in STATS:
-                setattr(seq, k, _copy(v))
-        if chunks is not None:
-            self._place_kv(seq, state.num_cached, chunks, feats, what)
-        if req is None:
-            now = time.perf_counter()
-            req = Request(state.request_id, state.prompt, list(state.prompt_token_ids),
-                          state.params, [], now - state.age,
-                          now - state.first_token_age if state.first_token_age is not None
-                          else None)
-        eng.attach(seq, req)
-        if chunks is not None and wants:
-            eng.drafter.observe(seq, 0, feats.to(eng.runner.device))
-        how = "kv" if chunks is not None else "reprefill"
-        self._count(migration_import_seconds=self.clock() - t0,
-                    migration_import_bytes=state.nbytes + (prefix.nbytes if prefix else 0),
-                    **{"migrated_in" if how == "kv" else "reprefilled_in": 1})
-        return how
+        return req
 
     def _chunks(self, state: MigratedSequence, prefix: KVChunk | None,
                 what: str) -> list[KVChunk] | None:
@@ -495,39 +462,20 @@ class Migrator:
                                  f"{tuple(c.kv.shape)}")
         return chunks
 
-    def _place_kv(self, seq: Sequence, num_cached: int, chunks: list[KVChunk],
-                  feats: torch.Tensor | None, what: str) -> None:
-        """Give ``seq`` fresh blocks for ``num_cached`` positions and write the chunks' K/V
-        (and features, where this engine keeps them) into them.
 
-        Raises:
-            RuntimeError: no room (nothing changed). ValueError: K/V that does not fit.
-        """
-        eng = self.engine
-        blocks = eng.blocks
-        need = cdiv(num_cached, blocks.block_size)
-        if need > blocks.num_free:
-            raise RuntimeError(f"{what}: {need} KV blocks needed, {blocks.num_free} free")
-        if len(eng.scheduler.running) >= eng.config.max_num_seqs:
-            raise RuntimeError(f"{what}: max_num_seqs={eng.config.max_num_seqs} samples are "
-                               "running already")
-        c = eng.runner.kv_cache
-        kv0 = chunks[0].kv
-        if kv0.dtype != c.dtype or tuple(kv0.shape[:2]) + tuple(kv0.shape[3:]) != \
-                (c.shape[0], 2, *c.shape[4:]):
-            raise ValueError(f"{what}: K/V of shape {tuple(kv0.shape)} {kv0.dtype} does not fit "
-                             f"this cache ({c.shape[0]} layers, {tuple(c.shape[4:])}, {c.dtype})")
-        if eng.drafter is not None and eng.drafter.wants_hidden:  # as Engine._schedule does
-            eng.blocks.track_features(eng.runner.model.config.hidden_size, eng.runner.dtype,
-                                      eng.runner.device)
-        blocks.grow(seq, num_cached)
-        for ch in chunks:
-            slots = blocks.slots(seq, ch.start, ch.end)
-            if slots:
-                eng.runner.write_kv(slots, ch.kv)
-        if feats is not None and blocks.features is not None and num_cached:
-            blocks.features.write(blocks.slots(seq, 0, num_cached), feats)
-        seq.num_cached = num_cached
+
+def _sequence(state: MigratedSequence) -> Sequence:
+    """A new ``Sequence`` holding ``state``'s tokens, sampling state and statistics."""
+    seq = Sequence(state.request_id, state.index, list(state.prompt_token_ids),
+                   state.params, SampleNoise.from_key(state.noise_key))
+    seq.token_ids = list(state.token_ids)
+    if state.params.logprobs is not None:
+        seq.logprobs = list(state.logprobs or [])
+    seq.cumulative_logprob, seq.text = state.cumulative_logprob, state.text
+    for k, v in state.stats.items():
+        if k in STATS:
+            setattr(seq, k, _copy(v))
+    return seq
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -26,24 +26,16 @@ and ``WeightUpdateFailed`` (a RuntimeError) says so (the original error is its `
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
 
+from specengine.lifecycle.weight_checks import WeightChecker, one_torch_thread
 from specengine.models.loader import iter_safetensors, safetensors_files
 
-# Fused HF suffix (per layer) -> the unfused suffixes it holds, stacked along dim 0, with a
-# function of the config giving each part's rows.
-FUSED = {
-    "self_attn.qkv_proj.weight": ("self_attn.{}_proj.weight", ("q", "k", "v")),
-    "self_attn.qkv_proj.bias": ("self_attn.{}_proj.bias", ("q", "k", "v")),
-    "mlp.gate_up_proj.weight": ("mlp.{}_proj.weight", ("gate", "up")),
-}
 ABORTED = ("the weight update session was aborted: nothing of it was applied and the old "
            "weights keep serving")
 
@@ -56,72 +48,11 @@ class WeightUpdateFailed(RuntimeError):
     ``__cause__`` is the original error. (The server answers 500 ``weight_update_failed``.)"""
 
 
-def _part_rows(config, part: str) -> int:
-    c = config
-    return {"q": c.num_attention_heads * c.head_dim, "k": c.num_key_value_heads * c.head_dim,
-            "v": c.num_key_value_heads * c.head_dim, "gate": c.intermediate_size,
-            "up": c.intermediate_size}[part]
-
-
-@contextlib.contextmanager
-def one_torch_thread():
-    """Run the block with one torch thread. A sync is hundreds of small memory-bound ops
-    (checks, copies, repacks): after each parallel op torch's OpenMP workers meet at a
-    barrier, and on a busy machine that wait dominates (measured on 2 busy cores: the default
-    model's sync took 2.6 s of CPU with 2 threads, 0.27 s with 1)."""
-    n = torch.get_num_threads()
-    if n > 1:
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        if n > 1:
-            torch.set_num_threads(n)
-
-
-def check_finite(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
-    """Raise ValueError naming ``name`` when ``tensor`` has a NaN or inf value, or, when
-    ``dtype``'s range is much narrower than the tensor's (float16), a value beyond it (it
-    would become inf when cast). One pass (a sum) in the common case. (Casting float32 to
-    bfloat16 overflows only within 0.4% of float32's largest value: not checked.)
-
-    Raises:
-        ValueError: the message names the tensor and counts the bad values.
-    """
-    t = tensor.detach()
-    if t.numel() == 0:
-        return
-    if not torch.isfinite(t.sum()):  # one fast pass; NaN/inf anywhere makes the sum so
-        bad = int((~torch.isfinite(t)).sum())
-        if bad:  # (else the sum overflowed: finite values)
-            raise ValueError(f"weight {name!r} has {bad} NaN/inf values (of {t.numel()}); "
-                             "refused")
-    limit = torch.finfo(dtype).max
-    if limit < torch.finfo(t.dtype).max / 2:  # a narrower range (float16): overflow on cast
-        lo, hi = (float(x) for x in torch.aminmax(t))
-        if lo < -limit or hi > limit:
-            raise ValueError(f"weight {name!r} has values in [{lo:.4g}, {hi:.4g}], beyond "
-                             f"{dtype}'s range (they would become inf); refused")
-
-
-def _pairs(chunk) -> Iterable[tuple[str, torch.Tensor]]:
-    """A chunk as ``(name, tensor)`` pairs: one pair, a Mapping, or an iterable of pairs."""
-    if isinstance(chunk, Mapping):
-        return chunk.items()
-    if isinstance(chunk, tuple) and len(chunk) == 2 and isinstance(chunk[0], str):
-        return [chunk]
-    if isinstance(chunk, (str, bytes, torch.Tensor)) or not isinstance(chunk, Iterable):
-        raise TypeError(f"weights must be a (name, tensor) pair, a dict or an iterable of "
-                        f"(name, tensor) pairs (or, for load_weights, a checkpoint path), "
-                        f"got {type(chunk).__name__}")
-    return chunk
-
-
 class WeightUpdater:
     """One-call and streamed weight updates of ``engine``'s target model.
 
     Args:
-        engine: the ``Engine`` (its ``runner.model`` is a ``LlamaForCausalLM``); it gets
+        engine: the ``Engine`` (its ``model`` is a ``LlamaForCausalLM``); it gets
             ``weight_version`` (int) and ``reset_prefix_cache()`` calls.
         memory: a ``memory.MemoryManager`` or None; before applying, asleep weights are made
             resident (``ensure_weights_resident``), after it the names loaded are reported
@@ -135,11 +66,8 @@ class WeightUpdater:
     def __init__(self, engine, memory=None):
         self.engine = engine
         self.memory = memory
-        model = engine.runner.model
-        self.model = model
-        self.dtype = model.dtype
-        self.device = next(model.parameters()).device
-        self.shapes = {n: tuple(t.shape) for n, t in model.hf_parameters().items()}
+        self.model = engine.model
+        self.checker = WeightChecker(self.model)
         engine.weight_version = 0
         self._staged: dict[str, torch.Tensor] | None = None  # None: no session open
         self._aborted: str | None = None  # why the last session was aborted
@@ -157,69 +85,6 @@ class WeightUpdater:
     @property
     def in_session(self) -> bool:
         return self._staged is not None
-
-    # ---- checking ---------------------------------------------------------------------------
-    def _entries(self, name, tensor) -> list[tuple[str, torch.Tensor]]:
-        """Checked ``(name, tensor)`` entries for one input pair (a fused name gives several;
-        a skipped name none). Raises ValueError / TypeError naming the input."""
-        c = self.model.config
-        if not isinstance(name, str):
-            raise TypeError(f"weight names must be str, got {type(name).__name__} ({name!r})")
-        if name.endswith("rotary_emb.inv_freq") or (
-                name == "lm_head.weight" and c.tie_word_embeddings):
-            return []
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a tensor")
-        if not tensor.is_floating_point():
-            raise TypeError(f"weight {name!r} has dtype {tensor.dtype}; expected a "
-                            "floating-point tensor (it is cast to the engine's dtype)")
-        prefix, _, suffix = name.rpartition(".layers.")
-        layer, _, rest = suffix.partition(".")
-        if prefix == "model" and layer.isdigit() and rest in FUSED:
-            pattern, parts = FUSED[rest]
-            names = [f"model.layers.{layer}.{pattern.format(p)}" for p in parts]
-            rows = [_part_rows(c, p) for p in parts]
-            if names[0] not in self.shapes:
-                self._unknown(name)
-            want = (sum(rows), *self.shapes[names[0]][1:])
-            if tuple(tensor.shape) != want:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
-                                 f"{want} ({' + '.join(map(str, rows))} rows: "
-                                 f"{'/'.join(parts)})")
-            check_finite(name, tensor, self.dtype)
-            return list(zip(names, torch.split(tensor, rows)))
-        if name not in self.shapes:
-            self._unknown(name)
-        if tuple(tensor.shape) != self.shapes[name]:
-            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
-                             f"{self.shapes[name]}")
-        check_finite(name, tensor, self.dtype)
-        return [(name, tensor)]
-
-    def _unknown(self, name: str):
-        c = self.model.config
-        raise ValueError(f"unexpected weight {name!r} for {c.architecture} "
-                         f"(attention_bias={c.attention_bias}, "
-                         f"{c.num_hidden_layers} layers)")
-
-    def _stage(self, tensor: torch.Tensor, copy: bool) -> torch.Tensor:
-        """``tensor`` in the engine's dtype on its device: a copy when it is cast or moved,
-        or when ``copy`` (the caller may reuse its buffer after ``load`` returns)."""
-        if tensor.dtype != self.dtype or tensor.device != self.device:
-            return tensor.detach().to(device=self.device, dtype=self.dtype)
-        return tensor.detach().clone() if copy else tensor.detach()
-
-    def _check(self, chunk, mode: str) -> list[tuple[str, torch.Tensor]]:
-        """All entries of ``chunk``, checked, staged per ``mode``: ``"copy"`` (cast or
-        cloned now), ``"cast"`` (cast now, kept as is if already right: fresh tensors) or
-        ``"defer"`` (kept as given; cast when applied)."""
-        out = []
-        with one_torch_thread():
-            for name, tensor in _pairs(chunk):
-                for n, t in self._entries(name, tensor):
-                    out.append((n, t.detach() if mode == "defer" else
-                                self._stage(t, mode == "copy")))
-        return out
 
     # ---- sessions ---------------------------------------------------------------------------
     def begin(self) -> None:
@@ -251,7 +116,7 @@ class WeightUpdater:
                                "begin_weight_update() first, or update_weights() for a "
                                "one-call update")
         try:
-            entries = self._check(chunk, _mode)
+            entries = self.checker.check(chunk, _mode)
         except (ValueError, TypeError) as e:
             self._staged, self._aborted = None, str(e)
             raise type(e)(f"{e}; {ABORTED}") from e
@@ -336,7 +201,7 @@ class WeightUpdater:
             raise RuntimeError("update_weights: requests are in flight; finish or abort them, "
                                "or pause generation (LLM.pause_generation), first")
         t0 = time.perf_counter()
-        return self._apply(dict(self._check(weights, "defer")), None, t0)
+        return self._apply(dict(self.checker.check(weights, "defer")), None, t0)
 
     @staticmethod
     def _backup(dests: dict[str, torch.Tensor], names) -> dict[str, torch.Tensor]:

@@ -170,6 +170,10 @@ class LlamaForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,

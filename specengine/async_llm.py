@@ -12,9 +12,10 @@ prefix-cache reset): requests submitted after it wait until it has run, so no re
 mixes two sets of weights.
 
 A step that raises fails only the request that caused it (``_recover``): the engine is brought
-back to a consistent state (``Engine.recover_from_failed_step``: every running sequence is
-requeued for an exact recompute), then the requests in flight run one at a time, each alone in
-its steps with the others held in the queue (``Engine.isolate``), until the one whose steps
+back to a consistent state (``StepRecovery.recover_from_failed_step``, the engine's
+``recovery``: every running sequence is requeued for an exact recompute), then the requests in
+flight run one at a time, each alone in its steps with the others held in the queue
+(``StepRecovery.isolate``), until the one whose steps
 fail alone is found; it alone gets the error (``EngineStepError``, a 500), and batching
 resumes. The engine is batch-invariant, so every other request's tokens and logprobs are the
 ones a run without the bad request gives.
@@ -343,7 +344,7 @@ class AsyncEngine:
 
     def _add(self, t: _Tracked) -> None:
         rid = t.handle.request_id
-        check = getattr(self.engine, "ready_check", None)
+        check = self.engine.ready_check
         try:
             if check is not None:
                 check()
@@ -384,8 +385,7 @@ class AsyncEngine:
     def _step(self) -> None:
         # outputs queued before the step (detached samples) are taken now: a step that raises
         # would drop them
-        ready, self.engine.outputs_ready = self.engine.outputs_ready, []
-        self._deliver(ready)
+        self._deliver(self.engine.take_ready_outputs())
         t0 = time.perf_counter()
         try:
             finished = self.engine.step()
@@ -403,7 +403,7 @@ class AsyncEngine:
         st.step_time += time.perf_counter() - t0
         st.steps += 1
         # every sequence still running after the step was part of its batch
-        st.max_batch_seqs = max(st.max_batch_seqs, len(self.engine.scheduler.running)
+        st.max_batch_seqs = max(st.max_batch_seqs, self.engine.num_running()
                                 + sum(len(o.outputs) for o in finished))
         self._deliver(finished)
 
@@ -466,12 +466,12 @@ class AsyncEngine:
                            "resuming", error)
 
     def _recover_engine(self) -> list[str]:
-        """``Engine.recover_from_failed_step``, then deliver the outputs of requests the failed
-        step finished: those the engine queued (``outputs_ready``) and those it had already
+        """``StepRecovery.recover_from_failed_step``, then deliver the outputs of requests the
+        failed step finished: those the engine queued (``outputs_ready``) and those it had already
         dropped (rebuilt from the tracked ``Request``; one whose output cannot be built is
         failed alone). Returns the suspects, most recently added first."""
-        suspects = self.engine.recover_from_failed_step()
-        ready, self.engine.outputs_ready = self.engine.outputs_ready, []
+        suspects = self.engine.recovery.recover_from_failed_step()
+        ready = self.engine.take_ready_outputs()
         done = {o.request_id for o in ready}
         now = time.perf_counter()
         for rid, t in list(self._tracked.items()):
@@ -489,19 +489,19 @@ class AsyncEngine:
         return suspects
 
     def _probe(self, rid: str) -> BaseException | None:
-        """Run request ``rid`` alone (``Engine.isolate``) until it has run a step in which
+        """Run request ``rid`` alone (``StepRecovery.isolate``) until it has run a step in which
         none of its samples was being admitted, after at least two steps (a prefill, then a
         decode with its draft tree), or it finished, or ``PROBE_MAX_STEPS`` steps; its
-        updates are pushed as usual. Then ``Engine.end_isolation``. Returns the exception of
+        updates are pushed as usual. Then ``StepRecovery.end_isolation``. Returns the exception of
         a step that failed (the engine recovered already), else None."""
         engine = self.engine
-        engine.isolate(rid)
+        engine.recovery.isolate(rid)
         failed = None
         try:
             for n in range(1, self.PROBE_MAX_STEPS + 1):
                 if rid not in engine.requests:
                     break  # finished
-                admitting = bool(engine.scheduler.waiting)  # only rid's samples are queued
+                admitting = engine.num_waiting() > 0  # only rid's samples are queued
                 self.stats.probe_steps += 1
                 t0 = time.perf_counter()
                 try:
@@ -516,13 +516,13 @@ class AsyncEngine:
                 self.stats.step_failures += 1
                 self._recover_engine()
         finally:
-            engine.end_isolation()
+            engine.recovery.end_isolation()
         return failed
 
     def _fail_culprit(self, rid: str, error: BaseException) -> None:
-        """Fail request ``rid`` alone: out of the engine (``Engine.fail_request``) and its
+        """Fail request ``rid`` alone: out of the engine (``StepRecovery.fail_request``) and its
         handle gets an ``EngineStepError`` caused by ``error``."""
-        known = self.engine.fail_request(rid)
+        known = self.engine.recovery.fail_request(rid)
         t = self._tracked.pop(rid, None)
         if not known and t is None:
             return  # failed already
@@ -542,7 +542,6 @@ class AsyncEngine:
             self.engine.abort_all()
         except Exception:  # noqa: BLE001 - nothing more can be done for them
             logger.exception("abort_all failed after a failed step")
-        self.engine.held = None  # an isolation cut short: its held groups were aborted too
         for t in list(self._tracked.values()):
             self.stats.requests_failed += 1
             t.handle._push(Update(error=error))
