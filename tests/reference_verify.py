@@ -1,9 +1,23 @@
-"""Reference sampling verification by rejection, for the statistical tests of ``test_verify.py``.
+"""Reference verifiers of one draft tree, for the tests (``test_verify.py`` and others).
 
-The engine verifies every sampled request with ``specengine.speculative.verify.verify_coupled``
-(shared noise) over deterministic trees; no engine path draws a tree from the draft
-distribution. The classic rejection rules are kept here, next to the tests that check them
-(and ``verify_coupled``) against the exact joint distribution:
+The engine verifies the trees of a step in ``Sampler.verify_trees``: each row's target token
+(argmax, or the exponential race with the request's noise), then ``specengine.sampling.verify``'s
+``walk``. The per-tree forms of that rule are kept here:
+
+- ``verify_greedy``: accept the child equal to the row's argmax; the bonus is the argmax where
+  the walk stops. Output equals non-speculative greedy decoding.
+- ``verify_coupled``: the target's sample at each position is fixed by the sampling noise
+  (``argmax(p / E)`` with ``E ~ Exp(1)``, one noise row per output position); accept the child
+  carrying that sample, else stop with it as the bonus. Lossless, and a deterministic child x
+  is accepted with probability p(x), as the classic residual rule would (Leviathan et al. 2023,
+  Chen et al. 2023; trees: SpecInfer arXiv 2305.09781).
+- ``verify``: one of the two from a request's ``SamplingParams``, processing the logits
+  (temperature, top-k, top-p, min-p, softmax) as plain sampling does.
+- ``verify_tree``: ``Sampler.verify_trees`` of one tree.
+
+No engine path draws a tree from the draft distribution. The classic rejection rules
+(``verify_sampling``) are kept here too, next to the tests that check them (and
+``verify_coupled``) against the exact joint distribution:
 
 - deterministic children (a plain ``DraftTree``: top-k / n-gram): try children in order,
   accept child x with probability p(x) under the current residual, on rejection set p(x) = 0
@@ -21,8 +35,88 @@ from dataclasses import dataclass
 
 import torch
 
+from specengine.sampling.batched import process_rows
+from specengine.sampling.params import SamplingParams
+from specengine.sampling.verify import walk
 from specengine.speculative.tree import DraftTree
-from specengine.speculative.verify import _check
+
+
+def _check(tree: DraftTree, rows: torch.Tensor, name: str) -> None:
+    m = tree.num_nodes
+    if rows.dim() != 2 or rows.shape[0] != m + 1:
+        raise ValueError(f"{name} must be [m + 1 = {m + 1}, V], got {tuple(rows.shape)}")
+    if m and max(tree.tokens) >= rows.shape[1]:
+        raise ValueError(f"a draft token {max(tree.tokens)} is outside the vocabulary "
+                         f"V={rows.shape[1]} of {name}")
+
+
+def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> tuple[list[int], int]:
+    """Greedy acceptance: follow the child whose token is the target's argmax.
+
+    Args:
+        tree: the draft tree.
+        target_logits: ``[m + 1, V]`` float, row 0 = after the root, row ``1 + i`` = after node
+            i. Argmax ties resolve as ``torch.argmax`` does, like non-speculative sampling.
+
+    Returns:
+        ``(accepted, bonus)``: node indices along the accepted path (root excluded) and the
+        argmax token at the node where the walk stopped.
+
+    Raises:
+        ValueError: wrong row count, or a draft token outside the vocabulary.
+    """
+    _check(tree, target_logits, "target_logits")
+    return walk(tree, target_logits.argmax(dim=-1).tolist())
+
+
+def verify_coupled(tree: DraftTree, target_probs: torch.Tensor,
+                   noise: torch.Tensor) -> tuple[list[int], int]:
+    """Sampling acceptance coupled to plain sampling by shared noise (the exponential race /
+    Gumbel-max trick, as in ``specengine.sampling.params``): the token the target samples after a
+    node at depth ``d`` is ``argmax(p / E_d)``; accept the child carrying it, else stop with it as
+    the bonus. Every committed token is exactly the plain sample of its position, so the result
+    is lossless and, for deterministic drafts, accepts child x with probability p(x) as the
+    residual method does.
+
+    Args:
+        target_probs: ``[m + 1, V]`` float32 processed target probabilities (root row first).
+        noise: ``[max_depth + 1, V]`` float32 ``Exp(1)`` noise, row ``d`` for the output
+            position ``d`` tokens after the root's.
+
+    Returns:
+        ``(accepted, bonus)`` as ``verify_greedy``.
+    """
+    depths = torch.tensor([0] + tree.depths)
+    return verify_greedy(tree, target_probs / noise[depths])
+
+
+def verify(tree: DraftTree, target_logits: torch.Tensor, params: SamplingParams,
+           noise: torch.Tensor | None = None) -> tuple[list[int], int]:
+    """Verify with a request's sampling parameters: greedy, or the processing of every row
+    (``batched.process_rows``) + softmax and then ``verify_coupled``.
+
+    Args:
+        target_logits: ``[m + 1, V]`` float32 raw logits (already masked for ``min_tokens``
+            row by row: row r sits ``depth`` tokens further into the output).
+        noise: ``[max_depth + 1, V]`` sampling noise (not needed when greedy).
+
+    Returns:
+        ``(accepted, bonus)`` as ``verify_greedy``.
+    """
+    if params.greedy:
+        return verify_greedy(tree, target_logits)
+    probs = torch.softmax(process_rows(target_logits, [params] * target_logits.shape[0]), -1)
+    return verify_coupled(tree, probs, noise)
+
+
+def verify_tree(sampler, seq, tree: DraftTree, logits: torch.Tensor):
+    """``sampler.verify_trees`` (a ``specengine.sampling.sampler.Sampler``) of one tree drafted
+    after ``seq``'s last token, with the target's ``logits`` ``[1 + m, V]`` float32.
+
+    Returns:
+        ``(accepted, tokens, entries)`` as ``Sampler.verify_trees`` gives per tree.
+    """
+    return sampler.verify_trees([seq], [tree], [logits])[0]
 
 
 @dataclass(eq=False)
@@ -131,30 +225,39 @@ def verify_sampling(tree: DraftTree, target_probs: torch.Tensor,
         if not kids:
             return accepted, _draw(p, generator)
         us = torch.rand(len(kids), generator=generator, dtype=torch.float64).tolist()
-        nxt = None
-        if sampled:
-            p = p / p.sum()
-            q = tree.draft_probs[kids[0]].double()
-            q = q / q.sum()
-            for c, u in zip(kids, us):
-                x = tree.tokens[c]
-                if u * q[x].item() < p[x].item():
-                    nxt = c
-                    break
-                p = _residual(p, q)
-                if not tree.replacement:
-                    q = _without(q, x)
-            bonus_row = p
-        else:  # siblings are distinct: the residual after rejecting x_1..x_j is p without them
-            toks = [tree.tokens[c] for c in kids]
-            left = p.sum().item()
-            for c, u, px in zip(kids, us, p[toks].tolist()):
-                if u * left < px:
-                    nxt = c
-                    break
-                left -= px
-            bonus_row = p.index_fill(0, torch.tensor(toks), 0.0)
+        try_children = _try_sampled if sampled else _try_deterministic
+        p, nxt, bonus_row = try_children(tree, p, kids, us)
         if nxt is None:
             return accepted, _draw(bonus_row, generator, fallback=p)
         accepted.append(nxt)
         node = nxt
+
+
+def _try_sampled(tree: SampledTree, p: torch.Tensor, kids: list[int], us: list[float]
+                 ) -> tuple[torch.Tensor, int | None, torch.Tensor]:
+    """Rejection against the draft rows of sampled ``kids`` (uniforms ``us``, one per child):
+    ``(p normalised, accepted child or None, the row the bonus is drawn from)``."""
+    p = p / p.sum()
+    q = tree.draft_probs[kids[0]].double()
+    q = q / q.sum()
+    for c, u in zip(kids, us):
+        x = tree.tokens[c]
+        if u * q[x].item() < p[x].item():
+            return p, c, p
+        p = _residual(p, q)
+        if not tree.replacement:
+            q = _without(q, x)
+    return p, None, p
+
+
+def _try_deterministic(tree: DraftTree, p: torch.Tensor, kids: list[int], us: list[float]
+                       ) -> tuple[torch.Tensor, int | None, torch.Tensor]:
+    """In-order trial of deterministic ``kids``: siblings are distinct, so the residual after
+    rejecting x_1..x_j is p without them. Returns ``(p, accepted child or None, bonus row)``."""
+    toks = [tree.tokens[c] for c in kids]
+    left = p.sum().item()
+    for c, u, px in zip(kids, us, p[toks].tolist()):
+        if u * left < px:
+            return p, c, None
+        left -= px
+    return p, None, p.index_fill(0, torch.tensor(toks), 0.0)

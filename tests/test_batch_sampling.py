@@ -8,11 +8,14 @@ import pytest
 import reference_sampling as ref
 import torch
 from helpers import rand_prompts
+from reference_sampling import process_logits, sample
+from reference_verify import verify_tree
 
-from specengine import LLM, SamplingParams, batch_sampling
+from specengine import LLM, SamplingParams
 from specengine.engine.sequence import Sequence
 from specengine.models.loader import save_random_model
 from specengine.ops.extension import ext
+from specengine.sampling import batched
 from specengine.sampling.batched import (
     TOP_P_WINDOW,
     NoiseStreams,
@@ -23,7 +26,7 @@ from specengine.sampling.batched import (
     race,
     store_noise,
 )
-from specengine.sampling.params import SampleNoise, noise_rows, process_logits, sample
+from specengine.sampling.params import SampleNoise, noise_rows
 from specengine.sampling.sampler import Sampler
 from specengine.speculative.tree import DraftTree
 
@@ -58,14 +61,14 @@ def test_process_rows_is_the_per_row_definition_bit_for_bit():
     for vocab in [2000] * 30 + [300] * 10 + [49152] * 2:
         params = mixed_params(rng, 24)
         x = logits_rows(g, 24, vocab)
-        want = ref.process_logits(x, params)
+        want = ref.process_logits_per_row(x, params)
         before = x.clone()
         assert torch.equal(process_logits(x, params), want)
         assert torch.equal(process_rows(x, params, copy=False), want)
         assert torch.equal(x, before)  # not modified
         for row, p in zip(x, params):  # how often the hard cases came up
             if p.top_p < 1 and not p.greedy:
-                probs = torch.softmax(ref.process_logits(row[None], [SamplingParams(
+                probs = torch.softmax(ref.process_logits_per_row(row[None], [SamplingParams(
                     temperature=p.temperature, top_k=p.top_k)])[0], -1)
                 vals = torch.sort(probs, descending=True).values
                 before_mass = vals.cumsum(0) - vals
@@ -80,11 +83,11 @@ def test_process_rows_is_the_per_row_definition_bit_for_bit():
         p = [SamplingParams(top_p=float((vals.cumsum(0) - vals)[n]))]
         kept = torch.isfinite(process_rows(x, p)[0])
         assert int(kept.sum()) == n and torch.equal(kept, torch.isfinite(
-            ref.process_logits(x, p)[0]))
+            ref.process_logits_per_row(x, p)[0]))
     # the comparison sees one-ulp differences: temperature as a product by 1/T is not the same
     x = logits_rows(g, 4, 2000)
     p = [SamplingParams(temperature=0.7)] * 4
-    assert not torch.equal(x * (1 / 0.7), ref.process_logits(x, p))
+    assert not torch.equal(x * (1 / 0.7), ref.process_logits_per_row(x, p))
     # rows at temperature 1 with no filter and greedy rows are left alone (no copy if asked)
     plain = [SamplingParams(), SamplingParams(temperature=0)] * 2
     assert process_rows(x, plain, copy=False) is x
@@ -98,11 +101,11 @@ def test_draw_is_the_per_row_exponential_race():
     rng, g = random.Random(1), torch.Generator().manual_seed(1)
     for _ in range(40):
         params = mixed_params(rng, 16)
-        x = ref.process_logits(logits_rows(g, 16, 1000), params)
+        x = ref.process_logits_per_row(logits_rows(g, 16, 1000), params)
         keys = [SampleNoise(rng.randrange(1 << 30), 0).key for _ in params]
         positions = [rng.randrange(100) for _ in params]
         noise = [noise_rows(k, [q], 1000)[0] for k, q in zip(keys, positions)]
-        want = ref.sample(x, params, noise)
+        want = ref.sample_per_row(x, params, noise)
         sampled = torch.stack([e for e, p in zip(noise, params) if not p.greedy])
         assert torch.equal(draw(x, params, sampled), want)
         assert torch.equal(sample(x, params, noise), want)
@@ -165,7 +168,7 @@ def test_race_is_argmax_of_probs_over_the_noise_rows(monkeypatch):
                               "exponential_noise": staticmethod(mod.exponential_noise)})
     p, streams = cases[10]
     want = race(p, streams)
-    monkeypatch.setattr(batch_sampling, "ext", lambda: old)
+    monkeypatch.setattr(batched, "ext", lambda: old)
     assert torch.equal(race(p, streams), want)
     with pytest.raises(ValueError, match=r"probs must be a \[S, V >= 1\] float32"):
         mod.exponential_race(p.double(), torch.tensor(streams.keys),
@@ -282,7 +285,7 @@ def test_verify_trees_matches_the_per_tree_verification(mode):
         # the noise was raced, never stored: no SampleNoise cache holds a row
         assert all(s.noise.cached(s.num_output_tokens + d, vocab) is None
                    for s, t in zip(seqs, trees) for d in range(t.max_depth + 1))
-        assert sampler.verify(seqs[0], trees[0], logits[0]) == want[0]
+        assert verify_tree(sampler, seqs[0], trees[0], logits[0]) == want[0]
     assert accepted >= 20
     with pytest.raises(ValueError, match=r"logits\[0\] must be \[m \+ 1 = 2, V\]"):
         sampler.verify_trees(seqs[:1], [DraftTree([1], [-1])], [torch.zeros(3, vocab)])

@@ -9,13 +9,13 @@ from collections import Counter
 import pytest
 import torch
 from helpers import rand_prompts
+from trees import from_paths
 
 from specengine import LLM, SamplingParams
 from specengine.engine.sequence import Sequence
 from specengine.sampling.params import SampleNoise
 from specengine.sampling.penalties import PenaltyCounts, committed_counts, penalize, tree_paths
 from specengine.speculative.drafters.coupling import coupled_logprobs
-from specengine.speculative.tree import DraftTree
 
 V = 512  # the tiny models' vocabulary
 
@@ -98,7 +98,7 @@ def test_tree_rows_use_their_own_path():
     g = torch.Generator().manual_seed(1)
     prompt, output = [5, 6, 7, 8, 5], [9, 6, 9, 10]
     # paths reuse committed tokens (6, 9), repeat along a path (11 twice), and siblings differ
-    tree = DraftTree.from_paths([[9, 11, 11, 6], [9, 12, 5], [6, 9, 13], [11, 11]])
+    tree = from_paths([[9, 11, 11, 6], [9, 12, 5], [6, 9, 13], [11, 11]])
     paths = tree_paths(tree)
     assert paths[0] == [] and paths[1:] == [[tree.tokens[j] for j in tree.path_to(i)]
                                             for i in range(tree.num_nodes)]

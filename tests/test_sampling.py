@@ -2,16 +2,11 @@ import math
 
 import pytest
 import torch
+from reference_sampling import process_logits, sample
 
 from specengine.engine.sequence import Sequence
 from specengine.ops.extension import ext
-from specengine.sampling.params import (
-    SampleNoise,
-    SamplingParams,
-    noise_rows,
-    process_logits,
-    sample,
-)
+from specengine.sampling.params import SampleNoise, SamplingParams, noise_rows
 from specengine.speculative.drafters.coupling import TOP_P_WINDOW, coupled_logprobs, filter_logits
 
 

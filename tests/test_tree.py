@@ -1,9 +1,10 @@
 import pytest
 import torch
 from reference_verify import SampledTree
+from trees import chain, from_paths, positions, tree_positions
 
 from specengine.speculative.strategy import OFF, Strategy
-from specengine.speculative.tree import DraftTree, tree_positions
+from specengine.speculative.tree import DraftTree
 
 
 def example():
@@ -37,20 +38,20 @@ def test_tree_mask_is_the_ancestor_relation():
 
 def test_positions():
     t = example()
-    assert t.positions(7) == [6, 7, 7, 8, 8, 9]
-    assert tree_positions([t, None, DraftTree.chain([3])], [7, 4, 1]).tolist() == (
+    assert positions(t, 7) == [6, 7, 7, 8, 8, 9]
+    assert tree_positions([t, None, chain([3])], [7, 4, 1]).tolist() == (
         [6, 7, 7, 8, 8, 9] + [3] + [0, 1])
     with pytest.raises(ValueError, match="context_len"):
-        t.positions(0)
+        positions(t, 0)
 
 
 def test_chain_and_from_paths():
-    c = DraftTree.chain([5, 6, 7], [-1.0, -2.0, -3.0])
+    c = chain([5, 6, 7], [-1.0, -2.0, -3.0])
     assert c.parents == [-1, 0, 1] and c.depths == [1, 2, 3] and not isinstance(c, SampledTree)
     q = torch.full((2, 4), 0.25)
     s = SampledTree([1, 2], [-1, 0], draft_probs=q)  # the tests' tree of sampled children
     assert s.draft_probs is q and s.draft_logprobs == [0.0, 0.0]
-    trie = DraftTree.from_paths([[1, 2, 3], [1, 2, 4], [5], [1, 6]])
+    trie = from_paths([[1, 2, 3], [1, 2, 4], [5], [1, 6]])
     assert trie.tokens == [1, 2, 3, 4, 5, 6] and trie.parents == [-1, 0, 1, 1, -1, 0]
     assert trie.children(-1) == [0, 4] and trie.children(0) == [1, 5]
 

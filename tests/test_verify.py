@@ -13,16 +13,13 @@ import random
 import pytest
 import reference_verify
 import torch
-from reference_verify import SampledTree, verify_sampling
+from reference_sampling import process_logits
+from reference_verify import SampledTree, verify, verify_coupled, verify_greedy, verify_sampling
+from trees import chain
 
-from specengine.sampling.params import SamplingParams, process_logits
+from specengine.sampling.params import SamplingParams
+from specengine.sampling.verify import committed_tokens
 from specengine.speculative.tree import DraftTree
-from specengine.speculative.verify import (
-    committed_tokens,
-    verify,
-    verify_coupled,
-    verify_greedy,
-)
 
 V = 8
 PROMPT = (3, 5)
@@ -229,7 +226,7 @@ def test_edge_cases_zero_q_and_zero_residual():
     for _ in range(50):
         assert verify_sampling(tree, p[[1, 1]], g)[0] == [0]
     # a drafted token the target excludes is never accepted; the bonus is p's only token
-    tree = DraftTree.chain([0, 2])
+    tree = chain([0, 2])
     for _ in range(50):
         assert verify_sampling(tree, torch.tensor([[0.0, 1.0, 0.0]] * 3), g) == ([], 1)
     # residual helper: all-zero residual falls back to p
@@ -239,11 +236,11 @@ def test_edge_cases_zero_q_and_zero_residual():
 
 
 def test_shape_errors():
-    tree = DraftTree.chain([1, 2])
+    tree = chain([1, 2])
     with pytest.raises(ValueError, match="m \\+ 1 = 3"):
         verify_greedy(tree, torch.zeros(2, 4))
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        verify_greedy(DraftTree.chain([9]), torch.zeros(2, 4))
+        verify_greedy(chain([9]), torch.zeros(2, 4))
     sampled = SampledTree([1], [-1], draft_probs=torch.full((1, 5), 0.2))
     with pytest.raises(ValueError, match="V=5"):
         verify_sampling(sampled, torch.full((2, 4), 0.25), torch.Generator())
@@ -270,11 +267,11 @@ def test_greedy_follows_the_argmax_path():
 
 def test_self_draft_accepts_everything_and_adds_the_bonus():
     seq = list(PROMPT)
-    chain = []
+    path = []
     for _ in range(4):  # the target's own argmax chain
-        chain.append(int(TARGET[seq[-2], seq[-1]].argmax()))
-        seq.append(chain[-1])
-    tree = DraftTree.chain(chain)
+        path.append(int(TARGET[seq[-2], seq[-1]].argmax()))
+        seq.append(path[-1])
+    tree = chain(path)
     logits = node_rows(TARGET, list(PROMPT), tree)
     accepted, bonus = verify_greedy(tree, logits)
     assert accepted == [0, 1, 2, 3] and bonus == int(TARGET[seq[-2], seq[-1]].argmax())

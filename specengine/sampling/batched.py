@@ -19,14 +19,11 @@ drafter's perturbed scores), ``gather_noise`` draws all missing rows in one call
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from specengine.ops.extension import ext
-
-if TYPE_CHECKING:
-    from specengine.sampling.params import SampleNoise, SamplingParams
+from specengine.sampling.params import SampleNoise, SamplingParams, noise_rows
 
 TOP_P_WINDOW = 256  # top-p looks for the cut among this many most likely tokens first
 
@@ -37,7 +34,7 @@ def _column(values: list[float]) -> torch.Tensor:
 
 
 def _is_plain(p: SamplingParams, vocab: int) -> bool:
-    """True when ``process_logits`` leaves the row as it is: greedy, or temperature 1 with no
+    """True when ``process_rows`` leaves the row as it is: greedy, or temperature 1 with no
     top-k / top-p / min-p."""
     return p.greedy or (p.temperature == 1.0 and not 0 < p.top_k < vocab and p.top_p >= 1.0
                         and p.min_p <= 0.0)
@@ -45,7 +42,8 @@ def _is_plain(p: SamplingParams, vocab: int) -> bool:
 
 def process_rows(logits: torch.Tensor, params: list[SamplingParams],
                  copy: bool = True) -> torch.Tensor:
-    """Temperature, top-k, top-p and min-p of every row, batched (``sampling.process_logits``).
+    """Temperature, top-k, top-p and min-p of every row, batched (the per-row definition:
+    ``tests/reference_sampling.py``'s ``process_logits_per_row``).
 
     Rows are processed together: temperature as a division by a per-row column, top-k with one
     ``topk`` of the largest k (each row's own k-th value masks it), top-p by ``top_p_rows_``,
@@ -215,15 +213,13 @@ def draw(processed: torch.Tensor, params: list[SamplingParams],
 
 def noise_batch(keys: list[int], positions: list[int], vocab: int) -> torch.Tensor:
     """``[P, vocab]`` float32 ``Exp(1)`` noise, row r of stream ``keys[r]`` at output position
-    ``positions[r]``: bit for bit ``sampling.noise_rows(keys[r], [positions[r]], vocab)``, in
+    ``positions[r]``: bit for bit ``params.noise_rows(keys[r], [positions[r]], vocab)``, in
     one extension call (``exponential_noise_batch``; per-row calls with an extension built
     before it, or without one)."""
     mod = ext()
     if mod is not None and hasattr(mod, "exponential_noise_batch"):
         return mod.exponential_noise_batch(torch.tensor(keys, dtype=torch.int64),
                                            torch.tensor(positions, dtype=torch.int64), vocab)
-    from specengine.sampling.params import noise_rows
-
     return torch.cat([noise_rows(k, [p], vocab) for k, p in zip(keys, positions)])
 
 

@@ -1,8 +1,8 @@
-"""Sampling parameters (vLLM's names) and the primitives that turn logits into tokens:
-``process_logits`` (temperature, top-k, top-p (nucleus, Holtzman et al. 2019), min-p), the
-sampling noise (``noise_rows``, ``SampleNoise``) and ``sample`` (greedy argmax at temperature 0,
-else a draw). ``specengine.sampling.sampler.Sampler`` puts them together, after the ``min_tokens``
-masking of stop tokens.
+"""Sampling parameters (vLLM's names, ``SamplingParams``) and the sampling noise
+(``noise_rows``, ``SampleNoise``). The processing of logits (temperature, top-k, top-p (nucleus,
+Holtzman et al. 2019), min-p) and the draw (greedy argmax at temperature 0, else the exponential
+race) are ``specengine.sampling.batched``'s; ``specengine.sampling.sampler.Sampler`` puts them
+together, after the ``min_tokens`` masking of stop tokens.
 
 Draws use the exponential race (the Gumbel-max trick): the token at output position ``j`` of a
 sample is ``argmax(p_j / E_j)`` with ``E_j ~ Exp(1)^V`` counter-based on
@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 import torch
 
 from specengine.ops.extension import ext
-from specengine.sampling.batched import draw, process_rows, top_p_rows_
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (vLLM's convention)
 
@@ -163,7 +162,6 @@ class SamplingParams:
         return cls(**d)
 
 
-
 def per_prompt(prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
     """``generate``'s arguments as a list of prompts and one ``SamplingParams`` each.
 
@@ -191,6 +189,7 @@ def per_prompt(prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
         if not isinstance(p, SamplingParams):
             raise ValueError(f"sampling_params[{i}] is a {type(p).__name__}, not SamplingParams")
     return prompts, params
+
 
 def noise_rows(key: int, positions: list[int], vocab: int) -> torch.Tensor:
     """``[len(positions), vocab]`` float32 ``Exp(1)`` noise of output ``positions`` of the noise
@@ -260,50 +259,8 @@ class SampleNoise:
 
     def store(self, position: int, vocab: int, row: torch.Tensor) -> None:
         """Cache ``row`` ``[vocab]`` (this stream's noise at ``position``, e.g. drawn in a batch
-        by ``batch_sampling.gather_noise``), dropping the least recent beyond ``CACHE_SIZE``."""
+        by ``batched.gather_noise``), dropping the least recent beyond ``CACHE_SIZE``."""
         self._cache[(position, vocab)] = row
         self._cache.move_to_end((position, vocab))
         if len(self._cache) > self.CACHE_SIZE:
             self._cache.popitem(last=False)
-
-
-def process_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Apply temperature, top-k, top-p and min-p per row, all rows batched
-    (``batch_sampling.process_rows``).
-
-    Args:
-        logits: ``[B, V]`` float32 (already masked for ``min_tokens``); not modified.
-        params: one SamplingParams per row.
-
-    Returns:
-        ``[B, V]`` float32 logits where filtered tokens are ``-inf`` (a new tensor). Greedy
-        rows are returned unchanged (temperature is not applied to them).
-    """
-    return process_rows(logits, params)
-
-
-def top_p_(row: torch.Tensor, top_p: float) -> None:
-    """Nucleus filtering of one row of logits ``[V]`` in place: a token is dropped when the
-    probability mass of the tokens before it (most likely first) already reaches ``top_p``; the
-    most likely token always stays. The cut is looked for among the ``TOP_P_WINDOW`` most
-    likely tokens (a top-k, ~0.1 ms) and only when the nucleus is wider by a full sort (~3 ms for
-    49k tokens): the result is the same either way (``batch_sampling.top_p_rows_``)."""
-    top_p_rows_(row[None], torch.tensor([top_p], dtype=torch.float32))
-
-
-def sample(processed: torch.Tensor, params: list[SamplingParams],
-           noise: list[torch.Tensor | None]) -> torch.Tensor:
-    """Pick one token per row: argmax for greedy rows, else ``argmax(softmax(row) / E)``, an
-    exact draw from ``softmax(row)`` given exponential noise ``E`` (the exponential race); all
-    rows batched (``batch_sampling.draw``).
-
-    Args:
-        processed: ``[B, V]`` float32 output of ``process_logits``.
-        params: one per row. noise: per row ``[V]`` float32 ``Exp(1)`` noise (``SampleNoise``
-            of the row's sample at its output position); ignored for greedy rows.
-
-    Returns:
-        ``[B]`` int64 token ids.
-    """
-    rows = [e for e, p in zip(noise, params) if not p.greedy]
-    return draw(processed, params, torch.stack(rows) if rows else None)

@@ -3,10 +3,10 @@ plain rows and verified token trees alike.
 
 Every row goes through the same pieces: the ``min_tokens`` masking of stop ids
 (``mask_stop_ids``), the processing (``process``: temperature, top-k, top-p, min-p), then a
-draw (greedy argmax, or the exponential race with the sequence's noise: ``batch_sampling.draw``
-for plain rows, ``speculative.verify.verify``'s walk along a token tree), then the logprob
-entries vLLM returns (``logprob_entries``). Every step is batched over the rows
-(``specengine.sampling.batched``), with the per-row definitions' results bit for bit.
+draw (greedy argmax, or the exponential race with the sequence's noise: ``batched.draw`` for
+plain rows; for a token tree the race of every row, then ``sampling.verify.walk`` along the
+tree), then the logprob entries vLLM returns (``logprob_entries``). Every step is batched over
+the rows (``specengine.sampling.batched``), with the per-row definitions' results bit for bit.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from specengine.engine.sequence import Logprob, Sequence
 from specengine.sampling.batched import NoiseStreams, draw, process_rows, race
 from specengine.sampling.params import SamplingParams
 from specengine.sampling.penalties import penalize, tree_paths
+from specengine.sampling.verify import check_tree_logits, committed_tokens, walk
 from specengine.speculative.tree import DraftTree
-from specengine.speculative.verify import committed_tokens, walk
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
@@ -78,49 +78,31 @@ class Sampler:
         return tokens, self.logprob_entries(logits, masked, params, list(range(len(seqs))),
                                             tokens, processed)
 
-    def verify(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor
-               ) -> tuple[list[int], list[int], list[LogprobEntry | None]]:
-        """Verify ``tree`` (drafted after ``seq``'s last token) against the target's ``logits``
-        ``[1 + m, V]`` float32 (row 0 follows the root, row ``1 + i`` follows node ``i``) with
-        ``speculative.verify.verify``: the committed tokens are exactly what ``sample`` would
-        have drawn one position at a time. One tree of ``verify_trees``.
-
-        Returns:
-            ``(accepted, tokens, entries)``: the accepted node indices (root excluded), the
-            tokens to commit (accepted nodes' tokens, then the bonus token) and one logprob
-            entry (or None) per token.
-        """
-        return self.verify_trees([seq], [tree], [logits])[0]
-
     def verify_trees(self, seqs: list[Sequence], trees: list[DraftTree],
                      logits: list[torch.Tensor]
                      ) -> list[tuple[list[int], list[int], list[LogprobEntry | None]]]:
-        """``verify`` of every tree of a step: the rows of all sampled trees processed
-        together, their softmax raced against each row's noise (its sequence's stream at the
-        row's depth) in one extension call (``speculative.verify.verify``'s
-        ``argmax(softmax(process_logits(rows)) / E_depth)``, batched); then each tree's walk.
+        """Verify every token tree of a step (each drafted after its sequence's last token)
+        against the target's logits: the committed tokens are exactly what ``sample`` would
+        have drawn one position at a time. The rows of all sampled trees are processed
+        together and their softmax raced against each row's noise (its sequence's stream at
+        the row's depth) in one extension call (``argmax(softmax(process(rows)) / E_depth)``);
+        greedy trees take each row's argmax; then each tree's ``sampling.verify.walk``.
 
         Args:
             seqs, trees: the sequence of each tree and the tree.
-            logits: per tree ``[1 + m, V]`` float32 target logits (as ``verify``).
+            logits: per tree ``[1 + m, V]`` float32 target logits (row 0 follows the root,
+                row ``1 + i`` follows node ``i``).
 
         Returns:
-            Per tree ``(accepted, tokens, entries)`` as ``verify``.
+            Per tree ``(accepted, tokens, entries)``: the accepted node indices (root
+            excluded), the tokens to commit (accepted nodes' tokens, then the bonus token) and
+            one logprob entry (or None) per token.
 
         Raises:
             ValueError: the three lists differ in length, a tree's logits are not
                 ``[1 + m, V]``, or a draft token is outside the vocabulary.
         """
-        if not len(seqs) == len(trees) == len(logits):
-            raise ValueError(f"seqs, trees and logits must have one entry per tree, got "
-                             f"{len(seqs)}, {len(trees)} and {len(logits)}")
-        for t, (tree, lg) in enumerate(zip(trees, logits)):
-            if lg.dim() != 2 or lg.shape[0] != tree.num_nodes + 1:
-                raise ValueError(f"logits[{t}] must be [m + 1 = {tree.num_nodes + 1}, V] for "
-                                 f"its tree, got {tuple(lg.shape)}")
-            if tree.num_nodes and max(tree.tokens) >= lg.shape[1]:
-                raise ValueError(f"tree {t}: a draft token {max(tree.tokens)} is outside the "
-                                 f"vocabulary V={lg.shape[1]}")
+        check_tree_logits(len(seqs), trees, logits)
         masked = [self.mask_tree(s, t, lg) for s, t, lg in zip(seqs, trees, logits)]
         depths = [[0] + t.depths for t in trees]
         best: list[list[int] | None] = [None] * len(trees)  # the target's token of each row
@@ -169,9 +151,9 @@ class Sampler:
 
     @staticmethod
     def process(masked: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """The logits sampled from: ``process_logits`` (temperature, top-k, top-p, min-p) of
-        ``masked`` ``[R, V]``, one SamplingParams per row, batched; ``masked`` itself when no
-        row changes (every row greedy, or at temperature 1 with no filter)."""
+        """The logits sampled from: ``batched.process_rows`` (temperature, top-k, top-p,
+        min-p) of ``masked`` ``[R, V]``, one SamplingParams per row, batched; ``masked`` itself
+        when no row changes (every row greedy, or at temperature 1 with no filter)."""
         return process_rows(masked, params, copy=False)
 
     def logprob_entries(self, logits: torch.Tensor, masked: torch.Tensor,
