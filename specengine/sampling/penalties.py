@@ -35,7 +35,7 @@ core, 0.003 ms when no row has a penalty.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -162,69 +162,114 @@ def penalize(logits: torch.Tensor, seqs: list[Sequence], vocab: int | None = Non
     if not rows:
         return logits
     V = vocab if vocab is not None else logits.shape[1]
-    col = None
-    if vocab_map is not None:  # token id -> column, -1 when the drafter has no column for it
-        col = torch.full((V,), -1, dtype=torch.int64)
-        col[vocab_map] = torch.arange(len(vocab_map))
-
-    def columns(toks: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if col is None:
-            return (toks, *rest)
-        c = col[toks]
-        keep = c >= 0
-        return (c[keep], *(x[keep] for x in rest))
-
+    col = _column_of_token(vocab_map, V)
     groups: dict[int, list[int]] = {}  # rows by sequence
     for r in rows:
         groups.setdefault(id(seqs[r]), []).append(r)
-    state = {key: committed_counts(seqs[rs[0]], V) for key, rs in groups.items()}
-    rep = torch.tensor([s.params.repetition_penalty for s in seqs], dtype=logits.dtype)
-    pres = torch.tensor([s.params.presence_penalty for s in seqs], dtype=logits.dtype)
-    freq = torch.tensor([s.params.frequency_penalty for s in seqs], dtype=logits.dtype)
+    state = [committed_counts(seqs[rs[0]], V) for rs in groups.values()]
+    pen = _RowPenalties.of(seqs, logits.dtype)
     out = logits.clone()
-    # committed context: a sequence's several rows (a tree's) share its context tokens, a
-    # gather / scatter of those columns; single rows (one per sequence) go in one flat batch
+    _penalize_committed(out, logits, list(groups.values()), state, pen, col)
+    if paths is not None and any(paths[r] for r in rows):
+        _penalize_paths(out, logits, rows, paths, list(groups.values()), state, V, pen, col)
+    return out
+
+
+class _RowPenalties(NamedTuple):
+    """Per row ``[R]`` tensors (the logits' dtype) of the row's sequence's penalties."""
+
+    rep: torch.Tensor
+    pres: torch.Tensor
+    freq: torch.Tensor
+
+    @classmethod
+    def of(cls, seqs: list[Sequence], dtype: torch.dtype) -> _RowPenalties:
+        return cls(torch.tensor([s.params.repetition_penalty for s in seqs], dtype=dtype),
+                   torch.tensor([s.params.presence_penalty for s in seqs], dtype=dtype),
+                   torch.tensor([s.params.frequency_penalty for s in seqs], dtype=dtype))
+
+
+def _column_of_token(vocab_map: torch.Tensor | None, V: int) -> torch.Tensor | None:
+    """``[V]`` int64 token id -> logits column, -1 where the drafter's reduced vocabulary
+    ``vocab_map`` has no column for it; None without a ``vocab_map`` (column = token id)."""
+    if vocab_map is None:
+        return None
+    col = torch.full((V,), -1, dtype=torch.int64)
+    col[vocab_map] = torch.arange(len(vocab_map))
+    return col
+
+
+def _columns(col: torch.Tensor | None, toks: torch.Tensor,
+             *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``toks`` as logits columns (``_column_of_token``'s ``col``), with the entries of
+    ``rest`` that go along with them; tokens without a column are dropped from all."""
+    if col is None:
+        return (toks, *rest)
+    c = col[toks]
+    keep = c >= 0
+    return (c[keep], *(x[keep] for x in rest))
+
+
+def _penalize_committed(out: torch.Tensor, logits: torch.Tensor, groups: list[list[int]],
+                        state: list[PenaltyCounts], pen: _RowPenalties,
+                        col: torch.Tensor | None) -> None:
+    """Write into ``out`` the penalised logits of every penalised row's committed context
+    tokens. ``groups``: the rows of each sequence, ``state[g]`` its ``PenaltyCounts``. A
+    sequence's several rows (a tree's) share its context tokens, a gather / scatter of those
+    columns; single rows (one per sequence) go in one flat batch."""
+    R = logits.shape[0]
     flat = []
-    for key, rs in groups.items():
-        pc = state[key]
+    for rs, pc in zip(groups, state):
         if len(rs) == 1:
             flat.append((rs[0], pc))
             continue
         r0 = rs[0]
-        cols, cnt = columns(pc.ids, pc.id_counts.to(logits.dtype))
+        cols, cnt = _columns(col, pc.ids, pc.id_counts.to(logits.dtype))
         x = logits.index_select(1, cols)
         if len(rs) == R:
-            out.index_copy_(1, cols, apply_penalties(x, cnt, rep[r0], pres[r0], freq[r0]))
+            out.index_copy_(1, cols, apply_penalties(x, cnt, pen.rep[r0], pen.pres[r0],
+                                                     pen.freq[r0]))
         else:
             rt = torch.tensor(rs)
-            out[rt[:, None], cols] = apply_penalties(x[rt], cnt, rep[r0], pres[r0], freq[r0])
+            out[rt[:, None], cols] = apply_penalties(x[rt], cnt, pen.rep[r0], pen.pres[r0],
+                                                     pen.freq[r0])
     if flat:
         r_idx = torch.cat([torch.full((len(pc.ids),), r) for r, pc in flat])
-        cols, r_idx, cnt = columns(torch.cat([pc.ids for _, pc in flat]), r_idx,
-                                   torch.cat([pc.id_counts for _, pc in flat]))
+        cols, r_idx, cnt = _columns(col, torch.cat([pc.ids for _, pc in flat]), r_idx,
+                                    torch.cat([pc.id_counts for _, pc in flat]))
         out[r_idx, cols] = apply_penalties(logits[r_idx, cols], cnt.to(logits.dtype),
-                                           rep[r_idx], pres[r_idx], freq[r_idx])
-    # draft paths (overwrite): a path token counts committed + its occurrences on the path
-    if paths is not None and any(paths[r] for r in rows):
-        p_rows = torch.tensor([r for r in rows for _ in paths[r]], dtype=torch.int64)
-        p_toks = torch.tensor([t for r in rows for t in paths[r]], dtype=torch.int64)
-        bad = (p_toks < 0) | (p_toks >= V)
-        if bad.any():
-            raise ValueError(f"a draft token {int(p_toks[bad][0])} is outside the vocabulary "
-                             f"[0, {V})")
-        keys, mult = torch.unique(p_rows * V + p_toks, return_counts=True)
-        p_rows, p_toks = keys // V, keys % V
-        group_of = torch.empty(R, dtype=torch.int64)
-        cnt = mult.to(logits.dtype)
-        for g, rs in enumerate(groups.values()):
-            group_of[rs] = g
-        for g, key in enumerate(groups):
-            sel = group_of[p_rows] == g
-            cnt[sel] += state[key].counts[p_toks[sel]]
-        cols, p_rows, cnt = columns(p_toks, p_rows, cnt)
-        out[p_rows, cols] = apply_penalties(logits[p_rows, cols], cnt, rep[p_rows],
-                                            pres[p_rows], freq[p_rows])
-    return out
+                                           pen.rep[r_idx], pen.pres[r_idx], pen.freq[r_idx])
+
+
+def _penalize_paths(out: torch.Tensor, logits: torch.Tensor, rows: list[int],
+                    paths: list[list[int]], groups: list[list[int]],
+                    state: list[PenaltyCounts], V: int, pen: _RowPenalties,
+                    col: torch.Tensor | None) -> None:
+    """Overwrite in ``out`` the logits of the draft-path tokens of the penalised ``rows``: a
+    path token counts its committed count plus its occurrences on the row's path.
+
+    Raises:
+        ValueError: a path token outside ``[0, V)``.
+    """
+    R = logits.shape[0]
+    p_rows = torch.tensor([r for r in rows for _ in paths[r]], dtype=torch.int64)
+    p_toks = torch.tensor([t for r in rows for t in paths[r]], dtype=torch.int64)
+    bad = (p_toks < 0) | (p_toks >= V)
+    if bad.any():
+        raise ValueError(f"a draft token {int(p_toks[bad][0])} is outside the vocabulary "
+                         f"[0, {V})")
+    keys, mult = torch.unique(p_rows * V + p_toks, return_counts=True)
+    p_rows, p_toks = keys // V, keys % V
+    group_of = torch.empty(R, dtype=torch.int64)
+    cnt = mult.to(logits.dtype)
+    for g, rs in enumerate(groups):
+        group_of[rs] = g
+    for g, pc in enumerate(state):
+        sel = group_of[p_rows] == g
+        cnt[sel] += pc.counts[p_toks[sel]]
+    cols, p_rows, cnt = _columns(col, p_toks, p_rows, cnt)
+    out[p_rows, cols] = apply_penalties(logits[p_rows, cols], cnt, pen.rep[p_rows],
+                                        pen.pres[p_rows], pen.freq[p_rows])
 
 
 def apply_penalties(x: torch.Tensor, counts: torch.Tensor, repetition: torch.Tensor,
