@@ -285,152 +285,217 @@ def generate(args: argparse.Namespace) -> int:
             n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
             min_tokens=args.min_tokens, stop=args.stop)
+        why = output_problem(args)
+        if why is not None:
+            raise ValueError(why)
+        spec = speculative_config_arg(args.speculative_config)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    return GenerateJob(args, params, spec).run()
+
+
+def output_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--input`` / ``--output`` cannot be used (a missing folder or input, a folder
+    given as a file, an output or ``.part`` that exists without ``--resume`` or
+    ``--overwrite``), or None."""
     part = f"{args.output}.part"
     out_dir = os.path.dirname(os.path.abspath(args.output))
-    why = None
     if not os.path.isdir(out_dir):
-        why = f"--output {args.output!r}: folder {out_dir!r} does not exist"
-    elif os.path.isdir(args.output):
-        why = f"--output {args.output!r} is a folder"
-    elif not os.path.isfile(args.input):
+        return f"--output {args.output!r}: folder {out_dir!r} does not exist"
+    if os.path.isdir(args.output):
+        return f"--output {args.output!r} is a folder"
+    if not os.path.isfile(args.input):
         what = "is a folder, not a file" if os.path.isdir(args.input) else "does not exist"
-        why = f"--input {args.input!r} {what}"
-    elif not (args.resume or args.overwrite):
+        return f"--input {args.input!r} {what}"
+    if not (args.resume or args.overwrite):
         there = [p for p in (args.output, part) if os.path.exists(p)]
         if there:
-            why = (f"{' and '.join(there)} already exist{'s' if len(there) == 1 else ''}; "
-                   "pass --resume to keep what is finished and generate the rest, or "
-                   "--overwrite to start over")
-    if why is None:
+            return (f"{' and '.join(there)} already exist{'s' if len(there) == 1 else ''}; "
+                    "pass --resume to keep what is finished and generate the rest, or "
+                    "--overwrite to start over")
+    return None
+
+
+class GenerateJob:
+    """One ``specengine generate`` run, its arguments checked: the input's records, those
+    earlier runs finished (``--resume``), the bookkeeping that keeps every finished record in
+    ``<output>.part`` through an interrupt, the final output and the summary.
+
+    Args:
+        args: the parsed ``generate`` arguments. params: the ``SamplingParams`` of every
+            record. spec: the speculative config (a dict) or None.
+    """
+
+    def __init__(self, args: argparse.Namespace, params: SamplingParams, spec: dict | None):
+        self.args, self.params, self.spec = args, params, spec
+        self.part = f"{args.output}.part"
+        self.argv = getattr(args, "argv", None) or sys.argv[1:]
+        self.records = read_records_with_keys(args.input)
+        self.done: dict = {}  # key -> finished output record
+        self.part_done: dict = {}  # the same, of the .part an earlier run left
+        self.errors: dict[int, str] = {}  # line -> why it failed
+        self.resumed = self.new = 0
+        self.llm, self.prompts, self.lines, self.outs = None, [], [], []
+        self.part_ready, self.wall = False, 0.0
+
+    def run(self) -> int:
+        """Generate what is not finished and write the output; the exit status (0, 2 when
+        the model cannot be loaded, 130 on Ctrl-C). Other errors are raised after saying
+        what is kept and how to resume."""
+        todo = self._start()
         try:
-            spec = speculative_config_arg(args.speculative_config)
-        except ValueError as e:
-            why = str(e)
-    if why is not None:
-        print(f"error: {why}", file=sys.stderr)
-        return 2
-    argv = getattr(args, "argv", None) or sys.argv[1:]
+            if todo:
+                if not self._load_model():
+                    return 2
+                self._encode(todo)
+            # the .part keeps only finished records: rewritten without torn or error lines
+            # when resuming, emptied otherwise
+            write_jsonl_atomic(self.part, list(self.part_done.values()))
+            self.part_ready = True
+            self._generate()
+            self._write_output()
+        except BaseException as e:  # Ctrl-C or a crash: say what is kept and how to go on
+            self._report_stop(e)
+            if isinstance(e, KeyboardInterrupt):
+                return 130
+            raise
+        self._print_summary()
+        return 0
 
-    records = read_records_with_keys(args.input)
-    done, part_done, skipped = {}, {}, 0
-    if args.resume:
-        done, skipped = load_finished([args.output])
-        part_done, skipped_part = load_finished([part])
-        done.update(part_done)  # the .part is newer than the output
-        skipped += skipped_part
-    resumed = sum(1 for _, _, _, key in records if key in done)
-    if args.resume:
-        print(f"resume: {resumed} records already finished"
-              + (f"; {skipped} lines of earlier output ignored (torn by a kill, not JSON, or "
-                 "without an id or line number)" if skipped else ""),
-              file=sys.stderr)
-    errors: dict[int, str] = {}
-    for no, _, err, _ in records:
-        if err is not None:
-            errors[no] = err
-            print(f"skipped {err}", file=sys.stderr)
-    todo = [(no, rec, key) for no, rec, err, key in records if err is None and key not in done]
-    new, part_ready = 0, False
-    try:
-        llm, prompts, lines = None, [], []
-        if todo:
-            from specengine.api import LLM
+    def _start(self) -> list:
+        """Read what earlier runs finished (``--resume``), report the bad input lines; the
+        (line, record, key) of the records to generate."""
+        if self.args.resume:
+            self.done, skipped = load_finished([self.args.output])
+            self.part_done, skipped_part = load_finished([self.part])
+            self.done.update(self.part_done)  # the .part is newer than the output
+            skipped += skipped_part
+        self.resumed = sum(1 for _, _, _, key in self.records if key in self.done)
+        if self.args.resume:
+            print(f"resume: {self.resumed} records already finished"
+                  + (f"; {skipped} lines of earlier output ignored (torn by a kill, not JSON, "
+                     "or without an id or line number)" if skipped else ""),
+                  file=sys.stderr)
+        for no, _, err, _ in self.records:
+            if err is not None:
+                self.errors[no] = err
+                print(f"skipped {err}", file=sys.stderr)
+        return [(no, rec, key) for no, rec, err, key in self.records
+                if err is None and key not in self.done]
 
+    def _load_model(self) -> bool:
+        """Load the ``LLM``; False (said on stderr) when the arguments are refused."""
+        from specengine.api import LLM
+
+        a = self.args
+        try:
+            self.llm = LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len,
+                           kv_cache_memory_bytes=a.kv_cache_memory_bytes, seed=a.seed,
+                           speculative_config=self.spec)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return False
+        return True
+
+    def _encode(self, todo: list) -> None:
+        """The prompts of ``todo``; a record that cannot be encoded is reported and skipped."""
+        for no, rec, key in todo:
             try:
-                llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                          kv_cache_memory_bytes=args.kv_cache_memory_bytes, seed=args.seed,
-                          speculative_config=spec)
-            except (ValueError, FileNotFoundError) as e:
-                print(f"error: {e}", file=sys.stderr)
-                return 2
-            for no, rec, key in todo:
-                try:
-                    prompts.append(encode_record(llm, rec, no, args.chat))
-                    lines.append((no, rec, key))
-                except Exception as e:  # any reason: the line is skipped, the job goes on
-                    err = str(e) if str(e).startswith(f"line {no}:") else \
-                        f"line {no}: {type(e).__name__}: {e}"
-                    errors[no] = err
-                    print(f"skipped {err}", file=sys.stderr)
-        # the .part keeps only finished records: rewritten without torn or error lines when
-        # resuming, emptied otherwise
-        write_jsonl_atomic(part, list(part_done.values()))
-        part_ready = True
+                self.prompts.append(encode_record(self.llm, rec, no, self.args.chat))
+                self.lines.append((no, rec, key))
+            except Exception as e:  # any reason: the line is skipped, the job goes on
+                err = str(e) if str(e).startswith(f"line {no}:") else \
+                    f"line {no}: {type(e).__name__}: {e}"
+                self.errors[no] = err
+                print(f"skipped {err}", file=sys.stderr)
+
+    def _generate(self) -> None:
+        """Generate the prompts, appending each finished record to the ``.part``."""
         t0 = time.perf_counter()
-        outs = []
-        if prompts:
-            with JsonlAppender(part) as log:
-                for i, out in llm.generate_iter(prompts, params,
-                                                use_tqdm=not args.no_progress):
-                    no, rec, key = lines[i]
+        if self.prompts:
+            with JsonlAppender(self.part) as log:
+                for i, out in self.llm.generate_iter(self.prompts, self.params,
+                                                     use_tqdm=not self.args.no_progress):
+                    no, rec, key = self.lines[i]
                     res = result_record(rec, out, no)
                     try:
                         log.append(res)
                     except (ValueError, TypeError) as e:
-                        errors[no] = f"line {no}: the result cannot be written as JSON ({e})"
-                        print(f"failed {errors[no]}", file=sys.stderr)
+                        self.errors[no] = f"line {no}: the result cannot be written as " \
+                                          f"JSON ({e})"
+                        print(f"failed {self.errors[no]}", file=sys.stderr)
                         continue
-                    done[key] = res
-                    outs.append(out)
-                    new += 1
-        wall = time.perf_counter() - t0
+                    self.done[key] = res
+                    self.outs.append(out)
+                    self.new += 1
+        self.wall = time.perf_counter() - t0
+
+    def _write_output(self) -> None:
+        """Write the output in input order (finished records, error lines for the others,
+        then finished records no input line matches) atomically; remove the ``.part``."""
         final, used = [], set()
-        for no, rec, _, key in records:
-            if key in done:
-                final.append({**done[key], "line": no})
+        for no, rec, _, key in self.records:
+            if key in self.done:
+                final.append({**self.done[key], "line": no})
                 used.add(key)
             else:
-                final.append(error_record(rec, no, errors[no]))
-        extra = [r for k, r in done.items() if k not in used]
+                final.append(error_record(rec, no, self.errors[no]))
+        extra = [r for k, r in self.done.items() if k not in used]
         if extra:
             print(f"note: {len(extra)} records finished by earlier runs match no input line; "
                   "kept at the end", file=sys.stderr)
-        write_jsonl_atomic(args.output, final + extra)
-        os.remove(part)
-    except BaseException as e:  # Ctrl-C or a crash: say what is kept and how to go on
-        if not part_ready:  # before generating: no file was touched
-            what = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
-            print(f"\n{what} before generating; no file was changed. Run again with\n  "
-                  f"{shlex.join(['specengine', *argv])}", file=sys.stderr)
-        else:
-            total = finished_count(records, done, part)
-            what = (f"interrupted: {total} records finished" if isinstance(e, KeyboardInterrupt)
-                    else f"failed: {total} records finished")
-            print(f"\n{what} ({total - resumed} in this run), kept in {part}; to finish the "
-                  f"job{'' if isinstance(e, KeyboardInterrupt) else ' after fixing the cause'}"
-                  f", run\n  {resume_command(argv)}", file=sys.stderr)
-        if isinstance(e, KeyboardInterrupt):
-            return 130
-        raise
-    n_prompt = sum(len(p["prompt_token_ids"]) for p in prompts)
-    n_gen = sum(len(o.token_ids) for out in outs for o in out.outputs)
-    print(f"requests: {new} ok, {len(errors)} failed"
-          + (f", {resumed} finished before (resumed)" if args.resume else "")
-          + f" | prompt tokens: {n_prompt} | generated tokens: {n_gen} | "
-          f"{n_gen / max(wall, 1e-9):.1f} tokens/s | wall time: {wall:.1f} s")
-    if llm is not None and spec:
-        m = llm.get_metrics()
-        print(f"speculation: acceptance length {m.get('acceptance_length', 1.0):.2f} tokens/"
-              f"forward | drafted {m['drafted_tokens']} accepted {m['accepted_tokens']} | "
-              f"draft {m['draft_time']:.1f} s, target forward "
-              f"{m['decode_time'] + m['prefill_time']:.1f} s, sample/verify "
-              f"{m['sample_time']:.1f} s")
-        ran = m.get("policy_strategies", {})
-        if ran:
-            def rate(x):
-                return "-" if x is None else f"{x:.1f}"
+        write_jsonl_atomic(self.args.output, final + extra)
+        os.remove(self.part)
 
-            print(f"policy {m['policy']}: " + ", ".join(
-                f"{name} {s['steps']} steps (predicted {rate(s['predicted_tok_s'])}, observed "
-                f"{rate(s['observed_tok_s'])} tokens/s)" for name, s in ran.items())
-                + (f"; {100 * m['policy_nodes_cut_frac']:.0f}% of draft nodes cut as not worth "
-                   "verifying" if m.get("policy_nodes_cut_frac") else ""))
-    for err in (errors[no] for no in sorted(errors)):
-        print(f"  failed {err}")
-    return 0
+    def _report_stop(self, e: BaseException) -> None:
+        """Say on stderr what an interrupt or a crash ``e`` kept and the command that goes
+        on."""
+        ctrl_c = isinstance(e, KeyboardInterrupt)
+        if not self.part_ready:  # before generating: no file was touched
+            what = "interrupted" if ctrl_c else "failed"
+            print(f"\n{what} before generating; no file was changed. Run again with\n  "
+                  f"{shlex.join(['specengine', *self.argv])}", file=sys.stderr)
+            return
+        total = finished_count(self.records, self.done, self.part)
+        what = (f"interrupted: {total} records finished" if ctrl_c
+                else f"failed: {total} records finished")
+        print(f"\n{what} ({total - self.resumed} in this run), kept in {self.part}; to finish "
+              f"the job{'' if ctrl_c else ' after fixing the cause'}"
+              f", run\n  {resume_command(self.argv)}", file=sys.stderr)
+
+    def _print_summary(self) -> None:
+        """The job's counts and speed on stdout (with speculation, its statistics), then the
+        failed lines."""
+        n_prompt = sum(len(p["prompt_token_ids"]) for p in self.prompts)
+        n_gen = sum(len(o.token_ids) for out in self.outs for o in out.outputs)
+        print(f"requests: {self.new} ok, {len(self.errors)} failed"
+              + (f", {self.resumed} finished before (resumed)" if self.args.resume else "")
+              + f" | prompt tokens: {n_prompt} | generated tokens: {n_gen} | "
+              f"{n_gen / max(self.wall, 1e-9):.1f} tokens/s | wall time: {self.wall:.1f} s")
+        if self.llm is not None and self.spec:
+            print_speculation(self.llm.get_metrics())
+        for err in (self.errors[no] for no in sorted(self.errors)):
+            print(f"  failed {err}")
+
+
+def print_speculation(m: dict) -> None:
+    """The speculation lines of ``generate``'s summary, from ``LLM.get_metrics()`` ``m``."""
+    print(f"speculation: acceptance length {m.get('acceptance_length', 1.0):.2f} tokens/"
+          f"forward | drafted {m['drafted_tokens']} accepted {m['accepted_tokens']} | "
+          f"draft {m['draft_time']:.1f} s, target forward "
+          f"{m['decode_time'] + m['prefill_time']:.1f} s, sample/verify "
+          f"{m['sample_time']:.1f} s")
+    ran = m.get("policy_strategies", {})
+    if ran:
+        def rate(x):
+            return "-" if x is None else f"{x:.1f}"
+
+        print(f"policy {m['policy']}: " + ", ".join(
+            f"{name} {s['steps']} steps (predicted {rate(s['predicted_tok_s'])}, observed "
+            f"{rate(s['observed_tok_s'])} tokens/s)" for name, s in ran.items())
+            + (f"; {100 * m['policy_nodes_cut_frac']:.0f}% of draft nodes cut as not worth "
+               "verifying" if m.get("policy_nodes_cut_frac") else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
