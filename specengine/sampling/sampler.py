@@ -36,13 +36,13 @@ class Sampler:
             temperature/top-k/top-p/min-p; vLLM's default) or ``"processed_logprobs"`` (of the
             distribution actually sampled from, after them and after the ``min_tokens`` mask and
             the penalties).
+        stop_ids: the token ids that would end a sequence (``OutputProcessor.stop_ids``); they
+            are masked out while the sequence has fewer than ``min_tokens`` output tokens.
 
     Every row's logits are penalised right after the ``min_tokens`` mask with the repetition /
     presence / frequency penalties of the row's own context (``penalties.penalize``): a tree
     row's context is the committed tokens plus the draft tokens on its root-to-node path
     (``penalties.tree_paths``), so verification stays exact.
-        stop_ids: the token ids that would end a sequence (``OutputProcessor.stop_ids``); they
-            are masked out while the sequence has fewer than ``min_tokens`` output tokens.
 
     Raises:
         ValueError: an unknown ``logprobs_mode``.
