@@ -63,6 +63,39 @@ def triton_available() -> bool:
 if triton is not None:
 
     @triton.jit
+    def _visible(pos, s_ok, kv_len, base, mask_row_ptr, tree_w, HAS_TREE: tl.constexpr):
+        """Which positions ``pos`` of one KV block a query row sees: ``pos < kv_len`` and, with
+        a tree, the committed context (``pos < base``) or its row of the tree mask."""
+        seen = s_ok & (pos < kv_len)
+        if HAS_TREE:
+            rel = pos - base
+            in_win = (rel >= 0) & (rel < tree_w)
+            tm = tl.load(mask_row_ptr + rel, mask=seen & in_win, other=0)
+            seen = seen & ((pos < base) | (in_win & (tm != 0)))
+        return seen
+
+    @triton.jit
+    def _load_tile(ptr, block_id, offs_s, offs_d, stride_b, stride_s, kv_head, stride_h, ok):
+        """One KV block's rows of head ``kv_head`` as float32 ``[BS_PAD, D_PAD]``."""
+        offs = (block_id * stride_b + offs_s[:, None] * stride_s
+                + kv_head * stride_h + offs_d[None, :])
+        return tl.load(ptr + offs, mask=ok, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _softmax_block(q, k, v, seen, m_i, l_i, acc, qk_scale):
+        """One block of the online softmax (log2 units): returns the new running max, running
+        sum and output accumulator."""
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [GROUP_PAD, BS_PAD]
+        s = tl.where(seen[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        return m_new, l_i, acc
+
+    @triton.jit
     def _paged_tree_attention_kernel(
         out_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, query_seq_ptr, kv_lens_ptr,
         tree_base_ptr, tree_mask_ptr,
@@ -106,33 +139,17 @@ if triton is not None:
         acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
 
         num_blocks = tl.cdiv(kv_len, BLOCK_SIZE)
+        kv_ok = s_ok[:, None] & d_ok[None, :]
         for b in range(0, num_blocks):
             block_id = tl.load(block_tables_ptr + seq * stride_bt + b).to(tl.int64)
             pos = b * BLOCK_SIZE + offs_s
-            seen = s_ok & (pos < kv_len)
-            if HAS_TREE:
-                rel = pos - base
-                in_win = (rel >= 0) & (rel < tree_w)
-                tm = tl.load(tree_mask_ptr + t.to(tl.int64) * stride_mt + rel,
-                             mask=seen & in_win, other=0)
-                seen = seen & ((pos < base) | (in_win & (tm != 0)))
-            kv_ok = s_ok[:, None] & d_ok[None, :]
-            k_offs = (block_id * stride_kb + offs_s[:, None] * stride_ks
-                      + kv_head * stride_kh + offs_d[None, :])
-            k = tl.load(k_ptr + k_offs, mask=kv_ok, other=0.0).to(tl.float32)  # [BS, D]
-            # scores [GROUP_PAD, BS_PAD], in log2 units
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-            s = tl.where(seen[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v_offs = (block_id * stride_vb + offs_s[:, None] * stride_vs
-                      + kv_head * stride_vh + offs_d[None, :])
-            v = tl.load(v_ptr + v_offs, mask=kv_ok, other=0.0).to(tl.float32)  # [BS, D]
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            m_i = m_new
+            seen = _visible(pos, s_ok, kv_len, base, tree_mask_ptr + t.to(tl.int64) * stride_mt,
+                            tree_w, HAS_TREE)
+            k = _load_tile(k_ptr, block_id, offs_s, offs_d, stride_kb, stride_ks, kv_head,
+                           stride_kh, kv_ok)  # [BS, D]
+            v = _load_tile(v_ptr, block_id, offs_s, offs_d, stride_vb, stride_vs, kv_head,
+                           stride_vh, kv_ok)  # [BS, D]
+            m_i, l_i, acc = _softmax_block(q, k, v, seen, m_i, l_i, acc, qk_scale)
 
         denom = tl.where(l_i > 0.0, l_i, 1.0)
         out = acc / denom[:, None]
@@ -156,23 +173,10 @@ def paged_tree_attention_triton(query: torch.Tensor, k_cache: torch.Tensor,
     """Launch the Triton kernel; arguments and result as in ``AttentionBackend.forward``."""
     if triton is None:
         raise ImportError("TritonAttention needs the 'triton' package (pip install triton)")
-    if query.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError("query must be [T, H, D] and k/v caches [num_blocks, block_size, "
-                         f"KVH, D]; got {tuple(query.shape)}, {tuple(k_cache.shape)}, "
-                         f"{tuple(v_cache.shape)}")
+    _check_inputs(query, k_cache, v_cache)
     T, H, D = query.shape
-    _, block_size, kvh, d_cache = k_cache.shape
-    if d_cache != D:
-        raise ValueError(f"head_dim mismatch: query {D}, cache {d_cache}")
-    if H % kvh:
-        raise ValueError(f"num_heads ({H}) must be a multiple of num_kv_heads ({kvh})")
-    if query.dtype not in _FLOATS or k_cache.dtype not in _FLOATS or v_cache.dtype not in _FLOATS:
-        raise TypeError(f"unsupported dtypes {query.dtype}/{k_cache.dtype}/{v_cache.dtype}; "
-                        "expected float32, bfloat16 or float16")
+    _, block_size, kvh, _ = k_cache.shape
     dev = query.device
-    if dev.type != "cuda" and not _INTERPRETED:
-        raise RuntimeError(f"TritonAttention on {dev.type} tensors needs TRITON_INTERPRET=1 set "
-                           "before specengine.attention.triton_backend is imported")
     out = torch.empty_like(query)
     if T == 0:
         return out
@@ -184,20 +188,7 @@ def paged_tree_attention_triton(query: torch.Tensor, k_cache: torch.Tensor,
     qs = meta.query_seq.to(device=dev, dtype=torch.int32).contiguous()
     kl = meta.kv_lens.to(device=dev, dtype=torch.int32).contiguous()
     has_tree = meta.tree_mask is not None
-    if has_tree:
-        if meta.tree_base is None:
-            raise ValueError("tree_mask given without tree_base")
-        tb = meta.tree_base.to(device=dev, dtype=torch.int32).contiguous()
-        tm = meta.tree_mask.to(device=dev, dtype=torch.uint8).contiguous()
-        if tm.dim() != 2 or tm.shape[0] != T:
-            raise ValueError(f"tree_mask must be [T={T}, W]; got {tuple(tm.shape)}")
-        if tm.shape[1] == 0:
-            tm = torch.zeros(T, 1, dtype=torch.uint8, device=dev)
-            tree_w, stride_mt = 0, 1
-        else:
-            tree_w, stride_mt = tm.shape[1], tm.stride(0)
-    else:
-        tb, tm, tree_w, stride_mt = kl, kl, 0, 0  # unused placeholders
+    tb, tm, tree_w, stride_mt = _tree_args(meta, T, dev) if has_tree else (kl, kl, 0, 0)
     group = H // kvh
     _paged_tree_attention_kernel[(T, kvh)](
         out, q, kc, vc, bt, qs, kl, tb, tm,
@@ -214,6 +205,43 @@ def paged_tree_attention_triton(query: torch.Tensor, k_cache: torch.Tensor,
         HAS_TREE=has_tree,
     )
     return out
+
+
+def _check_inputs(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """ValueError / TypeError / RuntimeError for inputs the kernel does not take (shapes,
+    dtypes, a CPU tensor outside the interpreter)."""
+    if query.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError("query must be [T, H, D] and k/v caches [num_blocks, block_size, "
+                         f"KVH, D]; got {tuple(query.shape)}, {tuple(k_cache.shape)}, "
+                         f"{tuple(v_cache.shape)}")
+    _, H, D = query.shape
+    _, _, kvh, d_cache = k_cache.shape
+    if d_cache != D:
+        raise ValueError(f"head_dim mismatch: query {D}, cache {d_cache}")
+    if H % kvh:
+        raise ValueError(f"num_heads ({H}) must be a multiple of num_kv_heads ({kvh})")
+    if query.dtype not in _FLOATS or k_cache.dtype not in _FLOATS or v_cache.dtype not in _FLOATS:
+        raise TypeError(f"unsupported dtypes {query.dtype}/{k_cache.dtype}/{v_cache.dtype}; "
+                        "expected float32, bfloat16 or float16")
+    dev = query.device
+    if dev.type != "cuda" and not _INTERPRETED:
+        raise RuntimeError(f"TritonAttention on {dev.type} tensors needs TRITON_INTERPRET=1 set "
+                           "before specengine.attention.triton_backend is imported")
+
+
+def _tree_args(meta: AttentionMetadata, T: int, dev: torch.device) -> tuple:
+    """``(tree_base int32 [T], tree_mask uint8 [T, W'], W, row stride)`` for the kernel (an
+    empty mask becomes one zero column with ``W = 0``). ValueError for a mask without
+    ``tree_base`` or not ``[T, W]``."""
+    if meta.tree_base is None:
+        raise ValueError("tree_mask given without tree_base")
+    tb = meta.tree_base.to(device=dev, dtype=torch.int32).contiguous()
+    tm = meta.tree_mask.to(device=dev, dtype=torch.uint8).contiguous()
+    if tm.dim() != 2 or tm.shape[0] != T:
+        raise ValueError(f"tree_mask must be [T={T}, W]; got {tuple(tm.shape)}")
+    if tm.shape[1] == 0:
+        return tb, torch.zeros(T, 1, dtype=torch.uint8, device=dev), 0, 1
+    return tb, tm, tm.shape[1], tm.stride(0)
 
 
 class TritonAttention(AttentionBackend):
