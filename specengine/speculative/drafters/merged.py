@@ -63,88 +63,137 @@ def merge_trees(trees: list[DraftTree | None], names: list[str], budget: int,
         raise ValueError(f"merge_trees: {len(trees)} trees but {len(names)} names")
     present = [(t, n) for t, n in zip(trees, names) if t is not None and t.num_nodes]
     if len(present) == 1 and present[0][0].num_nodes <= budget:  # one source: kept whole
-        tree, name = present[0]
-        votes = node_votes(tree, name)
-        if counts is not None:
-            for v in votes:
-                for s in v:
-                    counts["proposed"][s] = counts["proposed"].get(s, 0) + 1
-                    counts["kept"][s] = counts["kept"].get(s, 0) + 1
-        return MergedTree(tree.tokens, tree.parents, tree.draft_logprobs,
-                          list(tree.sources or [name] * tree.num_nodes), votes=votes)
-    tok: list[int] = []
-    par: list[int] = []
-    depth: list[int] = []
-    votes: list[dict[str, float]] = []
-    index: dict[tuple[int, int], int] = {}  # (parent, token) -> union node
-    for tree, name in zip(trees, names):
-        if tree is None:
-            continue
+        return _lone_tree(*present[0], counts)
+    union = _Union.of(trees, names)
+    if not union.tok:
+        return None
+    rates = scorer.rates() if rates is None else rates
+    per_vote = [_vote_probs(v, scorer, rates) for v in union.votes]
+    best = [max(pv, key=pv.get) for pv in per_vote]  # ties: the first source
+    prob = [pv[b] for pv, b in zip(per_vote, best)]
+    conf = [max(v.values()) for v in union.votes]
+    if explore:
+        key = _explore_keys(union, per_vote, prob)
+    else:
+        key = [(-prob[u], -conf[u], union.depth[u], u) for u in range(len(union.tok))]
+    chosen = _best_first(union.par, key, budget)
+    chosen.sort(key=lambda u: (union.depth[u], -prob[u], -conf[u], u))
+    if counts is not None:
+        _count(counts, "proposed", union.votes)
+        _count(counts, "kept", [union.votes[u] for u in chosen])
+    return union.tree(chosen, best)
+
+
+def _count(counts: dict, what: str, votes: list[dict[str, float]]) -> None:
+    """Add one to ``counts[what][source]`` per node of ``votes`` per source that voted."""
+    for v in votes:
+        for s in v:
+            counts[what][s] = counts[what].get(s, 0) + 1
+
+
+def _lone_tree(tree: DraftTree, name: str, counts: dict | None) -> MergedTree:
+    """The only source's tree, kept whole (its own node order)."""
+    votes = node_votes(tree, name)
+    if counts is not None:
+        for v in votes:
+            for s in v:
+                counts["proposed"][s] = counts["proposed"].get(s, 0) + 1
+                counts["kept"][s] = counts["kept"].get(s, 0) + 1
+    return MergedTree(tree.tokens, tree.parents, tree.draft_logprobs,
+                      list(tree.sources or [name] * tree.num_nodes), votes=votes)
+
+
+class _Union:
+    """The trie of several trees: per node its token, parent (-1: the root), depth and votes
+    (source -> that source's cumulative log-confidence in the node's path)."""
+
+    def __init__(self):
+        self.tok: list[int] = []
+        self.par: list[int] = []
+        self.depth: list[int] = []
+        self.votes: list[dict[str, float]] = []
+        self.index: dict[tuple[int, int], int] = {}  # (parent, token) -> union node
+
+    @classmethod
+    def of(cls, trees: list[DraftTree | None], names: list[str]) -> _Union:
+        u = cls()
+        for tree, name in zip(trees, names):
+            if tree is not None:
+                u.add(tree, name)
+        return u
+
+    def add(self, tree: DraftTree, name: str) -> None:
+        """Join ``tree`` (unlabelled nodes are ``name``'s) into the trie."""
         where: list[int] = []  # tree node -> union node
         for j, (t, v) in enumerate(zip(tree.tokens, node_votes(tree, name))):
             p = where[tree.parents[j]] if tree.parents[j] >= 0 else -1
-            u = index.get((p, t))
+            u = self.index.get((p, t))
             if u is None:
-                u = index[(p, t)] = len(tok)
-                tok.append(t)
-                par.append(p)
-                depth.append(depth[p] + 1 if p >= 0 else 1)
-                votes.append({})
+                u = self.index[(p, t)] = len(self.tok)
+                self.tok.append(t)
+                self.par.append(p)
+                self.depth.append(self.depth[p] + 1 if p >= 0 else 1)
+                self.votes.append({})
             for s, logc in v.items():
-                votes[u][s] = max(logc, votes[u].get(s, -math.inf))
+                self.votes[u][s] = max(logc, self.votes[u].get(s, -math.inf))
             where.append(u)
-    if not tok:
-        return None
-    rates = scorer.rates() if rates is None else rates
-    per_vote = []  # per node {source: acceptance probability}
-    for v in votes:
-        pv = {}
-        for s, logc in v.items():
-            r = rates.get(s)
-            if r is None:
-                r = rates[s] = scorer.get(s).rate_per_bin().tolist()
-            pv[s] = r[bin_of(math.exp(logc))]
-        per_vote.append(pv)
-    best = [max(pv, key=pv.get) for pv in per_vote]  # ties: the first source
-    prob = [pv[b] for pv, b in zip(per_vote, best)]
-    conf = [max(v.values()) for v in votes]
-    if explore:  # each node's best rank within a source that proposed it: round-robin
-        rank = [math.inf] * len(tok)
-        for s in {s for v in votes for s in v}:
-            mine = sorted((u for u in range(len(tok)) if s in votes[u]),
-                          key=lambda u: (-per_vote[u][s], -votes[u][s], depth[u], u))
-            for r, u in enumerate(mine):
-                rank[u] = min(rank[u], r)
-        key = [(rank[u], -prob[u], depth[u], u) for u in range(len(tok))]
-    else:
-        key = [(-prob[u], -conf[u], depth[u], u) for u in range(len(tok))]
-    children: list[list[int]] = [[] for _ in range(len(tok) + 1)]  # slot 0 = root
+
+    def tree(self, chosen: list[int], best: list[str]) -> MergedTree:
+        """The ``chosen`` nodes (parents first) as a tree labelled and scored by their best
+        source ``best[u]``."""
+        new = {u: i for i, u in enumerate(chosen)}
+        par, votes = self.par, self.votes
+        lps = []
+        for u in chosen:
+            p = par[u]
+            lps.append(votes[u][best[u]] - (votes[p][best[p]] if p >= 0 else 0.0))
+        return MergedTree([self.tok[u] for u in chosen],
+                          [new[par[u]] if par[u] >= 0 else -1 for u in chosen],
+                          lps, [best[u] for u in chosen], votes=[votes[u] for u in chosen])
+
+
+def _vote_probs(votes: dict[str, float], scorer: SourceCalibrators,
+                rates: dict[str, list[float]]) -> dict[str, float]:
+    """Per source of one node's ``votes``: its calibrated acceptance probability at its
+    confidence (a source missing from ``rates`` is added to it)."""
+    pv = {}
+    for s, logc in votes.items():
+        r = rates.get(s)
+        if r is None:
+            r = rates[s] = scorer.get(s).rate_per_bin().tolist()
+        pv[s] = r[bin_of(math.exp(logc))]
+    return pv
+
+
+def _explore_keys(union: _Union, per_vote: list[dict[str, float]],
+                  prob: list[float]) -> list[tuple]:
+    """Fill keys for a round-robin over the sources: each node's best rank within a source
+    that proposed it, then probability, depth, index."""
+    n, votes = len(union.tok), union.votes
+    rank = [math.inf] * n
+    for s in {s for v in votes for s in v}:
+        mine = sorted((u for u in range(n) if s in votes[u]),
+                      key=lambda u: (-per_vote[u][s], -votes[u][s], union.depth[u], u))
+        for r, u in enumerate(mine):
+            rank[u] = min(rank[u], r)
+    return [(rank[u], -prob[u], union.depth[u], u) for u in range(n)]
+
+
+def _best_first(par: list[int], key: list[tuple], budget: int) -> list[int]:
+    """Up to ``budget`` nodes by ascending ``key`` (its last item is the node), a node
+    entering only once its parent did."""
+    children: list[list[int]] = [[] for _ in range(len(par) + 1)]  # slot 0 = root
     for u, p in enumerate(par):
         children[p + 1].append(u)
     heap = [key[u] for u in children[0]]
     heapq.heapify(heap)
     chosen = []
-    while heap and len(chosen) < budget:  # best-first: a node enters once its parent did
+    while heap and len(chosen) < budget:
         u = heapq.heappop(heap)[-1]
         chosen.append(u)
         for c in children[u + 1]:
             heapq.heappush(heap, key[c])
-    chosen.sort(key=lambda u: (depth[u], -prob[u], -conf[u], u))
-    new = {u: i for i, u in enumerate(chosen)}
-    if counts is not None:
-        for v in votes:
-            for s in v:
-                counts["proposed"][s] = counts["proposed"].get(s, 0) + 1
-        for u in chosen:
-            for s in votes[u]:
-                counts["kept"][s] = counts["kept"].get(s, 0) + 1
-    lps = []
-    for u in chosen:
-        p = par[u]
-        lps.append(votes[u][best[u]] - (votes[p][best[p]] if p >= 0 else 0.0))
-    return MergedTree([tok[u] for u in chosen], [new[par[u]] if par[u] >= 0 else -1
-                                                  for u in chosen],
-                      lps, [best[u] for u in chosen], votes=[votes[u] for u in chosen])
+    return chosen
 
 
 class MergedDrafter(Drafter):

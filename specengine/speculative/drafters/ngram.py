@@ -131,32 +131,11 @@ class NgramIndex:
             ids = self._histories.setdefault(key, TokenHistory()).sync(token_ids)
         else:
             ids = np.asarray(token_ids)
-        depth, width, budget = strategy.depth, strategy.topk, strategy.budget
-        tokens: list[int] = []
-        parents: list[int] = []
-        node_of: dict[tuple[int, int], int] = {}  # (parent, token) -> node
-        has_child = [False]  # slot 0 = root, slot 1 + i = node i
-        leaves = 0
         found = self.matches(ids)
-        for e, _ in found:
-            par = -1
-            for tok in ids[e + 1:e + 1 + depth].tolist():
-                node = node_of.get((par, tok))
-                if node is None:
-                    grows_leaf = par >= 0 and not has_child[par + 1]
-                    if len(tokens) == budget or (not grows_leaf and leaves == width):
-                        break
-                    leaves += not grows_leaf
-                    node = node_of[(par, tok)] = len(tokens)
-                    tokens.append(tok)
-                    parents.append(par)
-                    has_child[par + 1] = True
-                    has_child.append(False)
-                par = node
-            if len(tokens) == budget:
-                break
+        tokens, parents, node_of = _match_trie(ids, found, strategy)
         if not tokens:
             return None
+        depth = strategy.depth
         weight = [0.0] * len(tokens)  # match weight passing through each node
         for e, n in found:
             par = -1
@@ -169,6 +148,37 @@ class NgramIndex:
         total = sum(n for _, n in found) + 1.0
         lps = [math.log(w / (weight[p] if p >= 0 else total)) for w, p in zip(weight, parents)]
         return DraftTree(tokens, parents, lps, ["ngram"] * len(tokens))
+
+
+def _match_trie(ids: np.ndarray, found: list[tuple[int, int]], strategy: Strategy
+                ) -> tuple[list[int], list[int], dict[tuple[int, int], int]]:
+    """The trie of the continuations (``strategy.depth`` tokens) after each match end of
+    ``found``, in match order, within ``strategy.budget`` nodes and ``strategy.topk`` leaves.
+    Returns its tokens, parents (-1: the root) and ``(parent, token) -> node`` index."""
+    depth, width, budget = strategy.depth, strategy.topk, strategy.budget
+    tokens: list[int] = []
+    parents: list[int] = []
+    node_of: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    has_child = [False]  # slot 0 = root, slot 1 + i = node i
+    leaves = 0
+    for e, _ in found:
+        par = -1
+        for tok in ids[e + 1:e + 1 + depth].tolist():
+            node = node_of.get((par, tok))
+            if node is None:
+                grows_leaf = par >= 0 and not has_child[par + 1]
+                if len(tokens) == budget or (not grows_leaf and leaves == width):
+                    break
+                leaves += not grows_leaf
+                node = node_of[(par, tok)] = len(tokens)
+                tokens.append(tok)
+                parents.append(par)
+                has_child[par + 1] = True
+                has_child.append(False)
+            par = node
+        if len(tokens) == budget:
+            break
+    return tokens, parents, node_of
 
 
 class NgramDrafter(Drafter):

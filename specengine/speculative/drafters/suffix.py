@@ -86,6 +86,25 @@ def _conditionals(node: list, depth: int, noise: Callable[[int, int], float] | N
     return [(t, c, e * share) for (t, c), e in zip(items, ex)]
 
 
+def _count_trie(continuations: list[tuple[float, list[int]]], depth: int) -> list:
+    """The trie of the continuations' first ``depth`` tokens, each node ``[count, {token:
+    child}]`` with count the summed weight of the continuations through it (the root's: all
+    of positive weight)."""
+    root: list = [0.0, {}]
+    for w, toks in continuations:
+        if w <= 0.0:
+            continue
+        root[0] += w
+        node = root
+        for t in toks[:depth]:
+            child = node[1].get(t)
+            if child is None:
+                child = node[1][t] = [0.0, {}]
+            child[0] += w
+            node = child
+    return root
+
+
 def build_tree(continuations: list[tuple[float, list[int]]], depth: int, topk: int,
                budget: int, min_prob: float = 0.0, source: str = "suffix",
                noise: Callable[[int, int], float] | None = None) -> DraftTree | None:
@@ -108,18 +127,7 @@ def build_tree(continuations: list[tuple[float, list[int]]], depth: int, topk: i
         A ``DraftTree`` (distinct sibling tokens; ``draft_logprobs`` the log of each node's
         count over its parent's), or None when no node qualifies.
     """
-    root: list = [0.0, {}]  # [count, {token: child}]
-    for w, toks in continuations:
-        if w <= 0.0:
-            continue
-        root[0] += w
-        node = root
-        for t in toks[:depth]:
-            child = node[1].get(t)
-            if child is None:
-                child = node[1][t] = [0.0, {}]
-            child[0] += w
-            node = child
+    root = _count_trie(continuations, depth)
     total = root[0]
     if total <= 0.0:
         return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -30,6 +31,18 @@ from specengine.speculative.drafters.eagle.model import EagleConfig, EagleModel
 from specengine.speculative.drafters.shadow import new_shadow, sync_shadow
 from specengine.speculative.strategy import Strategy
 from specengine.speculative.tree import DraftTree
+
+
+class Candidate(NamedTuple):
+    """One node of a tree being grown: the cumulative draft log-probability of its path, its
+    depth (1: a child of the root), token, parent (index of the parent candidate, -1: the
+    root) and its own log-probability given the parent."""
+
+    cum: float
+    depth: int
+    token: int
+    parent: int
+    logprob: float
 
 
 class _State:
@@ -219,7 +232,8 @@ class EagleDrafter(Drafter):
             st.shadow.num_cached = len(s) - 1
         return f[last]
 
-    def _feed_depth(self, seqs: list[Sequence], shadows: list[Sequence], cands: list[list],
+    def _feed_depth(self, seqs: list[Sequence], shadows: list[Sequence],
+                    cands: list[list[Candidate]],
                     frontier: list[list[int]], fed: list[list[int]],
                     feed_feat: list[torch.Tensor], depth: int) -> tuple[torch.Tensor, list]:
         """One drafter forward over the ``frontier`` candidates of every sequence (tree
@@ -231,7 +245,7 @@ class EagleDrafter(Drafter):
             for ci in frontier[b]:
                 fed[b].append(ci)
                 g = len(fed[b]) - 1
-                ids.append(cands[b][ci][2])
+                ids.append(cands[b][ci].token)
                 pos.append(n + depth - 2)
                 qseq.append(b)
                 slot_pos.append(n + g)
@@ -246,7 +260,7 @@ class EagleDrafter(Drafter):
             a = ci
             while a >= 0:
                 mask[r, where[a]] = True
-                a = cands[b][a][3]
+                a = cands[b][a].parent
         meta = self._meta(shadows, qseq, slot_pos, kv_lens, base, mask)
         f = self.model(torch.tensor(ids), torch.cat(feats), torch.tensor(pos),
                        (self.kv[0], self.kv[1]), meta, self.backend)
@@ -267,8 +281,7 @@ class EagleDrafter(Drafter):
         f = self._feed_prefix(live_seqs, [states[i] for i in live])
         n_out = [s.num_output_tokens for s in live_seqs]  # output position of depth-1 tokens
         pen = any(s.params.has_penalties for s in live_seqs)  # draft paths are needed
-        # candidates per sequence: (cum logprob, depth, token, parent candidate, logprob)
-        cands = [[(lp, 1, t, -1, lp) for t, lp in kids]
+        cands = [[Candidate(lp, 1, t, -1, lp) for t, lp in kids]
                  for kids in self._topk(f, k, live_seqs, n_out)]
         frontier = [list(range(len(c))) for c in cands]  # candidate indices to feed next
         fed: list[list[int]] = [[] for _ in live]  # candidate index of each fed node, in order
@@ -280,14 +293,14 @@ class EagleDrafter(Drafter):
                               [_path(cands[b], ci) for b, ci, _ in rows] if pen else None)
             new = [[] for _ in live]
             for r, (b, ci, _) in enumerate(rows):
-                cum = cands[b][ci][0]
+                cum = cands[b][ci].cum
                 for t, lp in kids[r]:
-                    cands[b].append((cum + lp, depth, t, ci, lp))
+                    cands[b].append(Candidate(cum + lp, depth, t, ci, lp))
                     new[b].append((len(cands[b]) - 1, r))
             if depth == d:
                 break
             for b in range(len(live)):
-                best = sorted(new[b], key=lambda x: -cands[b][x[0]][0])[:k]
+                best = sorted(new[b], key=lambda x: -cands[b][x[0]].cum)[:k]
                 frontier[b] = [c for c, _ in best]
                 feed_feat[b] = f[[r for _, r in best]]
         for b, i in enumerate(live):
@@ -296,24 +309,23 @@ class EagleDrafter(Drafter):
         return out
 
     @staticmethod
-    def _tree(cands: list[tuple], budget: int) -> DraftTree:
+    def _tree(cands: list[Candidate], budget: int) -> DraftTree:
         """The ``budget`` best candidates by cumulative log-prob (ties: shallower first), as a
         tree whose children are ordered by log-prob."""
-        order = sorted(range(len(cands)), key=lambda c: (-cands[c][0], cands[c][1]))[:budget]
-        keep = sorted(order, key=lambda c: (cands[c][1], -cands[c][0]))
+        order = sorted(range(len(cands)), key=lambda c: (-cands[c].cum, cands[c].depth))[:budget]
+        keep = sorted(order, key=lambda c: (cands[c].depth, -cands[c].cum))
         index = {c: j for j, c in enumerate(keep)}
-        return DraftTree([cands[c][2] for c in keep],
-                         [index[cands[c][3]] if cands[c][3] >= 0 else -1 for c in keep],
-                         [cands[c][4] for c in keep], ["eagle"] * len(keep))
+        return DraftTree([cands[c].token for c in keep],
+                         [index[cands[c].parent] if cands[c].parent >= 0 else -1 for c in keep],
+                         [cands[c].logprob for c in keep], ["eagle"] * len(keep))
 
 
-def _path(cands: list[tuple], c: int) -> list[int]:
-    """The tokens from the root's child down to candidate ``c`` (``cands``: (cum logprob,
-    depth, token, parent candidate, logprob) tuples)."""
+def _path(cands: list[Candidate], c: int) -> list[int]:
+    """The tokens from the root's child down to candidate ``c``."""
     out = []
     while c >= 0:
-        out.append(cands[c][2])
-        c = cands[c][3]
+        out.append(cands[c].token)
+        c = cands[c].parent
     return out[::-1]
 
 

@@ -246,13 +246,7 @@ class EagleModel(nn.Module):
             v = v.repeat_interleave(nq // nkv, dim=2)
             keys.append(k)
             vals.append(v)
-            q = q * lay.scale
-            s0 = torch.einsum("bihd,bjhd->bhij", q, keys[0]).masked_fill(~causal, float("-inf"))
-            diag = [torch.einsum("bihd,bihd->bhi", q, kk).unsqueeze(-1) for kk in keys[1:]]
-            p = torch.softmax(torch.cat([s0] + diag, dim=-1), dim=-1)
-            a = torch.einsum("bhij,bjhd->bihd", p[..., :n], vals[0])
-            for r, vv in enumerate(vals[1:]):
-                a = a + p[..., n + r].transpose(1, 2).unsqueeze(-1) * vv
+            a = _path_attention(q * lay.scale, keys, vals, causal)
             o = F.linear(a.reshape(B, n, nq * D), lay.o_proj.float())
             res = x + o
             h = _rms(res, lay.post_attn_norm.float(), self.eps)
@@ -262,6 +256,21 @@ class EagleModel(nn.Module):
             outs.append(out)
             f_in = out  # step s+1 row j reads step s's prediction at row j
         return outs
+
+
+def _path_attention(q: torch.Tensor, keys: list[torch.Tensor], vals: list[torch.Tensor],
+                    causal: torch.Tensor) -> torch.Tensor:
+    """Attention of unroll step s = ``len(keys) - 1``: row j of the scaled queries ``q``
+    ``[B, n, heads, D]`` attends to rows 0..j of step 0 (``causal`` ``[n, n]`` bool) and to row
+    j of steps 1..s (its own tree path). Returns ``[B, n, heads, D]``."""
+    n = q.shape[1]
+    s0 = torch.einsum("bihd,bjhd->bhij", q, keys[0]).masked_fill(~causal, float("-inf"))
+    diag = [torch.einsum("bihd,bihd->bhi", q, kk).unsqueeze(-1) for kk in keys[1:]]
+    p = torch.softmax(torch.cat([s0] + diag, dim=-1), dim=-1)
+    a = torch.einsum("bhij,bjhd->bihd", p[..., :n], vals[0])
+    for r, vv in enumerate(vals[1:]):
+        a = a + p[..., n + r].transpose(1, 2).unsqueeze(-1) * vv
+    return a
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
