@@ -48,7 +48,7 @@ class StepRecovery:
 
         Requests the failed step had already turned into outputs (and dropped from
         ``requests``) are not known here any more: the caller keeps their ``Request`` if it
-        wants to rebuild them (``server.async_engine`` does).
+        wants to rebuild them (``specengine.async_llm`` does).
 
         Raises:
             Whatever releasing a finished sample raises (the drafter or the policy): the
