@@ -32,6 +32,7 @@ from specengine.speculative.training.harvest import (
     HiddenBuffer,
     SequenceFeatures,
     harvest,
+    stop_harvest,
     teacher_force,
 )
 
@@ -94,16 +95,16 @@ def collect(llm, recs: list[dict], max_tokens: int, temperatures: list[float], s
     if given:
         limit = llm.engine_config.max_model_len
         given = [g[:limit] for g in given if len(g) >= 3]
-        out += [SequenceFeatures(s, h) for s, h in zip(given, teacher_force(llm.engine.runner.model,
-                                                                    given))]
+        feats = teacher_force(llm.engine.model, given)
+        out += [SequenceFeatures(s, h) for s, h in zip(given, feats)]
     if gen_ids:
         buf = HiddenBuffer(max_items=len(gen_ids) + 1, max_bytes=1 << 40)
-        h = harvest(llm, buf)
+        harvest(llm, buf)
         try:
             llm.generate([{"prompt_token_ids": p} for p in gen_ids], gen_params,
                          use_tqdm=progress)
         finally:
-            llm.engine.drafter = h.inner
+            stop_harvest(llm)
         out += buf.snapshot()
     return out
 
@@ -141,45 +142,17 @@ def train_drafter(args) -> int:
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_len + args.max_tokens,
               seed=args.seed, max_num_seqs=args.max_num_seqs)
     loaded = _loaded(llm)
-    cache = out / "rollouts.pt"
-    if cache.is_file():
-        data = [SequenceFeatures(t, h) for t, h in torch.load(cache, weights_only=False)]
-        log(f"loaded {len(data)} rollouts from {cache}")
-    else:
-        data = collect(llm, recs, args.max_tokens, temps, args.seed, not args.no_progress)
-        torch.save([(r.token_ids, r.hidden) for r in data], cache)
-        log(f"collected {len(data)} rollouts, {sum(len(r.token_ids) for r in data)} tokens")
-    rng = random.Random(args.seed)
-    order = list(range(len(data)))
-    rng.shuffle(order)
-    n_val = max(1, int(len(data) * args.val_frac)) if len(data) > 1 else 0
-    val = [data[i] for i in order[:n_val]]
-    train = [data[i] for i in order[n_val:]]
+    data = _rollouts(llm, recs, temps, args, out / "rollouts.pt", log)
+    train, val = _split(data, args.val_frac, args.seed)
     if not train:
         print("error: no training sequences were produced", file=sys.stderr)
         return 2
-    if args.init:
-        base = load_drafter(args.init, loaded, torch.float32)
-    else:
-        eos = list(loaded.config.eos_token_ids)
-        vmap = reduced_vocab([r.token_ids for r in train], args.draft_vocab,
-                             loaded.config.vocab_size, eos)
-        ecfg = EagleConfig.for_target(loaded, draft_vocab_size=len(vmap))
-        base = EagleModel(ecfg, loaded.model, torch.float32, vmap).random_init(args.seed)
-    model = trainable_copy(base)
+    model = trainable_copy(_initial_model(args, loaded, train))
     cfg = TrainConfig(steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr,
                       unroll=args.unroll, warm_unroll_frac=args.warm_unroll_frac,
                       noise=args.noise, reg_weight=args.reg_weight,
                       max_len=args.max_len, seed=args.seed)
-    counts = Counter(t for r in train for t in r.token_ids)
-    covered = sum(counts[t] for t in model.vocab_map.tolist()) if model.vocab_map is not None \
-        else sum(counts.values())
-    model.config.training = {
-        "data": str(args.data), "prompts": len(recs), "train_sequences": len(train),
-        "val_sequences": len(val), "train_tokens": sum(len(r.token_ids) for r in train),
-        "draft_vocab_coverage": round(covered / max(1, sum(counts.values())), 4),
-        "temperatures": temps, "max_tokens": args.max_tokens, **asdict(cfg),
-        "args": {k: v for k, v in vars(args).items() if k != "func"}}
+    model.config.training = _training_record(args, model, recs, train, val, temps, cfg)
     summary = fit(model, train, val, cfg, out, save_every=args.save_every,
                   progress=not args.no_progress, log=log)
     model.config.training["val"] = summary
@@ -190,7 +163,58 @@ def train_drafter(args) -> int:
     return 0
 
 
+def _rollouts(llm, recs: list[dict], temps: list[float], args, cache: Path,
+              log) -> list[SequenceFeatures]:
+    """The training sequences: read from ``cache`` if it exists, else ``collect``-ed and saved
+    there (as ``(token_ids, hidden)`` pairs)."""
+    if cache.is_file():
+        data = [SequenceFeatures(t, h) for t, h in torch.load(cache, weights_only=False)]
+        log(f"loaded {len(data)} rollouts from {cache}")
+        return data
+    data = collect(llm, recs, args.max_tokens, temps, args.seed, not args.no_progress)
+    torch.save([(r.token_ids, r.hidden) for r in data], cache)
+    log(f"collected {len(data)} rollouts, {sum(len(r.token_ids) for r in data)} tokens")
+    return data
+
+
+def _split(data: list[SequenceFeatures], val_frac: float, seed: int
+           ) -> tuple[list[SequenceFeatures], list[SequenceFeatures]]:
+    """``(train, val)``: a seeded shuffle of ``data``, ``val_frac`` of it (at least one, none
+    from a single sequence) held out."""
+    rng = random.Random(seed)
+    order = list(range(len(data)))
+    rng.shuffle(order)
+    n_val = max(1, int(len(data) * val_frac)) if len(data) > 1 else 0
+    return [data[i] for i in order[n_val:]], [data[i] for i in order[:n_val]]
+
+
+def _initial_model(args, loaded: LoadedModel, train: list[SequenceFeatures]) -> EagleModel:
+    """The float32 drafter training starts from: ``--init``'s checkpoint, else random weights
+    over the FR-Spec vocabulary of ``train`` (``reduced_vocab``)."""
+    if args.init:
+        return load_drafter(args.init, loaded, torch.float32)
+    eos = list(loaded.config.eos_token_ids)
+    vmap = reduced_vocab([r.token_ids for r in train], args.draft_vocab,
+                         loaded.config.vocab_size, eos)
+    ecfg = EagleConfig.for_target(loaded, draft_vocab_size=len(vmap))
+    return EagleModel(ecfg, loaded.model, torch.float32, vmap).random_init(args.seed)
+
+
+def _training_record(args, model: EagleModel, recs: list[dict], train: list[SequenceFeatures],
+                     val: list[SequenceFeatures], temps: list[float], cfg: TrainConfig) -> dict:
+    """What the checkpoint's ``config.json`` records under ``training`` (before ``val``)."""
+    counts = Counter(t for r in train for t in r.token_ids)
+    covered = sum(counts[t] for t in model.vocab_map.tolist()) if model.vocab_map is not None \
+        else sum(counts.values())
+    return {
+        "data": str(args.data), "prompts": len(recs), "train_sequences": len(train),
+        "val_sequences": len(val), "train_tokens": sum(len(r.token_ids) for r in train),
+        "draft_vocab_coverage": round(covered / max(1, sum(counts.values())), 4),
+        "temperatures": temps, "max_tokens": args.max_tokens, **asdict(cfg),
+        "args": {k: v for k, v in vars(args).items() if k != "func"}}
+
+
 def _loaded(llm):
     """A ``LoadedModel`` view of an ``LLM`` (model, config, tokenizer, model_dir)."""
-    m = llm.engine.runner.model
+    m = llm.engine.model
     return LoadedModel(m, m.config, llm.tokenizer, llm.model_dir)

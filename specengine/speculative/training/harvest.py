@@ -156,6 +156,14 @@ def harvest(llm, buffer: HiddenBuffer) -> Harvester:
     return eng.drafter
 
 
+def stop_harvest(llm) -> None:
+    """Undo ``harvest``: ``llm``'s engine drafts with the drafter it had before (none if it had
+    none); no-op when nothing harvests."""
+    eng = llm.engine
+    if isinstance(eng.drafter, Harvester):
+        eng.drafter = next(iter(eng.drafter.wrapped()), None)
+
+
 @torch.inference_mode()
 def teacher_force(model, sequences: list[list[int]], max_batch_tokens: int = 4096,
                   block_size: int = 16) -> list[torch.Tensor]:
