@@ -37,10 +37,8 @@ import torch
 from ray.exceptions import RayActorError
 
 from specengine.speculative.drafters.eagle import EagleDrafter, load_state
-from specengine.speculative.drafters.merged import MergedDrafter
 from specengine.speculative.training.fit import Fitter, TrainConfig, trainable_copy
 from specengine.speculative.training.harvest import (
-    Harvester,
     HiddenBuffer,
     SequenceFeatures,
     harvest,
@@ -414,10 +412,7 @@ class SpareTrainingActor:
         """The engine's EAGLE drafter: itself, inside a ``Harvester`` or a part of a merged
         drafter (``"method": ["suffix", "eagle"]``); None without one."""
         d = self.llm.engine.drafter
-        d = d.inner if isinstance(d, Harvester) else d
-        if isinstance(d, MergedDrafter):
-            d = next((p for p in d.parts if isinstance(p, EagleDrafter)), None)
-        return d if isinstance(d, EagleDrafter) else None
+        return None if d is None else d.find(EagleDrafter)
 
     def enable_harvest(self, max_rollouts: int = 512, max_bytes: int = 256 << 20) -> bool:
         """With an EAGLE drafter: record every finished sequence's token ids and target

@@ -186,9 +186,13 @@ class RolloutWorker(SpareTrainingActor, WorkerMigration):
                     self._outbox.setdefault(o.request_id, []).append(o)
                 return len(outs)
             drop = set(request_ids)
-            eng.outputs_ready[:] = [o for o in eng.outputs_ready if o.request_id not in drop]
             for r in request_ids:
                 self._outbox.pop(r, None)
+            # the others' finished outputs not returned yet go where ``step`` would put them
+            kept = [o for o in eng.take_ready_outputs() if o.request_id not in drop]
+            self.llm.migration.observe(kept)
+            for o in kept:
+                self._outbox.setdefault(o.request_id, []).append(o)
             return len(outs)
 
     # ---- weights (phase one and two of RolloutPool's all-or-nothing update) ----------------

@@ -7,7 +7,7 @@ request_id) -> TokenOutput``, ``wake_up``, ``sleep``, ``clear_kv_cache``,
 ``vllm_rollout/vllm_rollout.py``, ``vllm_rollout/vllm_async_server.py``).
 
 Concurrent ``generate`` calls are batched together: they go through the HTTP server's engine
-loop (``specengine.server.async_engine.AsyncEngine``: one thread owns the engine and admits
+loop (``specengine.async_llm.AsyncEngine``: one thread owns the engine and admits
 whatever arrived before each step), and so do weight updates and sleep / wake, which run once
 no request is in flight (no request ever mixes two sets of weights or runs asleep).
 
