@@ -11,6 +11,10 @@ samples; samples already back are kept).
 
 Actor-side request ids are ``"<run>.<index>"`` (``"<run>.<index>.r<k>"`` for the k-th re-run),
 unique across the pool's ``generate`` calls; the pool renames outputs afterwards.
+
+``RetryingRun`` (what ``RolloutPool`` uses) adds per-request retry accounting: a request is
+re-placed at most ``max_request_retries`` times, one re-placed request per live actor, and fails
+alone after that (``pool.py``'s module docstring, Faults).
 """
 
 from __future__ import annotations
