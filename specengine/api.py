@@ -7,28 +7,28 @@ import time
 from collections.abc import Iterable, Mapping
 
 import torch
-from tqdm.auto import tqdm
 
-from specengine.engine.config import parse_dtype
 from specengine.engine.outputs import RequestOutput, ScoreOutput
 from specengine.engine.sequence import PartialSample
+from specengine.generation import run_requests
 from specengine.lifecycle.memory import MemoryManager
 from specengine.lifecycle.migration import KVChunk, MigratedSequence, Migrator, SequenceInfo
 from specengine.lifecycle.weights import WeightUpdater
 from specengine.llm_args import parse_engine_args
 from specengine.llm_metrics import llm_metrics
-from specengine.llm_setup import (
-    build_engine,
-    engine_config,
-    head_dtype_of,
-    resolve_device,
-    vllm_dtype,
-)
+from specengine.llm_setup import build_engine, engine_config, load_target, resolve_device
 from specengine.models.registry import DEFAULT_MODEL
-from specengine.prompts import chat_prompts, check_logprobs, encode_chat, partial_of, to_token_ids
+from specengine.prompts import (
+    chat_prompts,
+    check_logprobs,
+    encode_chat,
+    partial_of,
+    prepare_prompts,
+    to_token_ids,
+)
 from specengine.replay.trace import RolloutTrace, TraceRecorder
 from specengine.sampling.params import SamplingParams, per_prompt
-from specengine.scoring import run_scoring, score_specs
+from specengine.scoring import score_completions
 from specengine.speculative.config import SpeculativeConfig
 from specengine.speculative.training.harvest import Harvester
 
@@ -39,41 +39,35 @@ class LLM:
     Args:
         model: a known alias (``smollm2-135m-instruct``, ``qwen2.5-coder-0.5b-instruct``,
             ``qwen2.5-coder-1.5b-instruct``), a Hugging Face directory, or a ``.gguf`` file.
-        dtype: ``"bfloat16"`` or ``"float32"`` (weights, activations and KV cache).
+        dtype: ``"bfloat16"`` or ``"float32"`` (weights, activations and KV cache); vLLM's
+            ``"auto"`` (the checkpoint's float16/bfloat16), ``"half"``, ``"float"`` too.
         max_model_len: longest prompt + output in tokens (default: the model's
             ``max_position_embeddings``).
         kv_cache_memory_bytes: bytes for the paged KV cache (default 1 GiB).
         seed: seeds requests that carry no seed of their own.
-        block_size: tokens per KV block.
-        max_num_seqs: most sequences decoded in one step.
+        block_size: tokens per KV block. max_num_seqs: most sequences decoded in one step.
         max_num_batched_tokens: most tokens in one forward (default ``max(4096, max_model_len)``).
         logprobs_mode: ``"raw_logprobs"`` (before temperature and filtering, vLLM's default) or
             ``"processed_logprobs"`` (of the distribution sampled from).
         device: ``"auto"`` (CUDA when available, else CPU), ``"cpu"`` or ``"cuda"``.
         attention_backend: ``"auto"``, ``"cpu"`` (C++), ``"cuda"``, ``"triton"`` or ``"torch"``.
         head_dtype: ``"float32"``: logits of a bfloat16 model from a float32 copy of the LM
-            head over float32 hidden states (vLLM's ``head_dtype``; closer to a trainer that
-            computes its logits in float32); None / ``"auto"``: the model dtype.
+            head over float32 hidden states (vLLM's ``head_dtype``); None / ``"auto"``: the
+            model dtype.
         prefix_cache_policy: after a weight update, ``"reset"`` (forget the prefix cache,
-            the default) or ``"keep_versioned"`` (keep it; each cached block is found only by
+            the default) or ``"keep_versioned"`` (keep it; a cached block is found only by
             requests of the weight version that computed it).
-        speculative_config: e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``; see
-            ``specengine.speculative.config.SpeculativeConfig``. Outputs are unchanged by it: greedy
+        speculative_config: e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``
+            (``speculative.config.SpeculativeConfig``). Outputs are unchanged by it: greedy
             output is identical, sampled output has the same distribution.
-
-    vLLM engine arguments (what verl, TRL and OpenRLHF pass), keyword only: checked by
-    ``specengine.llm_args.parse_engine_args``, whose module documents each, honoured
-    (``enable_prefix_caching``, ``load_format``, ``max_logprobs``, ``skip_tokenizer_init``,
-    ``gpu_memory_utilization``, ``offload_dir``), accepted with nothing to do, or refused
-    with a ValueError saying why.
-
-    ``dtype`` also takes vLLM's ``"auto"`` (the checkpoint's float16/bfloat16, bfloat16 for a
-    float32 checkpoint), ``"half"`` and ``"float"``.
+        engine_args: vLLM's engine arguments (what verl, TRL and OpenRLHF pass), keyword
+            only: honoured, accepted with nothing to do, or refused, each as
+            ``specengine.llm_args`` documents.
 
     Raises:
         ValueError: unknown alias or dtype, ``max_model_len`` above the model's limit, a KV
-            budget smaller than one block, an engine argument refused as above.
-            FileNotFoundError: a missing path.
+            budget smaller than one block, an engine argument refused.
+        FileNotFoundError: a missing path.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "bfloat16",
@@ -84,17 +78,11 @@ class LLM:
                  device: str = "auto", attention_backend: str = "auto",
                  head_dtype: str | torch.dtype | None = None,
                  prefix_cache_policy: str = "reset", **engine_args):
-        from specengine.models.loader import load_model
-
         args = self.engine_args = parse_engine_args(engine_args)
         self.enable_prefix_caching = args.enable_prefix_caching
-        torch_dtype = parse_dtype(vllm_dtype(dtype, model))
         device = resolve_device(device)
-        head = head_dtype_of(head_dtype, torch_dtype)
-        loaded = load_model(model, dtype=torch_dtype, device=device,
-                            dummy=args.load_format == "dummy")
-        loaded.model.head_dtype = head
-        self.head_dtype = head or torch_dtype
+        loaded, torch_dtype = load_target(model, dtype, device, head_dtype, args)
+        self.head_dtype = loaded.model.head_dtype or torch_dtype
         self.model_name = model
         self.model_dir = loaded.model_dir
         self.tokenizer = None if args.skip_tokenizer_init else loaded.tokenizer
@@ -138,14 +126,14 @@ class LLM:
         if isinstance(drafter, Harvester):  # the training wrapper drafts nothing itself
             drafter = next(iter(drafter.wrapped()), None)
         cfg = self.engine_config
-        meta = {"model": self.model_name, "dtype": str(self.engine.runner.dtype).split(".")[-1],
-                "device": str(self.engine.runner.device),
+        meta = {"model": self.model_name, "dtype": str(self.engine.model.dtype).split(".")[-1],
+                "device": str(self.engine.model.device),
                 "drafter": drafter.name if drafter is not None else None,
                 "policy": self.engine.policy.name if drafter is not None else None,
                 "max_num_seqs": cfg.max_num_seqs,
                 "max_num_batched_tokens": cfg.max_num_batched_tokens}
         self.engine.trace = TraceRecorder(meta, meta["drafter"], self.engine.policy.decision_time)
-        self._trace_preemptions = self.engine.scheduler.num_preemptions
+        self._trace_preemptions = self.engine.num_preemptions
 
     def stop_trace(self) -> RolloutTrace:
         """Stop recording; returns the ``RolloutTrace`` (``save(path)`` writes it).
@@ -157,9 +145,9 @@ class LLM:
         if rec is None:
             raise RuntimeError("no rollout trace is being recorded; call start_trace() first")
         self.engine.trace = None
-        return rec.finish(self.engine.scheduler.num_preemptions - self._trace_preemptions)
+        return rec.finish(self.engine.num_preemptions - self._trace_preemptions)
 
-    # ---- weight sync (specengine.lifecycle.weights) ---------------------------------------------
+    # ---- weight sync (specengine.lifecycle.weights: the checks, all-or-nothing apply) ----------
     @property
     def weight_version(self) -> int:
         """Version of the target's weights: 0 as loaded, +1 per applied update (or the version
@@ -168,68 +156,35 @@ class LLM:
 
     def update_weights(self, weights: Mapping[str, torch.Tensor]
                        | Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-        """Overwrite some or all of the target's weights in one call, between ``generate``
-        calls: ``begin_weight_update`` + ``load_weights(weights)`` + ``finish_weight_update``
-        (a trainer pushing a new policy: SGLang's ``update_weights_from_tensor``, TRL's
-        colocated push). Later steps use the new weights: the kernels' packed copies are
-        rebuilt once, the prefix cache is reset, ``weight_version`` goes up by one.
-
-        An EAGLE drafter shares the target's embedding, final norm and LM head tensors, so
-        those follow automatically; its own layer does not (it is now stale: train it online,
-        ``DrafterTrainer`` in ``speculative.training``). A ``draft_model`` drafter is a
-        separate model and is not changed.
-
-        Args:
-            weights: ``(name, tensor)`` pairs or a dict, with Hugging Face parameter names (as
-                a transformers model's ``named_parameters()`` / ``state_dict()`` have them;
-                fused ``qkv_proj`` / ``gate_up_proj`` names too), any subset (e.g. some layers),
-                any floating dtype (cast to the engine's) and device. The tensors are read
-                while the call runs and not copied first: they must not change until it
-                returns (a generator must not yield one reused buffer).
-
-        Returns:
-            the names applied (fused names as their q/k/v, gate/up parts; ``rotary_emb.inv_freq``
-            and a tied ``lm_head.weight`` are skipped, as in ``load_weights``).
+        """Overwrite some or all of the target's weights in one call between ``generate``
+        calls (``WeightUpdater.update``: SGLang's ``update_weights_from_tensor``, TRL's
+        colocated push): HF names (fused ``qkv_proj`` / ``gate_up_proj`` too), any subset,
+        floating dtype and device, not copied first (unchanged until the call returns). An
+        EAGLE drafter follows the shared embedding, norm and LM head, its own layer goes stale
+        (``DrafterTrainer``). Returns the names applied (fused ones as their parts).
 
         Raises:
-            ValueError: an unknown name, a shape that differs, NaN/inf values (naming the
-                tensor). TypeError: an entry that is not a floating-point tensor.
-            RuntimeError: requests are in flight (a ``generate_iter`` not run to its end), or a
-                weight update session is open.
-            Nothing is changed when any of these is raised: all entries are checked first.
+            ValueError: an unknown name, a shape that differs, NaN/inf values. TypeError: not
+                a floating-point tensor. RuntimeError: requests in flight, or a session open.
+                Nothing is changed then.
         """
         return self.weights.update(weights)
 
     def begin_weight_update(self) -> None:
-        """Open a streamed weight update: ``load_weights(chunk)`` any number of times, then
-        ``finish_weight_update()`` (applies everything at once) or ``abort_weight_update()``.
-        The old weights keep serving until ``finish``.
-
-        Raises:
-            RuntimeError: a session is open already.
-        """
+        """Open a streamed update: ``load_weights(chunk)`` ..., then ``finish_weight_update()``
+        (applies all at once) or ``abort_weight_update()``; the old weights serve until then.
+        Raises RuntimeError: a session is open already."""
         self.weights.begin()
 
     def load_weights(self, weights) -> list[str]:
-        """Stage one chunk of a streamed update, or load a checkpoint.
-
-        Args:
-            weights: a ``(name, tensor)`` pair, a dict (a bucket) or an iterable of pairs, HF
-                names (fused ``qkv_proj``/``gate_up_proj`` accepted), any floating dtype: staged
-                into the open session (copied now, so buffers may be reused at once). Or a
-                path (str / ``os.PathLike``) of a checkpoint: a HF directory of safetensors
-                files or one ``.safetensors`` file; staged into the open session, or, with no
-                session open, applied at once as one update.
-
-        Returns:
-            the names staged (or applied, for a checkpoint with no session open).
+        """Stage one chunk (a ``(name, tensor)`` pair, a dict or an iterable of pairs; copied
+        now, ``WeightUpdater.load``) into the open session, or a checkpoint path (a HF
+        directory of safetensors or one ``.safetensors`` file, ``load_checkpoint``): staged,
+        or with no session open applied as one update. Returns the names staged (applied).
 
         Raises:
-            RuntimeError: a chunk with no session open.
-            ValueError: an unknown name, a shape that differs, NaN/inf values, a corrupt file;
-                TypeError: not a floating-point tensor, not a chunk. Either way the session is
-                aborted: nothing of it is applied, the old weights keep serving, and the next
-                ``load_weights(chunk)`` needs a new ``begin_weight_update()``.
+            RuntimeError: a chunk with no session open. ValueError / TypeError: a tensor
+                refused, a corrupt file; the session is aborted, nothing of it applied.
             FileNotFoundError: a checkpoint path that does not exist or has no safetensors.
         """
         if isinstance(weights, (str, os.PathLike)):
@@ -237,14 +192,10 @@ class LLM:
         return self.weights.load(weights)
 
     def finish_weight_update(self, weight_version: int | None = None) -> list[str]:
-        """Apply the open session's chunks at once: the kernels' packed copies are rebuilt
-        once, ``reset_prefix_cache()`` is called and ``weight_version`` becomes
-        ``weight_version`` (if given) or goes up by one. Returns the names applied.
-
-        Raises:
-            RuntimeError: no session is open, or requests are in flight (the session then
-                stays open). ValueError: ``weight_version`` not an int >= 0.
-        """
+        """Apply the open session at once (``WeightUpdater.finish``: packed copies rebuilt once,
+        prefix cache reset, ``weight_version`` set or + 1). Returns the names applied.
+        Raises RuntimeError: no session, or requests in flight (it stays open); ValueError:
+        ``weight_version`` not an int >= 0."""
         return self.weights.finish(weight_version)
 
     def abort_weight_update(self) -> bool:
@@ -252,23 +203,18 @@ class LLM:
         return self.weights.abort()
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached KV block (vLLM's ``LLM.reset_prefix_cache``; RL trainers call
-        it after a weight push; weight updates follow ``prefix_cache_policy``). Also while
-        requests are in flight: running samples keep their blocks, and what they cache later
-        is never found by requests admitted after the reset. Returns True."""
+        """Forget every cached KV block (vLLM's ``LLM.reset_prefix_cache``), also with requests
+        in flight: their later blocks are never found by requests admitted after it. Returns
+        True."""
         return self.engine.reset_prefix_cache()
 
-    # ---- memory lifecycle (specengine.lifecycle.memory) -----------------------------------------
+    # ---- memory lifecycle (specengine.lifecycle.memory) ----------------------------------------
     def sleep(self, level: int = 1) -> dict[str, int]:
-        """Give memory back between rollouts (colocated trainer). Level 1: release the KV
-        caches and move the target's weights out (CPU: to a temporary file; CUDA: to pinned
-        host memory), restored by ``wake_up``. Level 2: release the KV caches and discard the
-        target's weights; new weights (``update_weights``, ``load_weights`` or a session) must
-        be loaded before generating. A drafter's own weights stay (an EAGLE layer survives
-        level 2). Generating while asleep raises RuntimeError.
-
-        Returns:
-            bytes released: ``weights``, ``packed`` (kernel copies), ``kv_cache``, ``total``.
+        """Give memory back between rollouts (``MemoryManager.sleep``). Level 1: release the
+        KV caches and move the target's weights out (CPU: a temporary file; CUDA: pinned host
+        memory) until ``wake_up``. Level 2: also discard them; load new weights before
+        generating. A drafter's own weights stay. Generating while asleep raises RuntimeError.
+        Returns bytes released: ``weights``, ``packed``, ``kv_cache``, ``total``.
 
         Raises:
             ValueError: ``level`` not 1 or 2. RuntimeError: requests are in flight.
@@ -276,13 +222,9 @@ class LLM:
         return self.memory.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Restore what ``sleep`` released: ``tags`` None (all) or a list of ``"weights"``,
-        ``"kv_cache"``, ``"cuda_graph"`` (accepted, nothing to do). Idempotent. After a
-        level-2 sleep, waking ``"weights"`` re-allocates them only: load new weights next.
-
-        Raises:
-            ValueError: an unknown tag (the message lists the known ones).
-        """
+        """Restore what ``sleep`` released: ``tags`` None (all) or some of ``"weights"``,
+        ``"kv_cache"``, ``"cuda_graph"`` (``MemoryManager.wake_up``; idempotent; after level 2,
+        weights are re-allocated only). Raises ValueError: an unknown tag."""
         self.memory.wake_up(tags)
 
     def is_sleeping(self) -> bool:
@@ -295,13 +237,10 @@ class LLM:
 
         Args:
             prompts: a string, a list of token ids, a dict ``{"prompt_token_ids": [...]}`` or
-                ``{"prompt": "..."}``, or a list of these. A dict may carry ``"partial"``: a
-                sample cut short to continue (``{"token_ids", "index", "weight_versions"}``,
-                see ``continuation_prompts``): one sample, equal with the same seed and
-                weights to the sample never interrupted (``Engine.add_request``).
+                ``{"prompt": "..."}``, or a list of these. A dict may carry ``"partial"``, a
+                sample cut short to continue (``continuation_prompts``; ``prompts.partial_of``).
             sampling_params: one for all prompts, or one per prompt (default
-                ``SamplingParams()``).
-            use_tqdm: show a progress bar.
+                ``SamplingParams()``). use_tqdm: show a progress bar.
 
         Raises:
             ValueError: a bad prompt (empty, too long, wrong type) or a params list of the
@@ -313,14 +252,9 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """Generate replies to conversations using the tokenizer's chat template.
-
-        Args:
-            messages: one conversation (list of ``{"role", "content"}`` dicts) or a list of them.
-
-        Raises:
-            ValueError: no tokenizer or no chat template; a malformed conversation.
-        """
+        """Generate replies to ``messages``, one conversation (a list of ``{"role",
+        "content"}`` dicts) or a list of them, through the tokenizer's chat template. Raises
+        ValueError: no tokenizer or chat template, a malformed conversation."""
         prompts = chat_prompts(self.tokenizer, self.model_name, messages,
                                add_generation_prompt, chat_template_kwargs)
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -328,11 +262,8 @@ class LLM:
     def encode_chat(self, conv: list[dict], what: str = "conversation",
                     add_generation_prompt: bool = True,
                     chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
-        """Apply the chat template to one conversation; returns (text, token ids).
-
-        Raises:
-            ValueError: naming ``what``, if ``conv`` is not a non-empty list of role/content dicts.
-        """
+        """Apply the chat template to one conversation; returns (text, token ids). Raises
+        ValueError naming ``what`` if ``conv`` is not a non-empty list of role/content dicts."""
         return encode_chat(self.tokenizer, conv, what, add_generation_prompt,
                            chat_template_kwargs)
 
@@ -345,29 +276,16 @@ class LLM:
         if self.engine.paused:
             raise RuntimeError(f"generation is paused ({self.engine.paused!r}): call "
                                "resume_generation() first")
-        for i, p in enumerate(params):
-            check_logprobs(p, self.engine_args.max_logprobs, f"prompt {i}")
-        tokenized = [to_token_ids(p, i, self.tokenizer) for i, p in enumerate(prompts)]
-        partials = [partial_of(p, i) for i, p in enumerate(prompts)]
-        for i, ((_, ids), part, p) in enumerate(zip(tokenized, partials, params)):
-            self.engine.validate_prompt(ids, f"prompt {i}")
-            if part is not None:
-                self.engine.check_partial(part, ids, p, f"prompt {i}")
+        tokenized, partials = prepare_prompts(self.engine, prompts, params, self.tokenizer,
+                                              self.engine_args.max_logprobs)
         return self._iter(tokenized, params, use_tqdm, partials)
 
     def score(self, prompts, completions: list[list[int]],
               sampling_params: SamplingParams | list[SamplingParams] | None = None,
               logprobs: int | None = None, use_tqdm: bool = False) -> list[ScoreOutput]:
-        """Teacher-forced logprobs of given completions: the trainer's replay of a rollout.
-
-        For each prompt and completion (token ids, as ``CompletionOutput.token_ids``), one
-        prefill of the prompt and all completion tokens but the last gives the logits before
-        every completion token; each goes through generation's own pipeline (``min_tokens``
-        mask, penalties, temperature / top-k / top-p / min-p with ``sampling_params``: the
-        params the completion was sampled with). With batch invariance on (the default,
-        ``kernels.set_batch_invariant``), the values equal bit for bit the logprobs
-        ``generate`` returned for those tokens, with or without speculation, whatever the
-        batch (``SamplingParams.prompt_logprobs`` is the same computation over the prompt).
+        """Teacher-forced logprobs of given completions: the trainer's replay of a rollout,
+        equal bit for bit to the logprobs ``generate`` returned for those tokens with batch
+        invariance on (the default; how: ``specengine.scoring``).
 
         Args:
             prompts: as ``generate`` takes them (text, token ids or dicts), one per completion.
@@ -392,24 +310,16 @@ class LLM:
         if len(completions) != len(prompts):
             raise ValueError(f"got {len(completions)} completions for {len(prompts)} prompts")
         self.memory.check_ready()
-        check_logprobs(SamplingParams(logprobs=logprobs), self.engine_args.max_logprobs,
-                       "score")
-        tokenized = [to_token_ids(p, i, self.tokenizer) for i, p in enumerate(prompts)]
-        specs = score_specs(self.engine, tokenized, completions, params, logprobs)
-        return run_scoring(self.engine, tokenized, specs, logprobs, use_tqdm)
+        return score_completions(self.engine, self.tokenizer, self.engine_args.max_logprobs,
+                                 prompts, completions, params, logprobs, use_tqdm)
 
     # ---- step by step, and samples moving between engines (specengine.lifecycle.migration) ------
     def add_request(self, prompt, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        """Queue one prompt (any form ``generate`` takes) without running it; ``step``
-        advances it. Returns its request id (``request_id``, or a fresh one). Step such
-        requests to their end before calling ``generate``, which steps (and at its end aborts)
-        every unfinished request of the engine.
-
-        Raises:
-            ValueError: a bad prompt or params (as ``generate``), a ``request_id`` in use.
-            RuntimeError: the engine is asleep.
-        """
+        """Queue one prompt (any form ``generate`` takes) for ``step``; returns its request id
+        (``request_id``, or a fresh one). Step it to its end before calling ``generate``
+        (which steps, and at its end aborts, every unfinished request). Raises ValueError: a
+        bad prompt or params, a ``request_id`` in use; RuntimeError: the engine is asleep."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         self.memory.check_ready()
         check_logprobs(params, self.engine_args.max_logprobs, "prompt")
@@ -434,19 +344,15 @@ class LLM:
         return self.engine.has_unfinished()
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop an unfinished request (its KV blocks go back). Returns what it made so far
-        (``Engine.abort_request``: samples cut short have ``finish_reason="abort"`` and their
-        tokens, logprobs and weight versions until now), or None if unknown or finished."""
+        """Stop an unfinished request (its KV blocks go back); returns what it made so far
+        (``finish_reason="abort"``; ``Engine.abort_request``), or None if unknown or done."""
         return self.engine.abort_request(request_id)
 
     def pause_generation(self, mode: str = "keep") -> dict:
-        """Stop generating until ``resume_generation`` (vLLM's and SGLang's pause modes):
-        ``"abort"`` (partial outputs returned under ``"aborted"``), ``"keep"`` (running
-        samples stay; weights may be updated meanwhile and they continue with the new
-        version) or ``"retract"`` (their KV is released; they are re-prefilled on resume).
-        ``step`` returns nothing while paused, and ``generate`` refuses to run. Returns the
-        report of ``Engine.pause`` (``mode``, ``requests``, ``running``, ``retracted``,
-        ``aborted``). Raises ValueError for an unknown mode."""
+        """Stop generating until ``resume_generation`` (``Engine.pause``; vLLM's and SGLang's
+        modes): ``"abort"`` (partial outputs under ``"aborted"``), ``"keep"`` (running samples
+        stay, also across a weight update) or ``"retract"`` (their KV released, re-prefilled
+        on resume). Returns its report; ValueError for an unknown mode."""
         return self.engine.pause(mode)
 
     def resume_generation(self) -> None:
@@ -463,17 +369,15 @@ class LLM:
         return self.migration.running_sequences()
 
     def export_prefix(self, request_id: str, index: int) -> KVChunk:
-        """Migration stage one: a copy of sample ``index`` of ``request_id``'s full KV blocks;
-        it keeps decoding here (``Migrator.export_prefix``). Raises ValueError: no such
-        running sample."""
+        """Migration stage one: a copy of sample ``index``'s full KV blocks; it keeps decoding
+        here (``Migrator.export_prefix``). Raises ValueError: no such running sample."""
         return self.migration.export_prefix(request_id, index)
 
     def export_sequence(self, request_id: str, index: int, with_kv: bool = True
                         ) -> MigratedSequence:
-        """Migration stage two: the sample leaves this engine with its state and the K/V
-        written since stage one (``with_kv=False``: tokens only, re-prefilled at the
-        destination); its blocks are released (``Migrator.export_sequence``). Raises
-        ValueError: no such unfinished sample."""
+        """Migration stage two: the sample leaves with its state and the K/V since stage one
+        (``with_kv=False``: tokens only, re-prefilled there; ``Migrator.export_sequence``).
+        Raises ValueError: no such unfinished sample."""
         return self.migration.export_sequence(request_id, index, with_kv)
 
     def import_sequence(self, state: MigratedSequence, prefix: KVChunk | None = None) -> str:
@@ -489,20 +393,9 @@ class LLM:
         return self.migration.prefill_seconds(num_tokens)
 
     def _iter(self, tokenized, params: list[SamplingParams], use_tqdm: bool,
-              partials: list[PartialSample | None] | None = None):
+              partials: list[PartialSample | None]):
         t0 = time.perf_counter()
-        index = {}
-        partials = partials or [None] * len(tokenized)
         try:
-            for i, ((text, tok), p, part) in enumerate(zip(tokenized, params, partials)):
-                index[self.engine.add_request(tok, p, prompt=text, partial=part)] = i
-            with tqdm(total=len(index), desc="generate", disable=not use_tqdm,
-                      unit="req") as bar:
-                while self.engine.has_unfinished():
-                    for out in self.engine.step():
-                        bar.update(1)
-                        yield index[out.request_id], out
+            yield from run_requests(self.engine, tokenized, params, use_tqdm, partials)
         finally:
-            self.engine.abort_all()  # no-op after a normal finish; frees KV after an error
             self._wall_time += time.perf_counter() - t0
-

@@ -47,13 +47,13 @@ def llm_metrics(engine, weights, memory, generate_time: float) -> dict:
             ``MemoryManager``. generate_time: seconds spent in ``generate`` / ``step``.
     """
     d = engine.metrics.as_dict()
-    d.update(kv_blocks_total=engine.blocks.num_blocks,
-             kv_blocks_free=engine.blocks.num_free, generate_time=generate_time,
+    d.update(kv_blocks_total=engine.config.num_kv_blocks,
+             kv_blocks_free=engine.num_free_kv_blocks(), generate_time=generate_time,
              sleep_level=memory.level, **weights.stats())
     d.update(engine.threads.stats())
     if hasattr(ext(), "pool_stats"):  # (an extension built before it has none)
         d["kernel_pool"] = ext().pool_stats()
-    d.update(engine.blocks.prefix_cache_stats())
+    d.update(engine.prefix_cache_stats())
     drafter = engine.drafter
     if drafter is not None:
         d.update(engine.policy.stats())

@@ -8,7 +8,7 @@ import json
 
 import torch
 
-from specengine.engine.config import EngineConfig
+from specengine.engine.config import EngineConfig, parse_dtype
 from specengine.engine.engine import Engine
 from specengine.kv import kv_bytes_per_block
 from specengine.llm_args import EngineArgs
@@ -47,6 +47,25 @@ def head_dtype_of(head_dtype, model_dtype: torch.dtype) -> torch.dtype | None:
         raise ValueError(f"head_dtype={head_dtype!r}: use 'float32' or 'auto' (the model "
                          f"dtype, {str(model_dtype)[6:]})")
     return torch.float32
+
+
+def load_target(model: str, dtype, device: str, head_dtype, args: EngineArgs):
+    """Load the target (``models.loader.load_model``) in ``dtype`` (vLLM's names too:
+    ``vllm_dtype``) on ``device``, random weights with ``load_format="dummy"``, its LM head
+    in ``head_dtype`` (``head_dtype_of``). Returns ``(LoadedModel, torch dtype)``.
+
+    Raises:
+        ValueError: an unknown alias or dtype, a bad ``head_dtype``. FileNotFoundError: a
+            missing path.
+    """
+    from specengine.models.loader import load_model
+
+    torch_dtype = parse_dtype(vllm_dtype(dtype, model))
+    head = head_dtype_of(head_dtype, torch_dtype)
+    loaded = load_model(model, dtype=torch_dtype, device=device,
+                        dummy=args.load_format == "dummy")
+    loaded.model.head_dtype = head
+    return loaded, torch_dtype
 
 
 def resolve_device(device: str) -> str:

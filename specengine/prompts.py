@@ -37,7 +37,10 @@ def to_token_ids(prompt, i: int, tokenizer) -> tuple[str | None, list[int]]:
 
 
 def partial_of(prompt, i: int) -> PartialSample | None:
-    """A dict prompt's ``"partial"`` (a ``PartialSample`` or a dict of its fields), else None.
+    """A dict prompt's ``"partial"`` (a ``PartialSample`` or a dict of its fields
+    ``{"token_ids", "index", "weight_versions"}``, see ``continuation_prompts``), else None:
+    a sample cut short to continue, one sample, equal with the same seed and weights to the
+    sample never interrupted (``Engine.add_request``).
 
     Raises:
         ValueError: a ``"partial"`` that is neither.
@@ -100,3 +103,25 @@ def chat_prompts(tokenizer, model_name: str, messages, add_generation_prompt: bo
                                 chat_template_kwargs)
         prompts.append({"prompt": text, "prompt_token_ids": ids})
     return prompts
+
+
+def prepare_prompts(engine, prompts: list, params: list[SamplingParams], tokenizer,
+                    max_logprobs: int) -> tuple[list, list[PartialSample | None]]:
+    """``(tokenized, partials)`` of ``generate``'s prompts, every one checked before anything
+    runs: ``tokenized`` ``(text or None, token ids)`` per prompt (``to_token_ids``),
+    ``partials`` the sample each continues or None (``partial_of``).
+
+    Raises:
+        ValueError: a params' logprobs above ``max_logprobs``, a bad prompt, one the engine
+            refuses (``Engine.validate_prompt``: empty, too long, ids outside the vocabulary)
+            or a partial sample that does not fit it (``Engine.check_partial``).
+    """
+    for i, p in enumerate(params):
+        check_logprobs(p, max_logprobs, f"prompt {i}")
+    tokenized = [to_token_ids(p, i, tokenizer) for i, p in enumerate(prompts)]
+    partials = [partial_of(p, i) for i, p in enumerate(prompts)]
+    for i, ((_, ids), part, p) in enumerate(zip(tokenized, partials, params)):
+        engine.validate_prompt(ids, f"prompt {i}")
+        if part is not None:
+            engine.check_partial(part, ids, p, f"prompt {i}")
+    return tokenized, partials

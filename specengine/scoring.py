@@ -1,5 +1,12 @@
-"""Teacher-forced scoring (``LLM.score``): the logprobs of given completions, computed by one
-prefill per prompt + completion through generation's own sampling pipeline."""
+"""Teacher-forced scoring (``LLM.score``): the logprobs of given completions.
+
+For each prompt and completion (token ids, as ``CompletionOutput.token_ids``), one prefill of
+the prompt and all completion tokens but the last gives the logits before every completion
+token; each goes through generation's own pipeline (``min_tokens`` mask, penalties,
+temperature / top-k / top-p / min-p with the params the completion was sampled with). With
+batch invariance on (the default, ``kernels.set_batch_invariant``), the values equal bit for
+bit the logprobs ``generate`` returned for those tokens, with or without speculation, whatever
+the batch (``SamplingParams.prompt_logprobs`` is the same computation over the prompt)."""
 
 from __future__ import annotations
 
@@ -7,7 +14,24 @@ from tqdm.auto import tqdm
 
 from specengine.engine.outputs import ScoreOutput
 from specengine.engine.sequence import ScoreSpec
+from specengine.prompts import check_logprobs, to_token_ids
 from specengine.sampling.params import SamplingParams
+
+
+def score_completions(engine, tokenizer, max_logprobs: int, prompts: list,
+                      completions: list[list[int]], params: list[SamplingParams],
+                      logprobs: int | None, use_tqdm: bool = False) -> list[ScoreOutput]:
+    """``LLM.score`` once its prompts and params are paired up (``per_prompt``): check
+    everything (``logprobs`` against ``max_logprobs``, each prompt and completion), then
+    run (``run_scoring``). Returns one ``ScoreOutput`` per prompt.
+
+    Raises:
+        ValueError: as ``score_specs`` and ``prompts.to_token_ids``; nothing is run then.
+    """
+    check_logprobs(SamplingParams(logprobs=logprobs), max_logprobs, "score")
+    tokenized = [to_token_ids(p, i, tokenizer) for i, p in enumerate(prompts)]
+    specs = score_specs(engine, tokenized, completions, params, logprobs)
+    return run_scoring(engine, tokenized, specs, logprobs, use_tqdm)
 
 
 def score_specs(engine, tokenized: list[tuple[str | None, list[int]]],

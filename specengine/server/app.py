@@ -55,8 +55,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from specengine.async_llm import AsyncEngine
 from specengine.server import control_routes, openai_routes, trl_routes
-from specengine.server.async_engine import AsyncEngine
 from specengine.server.protocol import APIError, error_body, json_safe, validation_error_body
 from specengine.server.state import ServerOptions, ServerState
 

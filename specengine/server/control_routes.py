@@ -65,8 +65,8 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
+from specengine.async_llm import EngineDeadError
 from specengine.lifecycle.weights import WeightUpdateFailed
-from specengine.server.async_engine import EngineDeadError
 from specengine.server.protocol import APIError, Strict, validation_error_body
 from specengine.server.state import ServerState
 from specengine.server.tensor_payload import UpdateNamedParam, named_tensor, read_named_tensor

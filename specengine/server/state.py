@@ -11,15 +11,15 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from specengine.engine.outputs import RequestOutput
-from specengine.kv.block_manager import cdiv
-from specengine.sampling.params import SamplingParams
-from specengine.server.async_engine import (
+from specengine.async_llm import (
     AsyncEngine,
     EngineDeadError,
     EngineNotReadyError,
     RequestAborted,
 )
+from specengine.engine.outputs import RequestOutput
+from specengine.kv.block_manager import cdiv
+from specengine.sampling.params import SamplingParams
 from specengine.server.chat_template import (
     TemplateTimeout,
     render_error,
@@ -59,7 +59,7 @@ class ServerState:
         self.model_name = model_name or str(llm.model_name)
         self.tokenizer = llm.get_tokenizer()
         self.max_model_len = llm.engine_config.max_model_len
-        self.vocab_size = llm.engine.runner.model.config.vocab_size
+        self.vocab_size = llm.engine.model.config.vocab_size
         cap = getattr(getattr(llm, "engine_args", None), "max_logprobs", 20)
         self.max_logprobs = self.vocab_size if cap is None or cap < 0 else min(cap,
                                                                                self.vocab_size)
@@ -177,9 +177,9 @@ class ServerState:
         cfg = engine.config
         total = min(len(prompt.token_ids) + params.max_tokens, cfg.max_model_len)
         need = cdiv(total, cfg.block_size) + (1 if engine.drafter is not None else 0)
-        if need > engine.blocks.num_blocks:
+        if need > cfg.num_kv_blocks:
             raise APIError(f"{param}: {total} tokens need {need} KV blocks but the server's "
-                           f"pool has {engine.blocks.num_blocks}; send a shorter prompt or a "
+                           f"pool has {cfg.num_kv_blocks}; send a shorter prompt or a "
                            "smaller max_tokens", param=param)
 
     request_memory_bytes = staticmethod(request_memory_bytes)

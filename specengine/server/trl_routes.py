@@ -65,7 +65,7 @@ async def server_info(request: Request):
     st: ServerState = request.app.state.server
     return {"vllm_config": {
         "model_config": {"model": st.model_name, "max_model_len": st.max_model_len,
-                         "logprobs_mode": st.llm.engine.sampler.logprobs_mode},
+                         "logprobs_mode": st.llm.engine.logprobs_mode},
         "weight_transfer_config": None}}
 
 
