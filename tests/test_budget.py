@@ -162,7 +162,7 @@ def compute_bound_policy(rate=100.0, **kw):
     step predicted at ``rate`` tokens/s: a verify token must win back 0.2 tokens."""
     pol = AutoPolicy([Strategy(4)], probe_every=0, **kw)
     pol.latency.forward_time = lambda tokens, context, num_seqs: 0.01 + 2e-3 * tokens
-    pol.verify_whole_every = 0
+    pol.cutter.verify_whole_every = 0
     pol.context_per_seq = 100
     pol._predicted = rate
     return pol
@@ -266,7 +266,7 @@ class ForcedAuto(AutoPolicy):
         self.strategy, self.rate = strategy, rate
         self.latency.forward_time = lambda tokens, context, num_seqs: 0.01 + 1e-3 * tokens
         self.latency.draft_time = lambda batch, depth, nodes: 0.0
-        self.verify_whole_every = 0
+        self.cutter.verify_whole_every = 0
 
     def choose(self, num_running):
         self._predicted = self.rate

@@ -22,7 +22,7 @@ from specengine.speculative.drafters.eagle import EagleDrafter
 from specengine.speculative.drafters.merged import MergedDrafter, merge_trees
 from specengine.speculative.policy import AutoPolicy, StepRecord
 from specengine.speculative.policy.calibration import SourceCalibrators, bin_of
-from specengine.speculative.policy.parts import TreeCutter
+from specengine.speculative.policy.cutter import TreeCutter
 from specengine.speculative.sources import MergedTree, SourceStats, node_votes
 from specengine.speculative.strategy import Strategy
 from specengine.speculative.training.harvest import Harvester, HiddenBuffer

@@ -560,7 +560,7 @@ def test_refine_cuts_exactly_the_nodes_below_the_bar():
     trees = [scored_tree(rng, 2, 3) for _ in seqs]
     for forward in (lambda n, c: 0.01 + 1e-7 * n, lambda n, c: 0.01 + 5e-4 * n):
         p = AutoPolicy(CHAINS + TREES)
-        p.verify_whole_every = 0  # every tree cut (the exploration is tested below)
+        p.cutter.verify_whole_every = 0  # every tree cut (the exploration is tested below)
         p.latency = fit_latency(forward, np.random.default_rng(2), steps=200)
         p.context_per_seq = 100
         p._predicted = 6 * 2.5 / (forward(6 * 15, 600) + 1e-3)
@@ -569,7 +569,7 @@ def test_refine_cuts_exactly_the_nodes_below_the_bar():
         lat = p.latency
         bar = p._predicted * (lat.forward_time(tokens + 1, 600, 6)
                               - lat.forward_time(tokens, 600, 6))
-        cal = p.calibrator
+        cal = p.cutter.calibrator
         for seq, tree, got in zip(seqs, trees, out):
             want = keep_worth(tree, cal.predict(confidences(tree), cal.request_factor(seq)), bar)
             assert (list(range(tree.num_nodes)) if got is tree else
@@ -643,7 +643,7 @@ def test_deferred_learning_learns_what_immediate_learning_does():
     models = []
     for every in (1, 7):
         pol = AutoPolicy(CHAINS + TREES, probe_every=0, clock=FakeClock(tick=1e-6))
-        pol.rescore_every = every  # what choose sets from the decision budget
+        pol.rescore.every = every  # what choose sets from the decision budget
         pol._raw = {s: 300.0 for s in pol.candidates}
         for rec in synthetic_steps(np.random.default_rng(0)):
             pol.record(rec)
@@ -654,8 +654,8 @@ def test_deferred_learning_learns_what_immediate_learning_does():
     assert a.acceptance.expected(a.candidates)[0] == pytest.approx(
         b.acceptance.expected(b.candidates)[0])
     assert a.latency.forward.theta(3) == pytest.approx(b.latency.forward.theta(3))
-    assert a.calibrator.tried == pytest.approx(b.calibrator.tried)
-    assert a.calibrator.accepted == pytest.approx(b.calibrator.accepted)
+    assert a.cutter.calibrator.tried == pytest.approx(b.cutter.calibrator.tried)
+    assert a.cutter.calibrator.accepted == pytest.approx(b.cutter.calibrator.accepted)
     assert a.correction.per_bucket[batch_bucket(4)] == pytest.approx(
         b.correction.per_bucket[batch_bucket(4)])
     assert a.decision_time > 0  # learning is counted as the policy's time
@@ -679,7 +679,7 @@ def test_rescoring_is_spaced_by_the_decision_budget(monkeypatch):
     pol.rescore.mean_step = 0.01  # 10 ms steps: the budget is 25 us per step
     pol.rescore.decode_steps = 1000  # models no longer young
     pol.choose(8)
-    assert pol.rescore_every == 32
+    assert pol.rescore.every == 32
     for _ in range(31):
         pol.choose(8)
     assert calls == [8]
@@ -690,7 +690,7 @@ def test_rescoring_is_spaced_by_the_decision_budget(monkeypatch):
     pol.rescore.cost, cost[0] = 0.0, 0.51e-3  # 20.4 steps' budget: the scores serve 21 steps
     for _ in range(21):
         pol.choose(4)
-    assert pol.rescore_every == 21 and calls == [8, 8, 3, 4]
+    assert pol.rescore.every == 21 and calls == [8, 8, 3, 4]
     pol.choose(4)
     assert calls == [8, 8, 3, 4, 4]
 
@@ -699,7 +699,7 @@ def test_correction_cells_without_evidence_borrow_from_the_nearest_measured_one(
     """A strategy never run in a bucket is scored with the correction its measured sibling
     earned there (the models' miss is shared), and a bucket never seen borrows the same
     candidate's from the nearest bucket; with no evidence anywhere every factor is 1."""
-    from specengine.speculative.policy.parts import CorrectionTable
+    from specengine.speculative.policy.correction import CorrectionTable
 
     t = CorrectionTable(4)  # off, d=1, d=2, d=3
     assert t.factors(8) == 1.0

@@ -9,8 +9,9 @@ What lives where:
   ``warm_start``, ``stats``), ``StaticPolicy``, ``BucketPolicy`` and the batch-size buckets;
 - ``auto.py``: ``AutoPolicy``, RLHFSpec's criterion (arXiv 2512.04752): the strategy with the
   most expected committed tokens per second for the batch, with hysteresis;
-- ``parts.py``: the mechanisms ``AutoPolicy`` is wired from (``ProbeSchedule``,
-  ``RescoreBudget``, ``CorrectionTable``, ``TreeCutter``);
+- the mechanisms ``AutoPolicy`` is wired from, one module each: ``probe.py``
+  (``ProbeSchedule``), ``rescore.py`` (``RescoreBudget``), ``correction.py``
+  (``CorrectionTable``), ``cutter.py`` (``TreeCutter``);
 - ``latency.py``, ``acceptance.py``, ``calibration.py``: its online models of step time,
   accepted tokens and per-node acceptance probability; ``profiling.py``: the start-up profile
   that warm-starts the latency model;
@@ -33,7 +34,7 @@ from specengine.speculative.policy.base import (
     bucket_label,
     strategy_name,
 )
-from specengine.speculative.policy.parts import TreeCutter
+from specengine.speculative.policy.cutter import TreeCutter
 from specengine.speculative.strategy import Strategy
 
 __all__ = ["AutoPolicy", "BanditPolicy", "BucketPolicy", "Policy", "StaticPolicy", "StepRecord",

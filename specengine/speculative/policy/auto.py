@@ -3,10 +3,11 @@ per second for the whole batch, from an online latency model (``latency.py``, wa
 ``profiling.py``) and an online acceptance model (``acceptance.py``).
 
 The criterion, the per-sequence choice (``select``) and the bar a draft node must clear to be
-verified (``refine``) are here; the mechanisms around them are the parts in ``parts.py``: the
-probe schedule, the re-scoring budget, the observed/modelled correction table and the tree
-cutter; the expected remaining output per sequence and the weights it gives are in
-``remaining.py``, the weighted spread of the step's node budget in ``budget.py``.
+verified (``refine``) are here; the mechanisms around them are its parts, a module each: the
+probe schedule (``probe.py``), the re-scoring budget (``rescore.py``), the observed/modelled
+correction table (``correction.py``) and the tree cutter (``cutter.py``); the expected
+remaining output per sequence and the weights it gives are in ``remaining.py``, the weighted
+spread of the step's node budget in ``budget.py``.
 """
 
 from __future__ import annotations
@@ -18,23 +19,15 @@ import numpy as np
 
 from specengine.speculative.policy.acceptance import AcceptanceModel
 from specengine.speculative.policy.base import Policy, StepRecord, strategy_name
-from specengine.speculative.policy.budget import BudgetSpread, allocate
+from specengine.speculative.policy.budget import BudgetSpread
+from specengine.speculative.policy.correction import CorrectionTable
+from specengine.speculative.policy.cutter import TreeCutter
 from specengine.speculative.policy.latency import LatencyModel
-from specengine.speculative.policy.parts import (
-    CorrectionTable,
-    ProbeSchedule,
-    RescoreBudget,
-    TreeCutter,
-)
+from specengine.speculative.policy.probe import ProbeSchedule
 from specengine.speculative.policy.profiling import profile_forward
 from specengine.speculative.policy.remaining import RemainingLength, length_weights
+from specengine.speculative.policy.rescore import RescoreBudget
 from specengine.speculative.strategy import Strategy
-
-
-def _part_attribute(part: str, name: str, doc: str) -> property:
-    """A read/write attribute of the policy that lives in its part ``part`` as ``name``."""
-    return property(lambda self: getattr(getattr(self, part), name),
-                    lambda self, value: setattr(getattr(self, part), name, value), doc=doc)
 
 
 class AutoPolicy(Policy):
@@ -84,12 +77,6 @@ class AutoPolicy(Policy):
     """
 
     name = "auto"
-
-    calibrator = _part_attribute("cutter", "calibrator", "The cutter's ``Calibrator``.")
-    verify_whole_every = _part_attribute(
-        "cutter", "verify_whole_every", "``refine`` leaves one tree in this many whole.")
-    rescore_every = _part_attribute(
-        "rescore", "every", "Steps the scores of an unchanged batch size serve.")
 
     def __init__(self, candidates: list[Strategy | None], hysteresis: float = 0.05,
                  probe_every: int = 50, probe_seqs: int = 4,
@@ -212,16 +199,10 @@ class AutoPolicy(Policy):
         if self.probes.active:  # a probe drafts for a few sequences, a different few each time
             keep = self.probes.drafted(len(seqs))
         elif self.per_sequence and len(seqs) > 1 and rate and self.accept_ratio > 0:
-            acc = self.acceptance
-            nodes, built = acc.expected_nodes(strategy), acc.expected_proposed(strategy)
-            n = len(seqs)
-            ctx = self.context_per_seq * n
-            lat = self.latency
-            base = n * (1 + nodes)
-            marginal = (lat.forward_time(base, ctx, n) - lat.forward_time(base - nodes, ctx, n)
-                        + lat.draft_time(n, strategy.depth, n * built)
-                        - lat.draft_time(n - 1, strategy.depth, (n - 1) * built))
-            need = rate * marginal  # tokens one sequence's nodes must win back
+            acc, n = self.acceptance, len(seqs)
+            need = rate * self.latency.sequence_seconds(
+                n, self.context_per_seq * n, strategy.depth, acc.expected_nodes(strategy),
+                acc.expected_proposed(strategy))  # tokens one sequence's nodes must win back
             if need > 0:
                 e_acc, r, c = acc.expected_accepted(strategy), self.accept_ratio, self.prior_steps
                 self._select_calls += 1
@@ -262,18 +243,8 @@ class AutoPolicy(Policy):
         if not all(id(s) in known for s in seqs):
             self.weights(seqs)  # refine without select (this step): weights of these alone
             known = self._step_weights
-        weight = [known[id(s)][1] for s in seqs]
-        if len({weight[i] for i in scored}) <= 1:
-            out = self.cutter.cut(seqs, trees, scored, bar)
-        else:
-            rates = self.cutter.sources.rates()
-            bars, _ = allocate([self.cutter.probabilities(seqs[i], trees[i], rates)
-                                for i in scored], [trees[i].parents for i in scored],
-                               [weight[i] for i in scored], bar)
-            per_tree = [bar] * len(trees)
-            for i, b in zip(scored, bars):
-                per_tree[i] = b
-            out = self.cutter.cut(seqs, trees, scored, per_tree)
+        out = self.cutter.cut_weighted(seqs, trees, scored, bar,
+                                       [known[id(s)][1] for s in seqs])
         self.decision_time += self.clock() - t0
         return out
 
@@ -296,26 +267,13 @@ class AutoPolicy(Policy):
         self._pending.append((rec, probing, self._offered, self._raw.get(rec.strategy)))
         self._offered = None
         if rec.strategy is not None and rec.num_decode:
-            self._tally_budget(rec)
+            self.budget.observe_step(rec, self._step_weights)
         self._step_weights = {}
         if rec.is_decode_only:  # the steps the re-scoring is spread over
             self.rescore.observe_step(rec.step_time)
         if len(self._pending) >= self.rescore.every:
             self.flush()
         self.decision_time += self.clock() - t0
-
-    def _tally_budget(self, rec: StepRecord) -> None:
-        """Count how the step's nodes were spread over its decoding sequences (``budget``)."""
-        given = {id(seq): tree.num_nodes for seq, tree, _ in rec.verified}
-        step = self._step_weights
-        if len(step) == rec.num_decode:
-            nodes = [given.get(k, 0) for k in step]
-            rem = [r for r, _ in step.values()]
-            self.budget.observe(nodes, None if None in rem else rem,
-                                len({w for _, w in step.values()}) > 1)
-        else:  # no select this step: the sequences without a tree drafted nothing
-            nodes = list(given.values())
-            self.budget.observe(nodes + [0] * max(rec.num_decode - len(nodes), 0))
 
     def flush(self) -> None:
         """Learn from the recorded steps not learnt from yet (``record`` defers it)."""
@@ -325,16 +283,7 @@ class AutoPolicy(Policy):
         self.cutter.learn([rec for rec, *_ in pending])
         for rec, probing, offered, raw in pending:
             self._learn(rec, probing, offered, raw)
-        lat = self.latency
-        fwd = [r for r, *_ in pending if r.is_decode_only]
-        lat.add_forwards([r.num_forward_tokens for r in fwd], [r.context_tokens for r in fwd],
-                         [r.num_decode for r in fwd], [r.forward_time for r in fwd])
-        spec = [r for r in fwd if r.strategy is not None]
-        lat.add_drafts([r.num_decode for r in spec], [r.strategy.depth for r in spec],
-                       [r.num_drafted if r.num_proposed is None else r.num_proposed
-                        for r in spec], [r.draft_time for r in spec])
-        lat.add_others([r.num_decode for r in fwd], [r.num_drafted for r in fwd],
-                       [r.num_committed for r in fwd], [r.other_time for r in fwd])
+        self.latency.learn([rec for rec, *_ in pending])
 
     def _learn(self, rec: StepRecord, probing: bool, offered: int | None,
                raw: float | None) -> None:
@@ -369,7 +318,8 @@ class AutoPolicy(Policy):
         d = super().stats()
         d["policy_latency_knee_tokens"] = self.latency.knee
         d["policy_nodes_cut_frac"] = self.cutter.cut_frac
-        d["policy_calibration"] = [round(x, 3) for x in self.calibrator.rate_per_bin().tolist()]
+        rates = self.cutter.calibrator.rate_per_bin().tolist()
+        d["policy_calibration"] = [round(x, 3) for x in rates]
         d.update(self.cutter.stats())
         d["policy_expected_committed"] = {
             strategy_name(s): round(self.acceptance.expected_committed(s), 3)

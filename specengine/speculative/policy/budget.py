@@ -128,6 +128,21 @@ class BudgetSpread:
                 self._long[0] += nodes[i]
                 self._long[1] += 1
 
+    def observe_step(self, rec, step_weights: dict) -> None:
+        """Count how a speculative step's nodes (``rec``, a ``StepRecord``) were spread over its
+        decoding sequences; ``step_weights``: ``select``'s id -> (expected remaining, weight)
+        of this step's sequences (``{}`` or partial: no select this step, so the sequences
+        without a tree drafted nothing)."""
+        given = {id(seq): tree.num_nodes for seq, tree, _ in rec.verified}
+        if len(step_weights) == rec.num_decode:
+            nodes = [given.get(k, 0) for k in step_weights]
+            rem = [r for r, _ in step_weights.values()]
+            self.observe(nodes, None if None in rem else rem,
+                         len({w for _, w in step_weights.values()}) > 1)
+        else:
+            nodes = list(given.values())
+            self.observe(nodes + [0] * max(rec.num_decode - len(nodes), 0))
+
     def correlation(self) -> float | None:
         """Pearson correlation of nodes with expected remaining output (None: undefined)."""
         n = self._n

@@ -13,7 +13,7 @@ monotone in c (pool-adjacent-violators, isotonic regression). Per request, a fac
 ``SourceCalibrators`` keeps one calibrator per draft source (``"ngram"``, ``"eagle"``, ...;
 ``speculative.sources``): the same confidence from two drafters can be worth different
 acceptance, so each learns from its own nodes and a node's probability is that of its best
-source. ``TreeCutter`` (``parts.py``) uses it, for ``AutoPolicy.refine``, to cut each drafted tree
+source. ``TreeCutter`` (``cutter.py``) uses it, for ``AutoPolicy.refine``, to cut each drafted tree
 to the nodes worth verifying; a ``MergedDrafter`` uses it to fill one verify budget from
 several drafters' trees.
 """

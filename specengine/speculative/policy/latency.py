@@ -273,6 +273,29 @@ class LatencyModel:
     # ---- prediction -------------------------------------------------------------------------
     # scalar predictions in plain float arithmetic: called per step, where small-array numpy
     # costs more than the arithmetic
+    def learn(self, recs: list) -> None:
+        """Fit the forward, draft and other-time models on the decode-only steps of ``recs``
+        (``StepRecord``s; the draft model on the speculative ones)."""
+        fwd = [r for r in recs if r.is_decode_only]
+        self.add_forwards([r.num_forward_tokens for r in fwd], [r.context_tokens for r in fwd],
+                          [r.num_decode for r in fwd], [r.forward_time for r in fwd])
+        spec = [r for r in fwd if r.strategy is not None]
+        self.add_drafts([r.num_decode for r in spec], [r.strategy.depth for r in spec],
+                        [r.num_drafted if r.num_proposed is None else r.num_proposed
+                         for r in spec], [r.draft_time for r in spec])
+        self.add_others([r.num_decode for r in fwd], [r.num_drafted for r in fwd],
+                        [r.num_committed for r in fwd], [r.other_time for r in fwd])
+
+    def sequence_seconds(self, n: int, context: float, depth: int, nodes: float,
+                         built: float) -> float:
+        """Seconds one of ``n`` sequences (``context`` tokens in all) adds to a step by being
+        drafted for: its ``nodes`` verify tokens in the forward plus its share of a draft of
+        ``depth`` that builds ``built`` nodes per sequence."""
+        base = n * (1 + nodes)
+        return (self.forward_time(base, context, n) - self.forward_time(base - nodes, context, n)
+                + self.draft_time(n, depth, n * built)
+                - self.draft_time(n - 1, depth, (n - 1) * built))
+
     def forward_time(self, tokens: float, context: float, num_seqs: float) -> float:
         """Predicted seconds of a target forward (never below 0)."""
         c0, c1, c2, c3, c4 = self.forward.theta(self.knee_index).tolist()
