@@ -141,7 +141,7 @@ def test_eagle_inside_a_merged_drafter_trains(local_ray, model_dir):
     spec = {"method": ["suffix", "eagle"], "model": "random", "num_speculative_tokens": 3,
             "topk": 2}
     w = RolloutWorker(dict(model=str(model_dir), seed=3, speculative_config=spec, **KW))
-    assert w.enable_harvest() and w._eagle() is w.llm.engine.drafter.inner.part("eagle")
+    assert w.enable_harvest() and w._eagle() is w.llm.engine.drafter.wrapped()[0].part("eagle")
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9], [100, 200, 300], [5, 6, 7, 8, 9]]
     want = [o.outputs[0].token_ids
