@@ -31,9 +31,13 @@ import torch
 
 from specengine.attention import make_backend
 from specengine.engine import control, phases
-from specengine.engine.batch import BatchEntry
 from specengine.engine.config import EngineConfig
-from specengine.engine.intake import InvalidRequestError, RequestValidator, new_samples
+from specengine.engine.intake import (
+    InvalidRequestError,
+    RequestIds,
+    RequestValidator,
+    new_samples,
+)
 from specengine.engine.metrics import (
     EngineMetrics,
     StepTimes,
@@ -108,7 +112,7 @@ class Engine:
             enabled=adaptive_from_env() if adaptive_threads is None else adaptive_threads)
         self.drafter = drafter
         self.policy = policy or StaticPolicy(drafter.strategy if drafter else None)
-        self._next_id = 0
+        self.ids = RequestIds()
         self._weight_version = 0
         self.weight_version = 0  # stamped on outputs; weights.WeightUpdater advances it
         self.ready_check = None  # callable raising when requests cannot run (memory.py)
@@ -161,7 +165,7 @@ class Engine:
         """
         if self.ready_check is not None:
             self.ready_check()
-        request_id = self._new_request_id(request_id)
+        request_id = self.ids.take(request_id, self.requests)
         if partial is not None:
             params = dataclasses.replace(params, n=1)
             self.check_partial(partial, prompt_token_ids, params, f"request {request_id}")
@@ -177,19 +181,6 @@ class Engine:
                                             seqs, time.perf_counter(), score=score)
         self.scheduler.add(seqs)
         self.metrics.record_request(len(prompt_token_ids))
-        return request_id
-
-    def _new_request_id(self, request_id: str | None) -> str:
-        """``request_id``, or the next free number when None. Raises ``InvalidRequestError``
-        when an unfinished request has it already."""
-        if request_id is None:
-            while str(self._next_id) in self.requests:  # an id taken by a migrated request
-                self._next_id += 1
-            request_id = str(self._next_id)
-            self._next_id += 1
-        elif request_id in self.requests:
-            raise InvalidRequestError(f"request_id {request_id!r} is already in use",
-                                      "request_id")
         return request_id
 
     def validate_prompt(self, ids: list[int], what: str,
@@ -274,27 +265,24 @@ class Engine:
 
     def releasable_tensors(self) -> list[torch.Tensor]:
         """What sleep may release: the target's KV pool
-        ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` and the KV pools the
-        drafter (and any it wraps) owns (``Drafter.kv_pools``)."""
-        pools = [self.runner.kv_cache]
-        if self.drafter is not None:
-            pools += [t for d in self.drafter.walk() for t in d.kv_pools()]
-        return pools
+        ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` and the KV pools of the
+        drafters (``Drafter.kv_pools``, over ``Drafter.walk``)."""
+        return [self.runner.kv_cache] + [t for d in self._drafters() for t in d.kv_pools()]
 
     def packed_weights(self) -> list:
-        """The kernels' packed weight copies held now (``ops.kernels.PackedWeight``): the
-        target's and the drafters' (EAGLE: of its ``fc`` and the shared LM-head rows)."""
-        packs = list(self.runner.model.packed_weights())
-        if self.drafter is not None:
-            packs += [pw for d in self.drafter.walk() for pw in d.packed_weights()]
-        return packs
+        """The kernels' packed weight copies held now (``PackedWeight``): the target's and
+        the drafters' (EAGLE: its ``fc`` and the shared LM-head rows)."""
+        return self.runner.model.packed_weights() + [
+            pw for d in self._drafters() for pw in d.packed_weights()]
 
     def drop_packed(self) -> None:
         """Forget every packed copy of ``packed_weights``; rebuilt on first use."""
         self.runner.model.drop_packed()
-        if self.drafter is not None:
-            for d in self.drafter.walk():
-                d.drop_packed()
+        for d in self._drafters():
+            d.drop_packed()
+
+    def _drafters(self) -> list[Drafter]:
+        return list(self.drafter.walk()) if self.drafter is not None else []
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached KV block (vLLM's ``reset_prefix_cache``), also while requests
@@ -326,7 +314,8 @@ class Engine:
         ready = self.take_ready_outputs()
         if not self.scheduler.has_work() or self.paused:
             return ready
-        strategy, entries = self._schedule()
+        strategy, entries = phases.schedule(self.scheduler, self.blocks, self.runner,
+                                            self.drafter, self.policy)
         if self.trace is not None:
             self.trace.begin_step(entries)
         with self.threads.step(phases.max_forward_tokens(entries, strategy)):
@@ -348,17 +337,6 @@ class Engine:
                 self._weight_version, layout, commits, hidden, now=times.sampled)
             self._account(layout, commits, strategy, times, num_proposed, num_appended)
             return ready + [self.finish_request(req, now=times.sampled) for req in finished]
-
-    def _schedule(self) -> tuple[Strategy | None, list[BatchEntry]]:
-        """The policy's strategy for this step (None without a drafter, or to decode plainly)
-        and the scheduler's entries, with KV room for the strategy's draft tokens."""
-        strategy = None
-        if self.drafter is not None:
-            strategy = self.policy.choose(len(self.scheduler.running))
-            if self.drafter.wants_hidden:  # prefix hits must bring their features along
-                self.blocks.track_features(self.runner.model.config.hidden_size,
-                                           self.runner.dtype, self.runner.device)
-        return strategy, self.scheduler.schedule(lookahead=strategy.budget if strategy else 0)
 
     def _account(self, layout: ForwardLayout, commits: list[Commit], strategy: Strategy | None,
                  times: StepTimes, num_proposed: int | None, num_appended: int) -> None:

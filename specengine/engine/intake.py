@@ -1,5 +1,6 @@
 """Request intake: the checks ``Engine.add_request`` runs before admitting a request
-(``RequestValidator``) and the samples it makes of it (``new_samples``)."""
+(``RequestValidator``), its id (``RequestIds``) and the samples it makes of it
+(``new_samples``)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,29 @@ def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+class RequestIds:
+    """Request ids of one engine: the ones callers give, or numbers ``"0"``, ``"1"``, ..."""
+
+    def __init__(self):
+        self.next = 0
+
+    def take(self, request_id: str | None, in_use) -> str:
+        """``request_id``, or the next number not ``in_use`` (a container of ids) when None.
+
+        Raises:
+            InvalidRequestError: ``request_id`` is ``in_use``.
+        """
+        if request_id is None:
+            while str(self.next) in in_use:  # an id taken by a migrated request
+                self.next += 1
+            request_id = str(self.next)
+            self.next += 1
+        elif request_id in in_use:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use",
+                                      "request_id")
+        return request_id
+
+
 class RequestValidator:
     """What a request may ask of one engine.
 
@@ -40,8 +64,8 @@ class RequestValidator:
         self.vocab_size = vocab_size
         self.num_blocks = num_blocks
 
-    def partial(self, partial: PartialSample, prompt: list[int],
-                      params: SamplingParams, what: str) -> None:
+    def partial(self, partial: PartialSample, prompt: list[int], params: SamplingParams,
+                what: str) -> None:
         """Raise ``InvalidRequestError`` unless ``partial`` can be continued after
         ``prompt``: token ids in the vocabulary, one weight version per token, fewer tokens
         than ``max_tokens`` and a sequence shorter than ``max_model_len``."""
@@ -66,8 +90,7 @@ class RequestValidator:
                 f"{params.max_tokens}, max_model_len={self.config.max_model_len})",
                 "partial.token_ids")
 
-    def prompt(self, ids: list[int], what: str,
-                        params: SamplingParams | None = None) -> None:
+    def prompt(self, ids: list[int], what: str, params: SamplingParams | None = None) -> None:
         """Raise ``InvalidRequestError`` (a ValueError) naming ``what`` and the field if
         ``ids`` cannot be generated from: empty, not shorter than ``max_model_len``, or a
         token id that is not an integer in ``[0, V)`` (V: the model's ``vocab_size``).

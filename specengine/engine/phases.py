@@ -1,4 +1,4 @@
-"""The phases of one ``Engine.step`` after scheduling: draft, sample / verify, KV commit, the
+"""The phases of one ``Engine.step``: schedule, draft, sample / verify, KV commit, the
 drafter's observation of the committed positions, and the appending of tokens with the stop
 rules. What they hand each other is in ``specengine.engine.step``.
 """
@@ -12,12 +12,25 @@ import torch
 from specengine.engine.batch import BatchEntry
 from specengine.engine.model_runner import ModelRunner
 from specengine.engine.output_processor import OutputProcessor
+from specengine.engine.scheduler import Scheduler
 from specengine.engine.sequence import Request, Sequence
 from specengine.engine.step import Commit, ForwardLayout
 from specengine.kv.block_manager import BlockManager
 from specengine.sampling.sampler import Sampler
 from specengine.speculative.drafters.base import Drafter, prune_tree
 from specengine.speculative.strategy import Strategy
+
+
+def schedule(scheduler: Scheduler, blocks: BlockManager, runner: ModelRunner,
+             drafter: Drafter | None, policy) -> tuple[Strategy | None, list[BatchEntry]]:
+    """The policy's strategy for this step (None without a drafter, or to decode plainly)
+    and the scheduler's entries, with KV room for the strategy's draft tokens."""
+    strategy = None
+    if drafter is not None:
+        strategy = policy.choose(len(scheduler.running))
+        if drafter.wants_hidden:  # prefix hits must bring their features along
+            blocks.track_features(runner.model.config.hidden_size, runner.dtype, runner.device)
+    return strategy, scheduler.schedule(lookahead=strategy.budget if strategy else 0)
 
 
 def max_forward_tokens(entries: list[BatchEntry], strategy: Strategy | None) -> int:
