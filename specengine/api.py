@@ -26,11 +26,11 @@ from specengine.prompts import (
     prepare_prompts,
     to_token_ids,
 )
-from specengine.replay.trace import RolloutTrace, TraceRecorder
+from specengine.replay.trace import RolloutTrace
 from specengine.sampling.params import SamplingParams, per_prompt
 from specengine.scoring import score_completions
 from specengine.speculative.config import SpeculativeConfig
-from specengine.speculative.training.harvest import Harvester
+from specengine.tracing import start_recording, stop_recording
 
 
 class LLM:
@@ -120,20 +120,7 @@ class LLM:
         Raises:
             RuntimeError: a trace is already being recorded.
         """
-        if self.engine.trace is not None:
-            raise RuntimeError("a rollout trace is already being recorded; stop_trace() first")
-        drafter = self.engine.drafter
-        if isinstance(drafter, Harvester):  # the training wrapper drafts nothing itself
-            drafter = next(iter(drafter.wrapped()), None)
-        cfg = self.engine_config
-        meta = {"model": self.model_name, "dtype": str(self.engine.model.dtype).split(".")[-1],
-                "device": str(self.engine.model.device),
-                "drafter": drafter.name if drafter is not None else None,
-                "policy": self.engine.policy.name if drafter is not None else None,
-                "max_num_seqs": cfg.max_num_seqs,
-                "max_num_batched_tokens": cfg.max_num_batched_tokens}
-        self.engine.trace = TraceRecorder(meta, meta["drafter"], self.engine.policy.decision_time)
-        self._trace_preemptions = self.engine.num_preemptions
+        self._trace_preemptions = start_recording(self.engine, self.model_name)
 
     def stop_trace(self) -> RolloutTrace:
         """Stop recording; returns the ``RolloutTrace`` (``save(path)`` writes it).
@@ -141,11 +128,7 @@ class LLM:
         Raises:
             RuntimeError: no trace is being recorded.
         """
-        rec = self.engine.trace
-        if rec is None:
-            raise RuntimeError("no rollout trace is being recorded; call start_trace() first")
-        self.engine.trace = None
-        return rec.finish(self.engine.num_preemptions - self._trace_preemptions)
+        return stop_recording(self.engine, self._trace_preemptions)
 
     # ---- weight sync (specengine.lifecycle.weights: the checks, all-or-nothing apply) ----------
     @property
