@@ -3,23 +3,20 @@ account.
 
 One ``Engine.step()`` advances every running sequence (by one token, or by the accepted part of
 its token tree plus the bonus token) and admits waiting requests; finished requests come back as
-``RequestOutput``s. The phases after scheduling are in ``specengine.engine.phases``, what they
+``RequestOutput``s. The phases are in ``specengine.engine.phases``, what they
 hand each other in ``specengine.engine.step``, the drawing in ``specengine.sampling.sampler``,
 the counters in ``specengine.engine.metrics``. Around the loop: request checks
 (``engine.intake``), prompt logprobs (``engine.prompt_logprobs``), abort and pause
 (``engine.control``), failed-step recovery (``engine.recovery``) and samples moving between
 engines (``engine.transfer``).
 
-What code outside the engine may use: the public methods and attributes of ``Engine``
-(``add_request``, ``step``, ``abort_*``, ``pause``/``resume``, ``validate_prompt``, the
-lifecycle's ``export_kv`` / ``import_kv`` / ``detach`` / ``attach`` / ``unfinished_samples``
-/ ``releasable_tensors`` / ``drop_packed`` / ``packed_weights``, the read-only accessors
-``model``, ``device``, ``dtype``, ``vocab_size``, ``block_size``, ``num_kv_blocks``,
-``num_free_kv_blocks``, ``num_running``, ``num_waiting``, ``num_preemptions``,
-``logprobs_mode``, ``prefix_cache_stats``, ``remaining_lengths``, ``latency_model``, and the
-attributes ``config``, ``metrics``, ``drafter``, ``policy``, ``threads``, ``requests``,
-``paused``, ``trace``, ``ready_check``); never ``runner``, ``blocks``, ``scheduler``,
-``sampler`` or ``output``.
+What code outside the engine may use: ``Engine``'s public methods and attributes (requests,
+``step``, abort / pause, ``validate_prompt``; read-only accessors such as ``model``,
+``num_free_kv_blocks``, ``prefix_cache_stats``, ``num_running``; what sleep needs:
+``releasable_tensors``, ``packed_weights``, ``drop_packed``; ``profile_forward``), its
+``recovery`` (``recovery.StepRecovery``) and ``transfer`` (``transfer.SampleTransfer``: K/V
+export and import for migration); never ``runner``, ``blocks``, ``scheduler``, ``sampler`` or
+``output``.
 """
 
 from __future__ import annotations
@@ -60,6 +57,7 @@ from specengine.sampling.params import SamplingParams
 from specengine.sampling.sampler import Sampler
 from specengine.speculative.drafters.base import Drafter
 from specengine.speculative.policy import StaticPolicy
+from specengine.speculative.policy.profiling import profile_forward
 from specengine.speculative.strategy import Strategy
 
 __all__ = ["Engine", "InvalidRequestError"]
@@ -185,14 +183,12 @@ class Engine:
 
     def validate_prompt(self, ids: list[int], what: str,
                         params: SamplingParams | None = None) -> None:
-        """``RequestValidator.prompt``: raise ``InvalidRequestError`` naming ``what`` if
-        ``ids`` (with ``params``: the whole request) cannot be generated from."""
+        """``RequestValidator.prompt``: raise ``InvalidRequestError`` if ``ids`` is refused."""
         self.validator.prompt(ids, what, params)
 
     def check_partial(self, partial: PartialSample, prompt: list[int],
                       params: SamplingParams, what: str) -> None:
-        """``RequestValidator.partial``: raise ``InvalidRequestError`` unless ``partial`` can
-        be continued after ``prompt``."""
+        """``RequestValidator.partial``: raise ``InvalidRequestError`` if it is refused."""
         self.validator.partial(partial, prompt, params, what)
 
     def abort_all(self) -> None:
@@ -204,8 +200,7 @@ class Engine:
         return control.abort_request(self, request_id)
 
     def pause(self, mode: str = "keep") -> dict:
-        """``control.pause``: stop generating until ``resume`` (``"abort"``, ``"keep"`` or
-        ``"retract"``); returns the report."""
+        """``control.pause``: ``"abort"``, ``"keep"`` or ``"retract"`` until ``resume``."""
         return control.pause(self, mode)
 
     def resume(self) -> None:
@@ -218,8 +213,7 @@ class Engine:
         return self.scheduler.has_work() or bool(self.outputs_ready)
 
     def take_ready_outputs(self) -> list[RequestOutput]:
-        """The finished requests ``step`` has not returned yet (``outputs_ready``), handed
-        over now (the next ``step`` will not return them)."""
+        """Hand over ``outputs_ready`` now (finished requests the next ``step`` would return)."""
         ready, self.outputs_ready = self.outputs_ready, []
         return ready
 
@@ -264,9 +258,8 @@ class Engine:
         return getattr(self.policy, "latency", None)
 
     def releasable_tensors(self) -> list[torch.Tensor]:
-        """What sleep may release: the target's KV pool
-        ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` and the KV pools of the
-        drafters (``Drafter.kv_pools``, over ``Drafter.walk``)."""
+        """What sleep may release: the target's KV pool ``[layers, 2, blocks, block_size,
+        kv_heads, head_dim]`` and the drafters' own (``Drafter.kv_pools``, ``Drafter.walk``)."""
         return [self.runner.kv_cache] + [t for d in self._drafters() for t in d.kv_pools()]
 
     def packed_weights(self) -> list:
@@ -283,6 +276,12 @@ class Engine:
 
     def _drafters(self) -> list[Drafter]:
         return list(self.drafter.walk()) if self.drafter is not None else []
+
+    def profile_forward(self, latency, clock=time.perf_counter) -> int:
+        """Time dummy forwards (and drafts) into the policy's ``latency`` model, on KV blocks
+        borrowed from the pool (``profiling.profile_forward``); returns the points added."""
+        return profile_forward(self.runner, self.blocks, latency, drafter=self.drafter,
+                               clock=clock)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached KV block (vLLM's ``reset_prefix_cache``), also while requests
