@@ -139,17 +139,12 @@ class LLM:
 
     def update_weights(self, weights: Mapping[str, torch.Tensor]
                        | Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-        """Overwrite some or all of the target's weights in one call between ``generate``
-        calls (``WeightUpdater.update``: SGLang's ``update_weights_from_tensor``, TRL's
-        colocated push): HF names (fused ``qkv_proj`` / ``gate_up_proj`` too), any subset,
-        floating dtype and device, not copied first (unchanged until the call returns). An
-        EAGLE drafter follows the shared embedding, norm and LM head, its own layer goes stale
-        (``DrafterTrainer``). Returns the names applied (fused ones as their parts).
-
-        Raises:
-            ValueError: an unknown name, a shape that differs, NaN/inf values. TypeError: not
-                a floating-point tensor. RuntimeError: requests in flight, or a session open.
-                Nothing is changed then.
+        """Overwrite some or all of the target's weights (HF names, fused ``qkv_proj`` /
+        ``gate_up_proj`` too; any floating dtype and device; unchanged until the call returns)
+        in one call between ``generate`` calls (``WeightUpdater.update``; SGLang's
+        ``update_weights_from_tensor``). An EAGLE drafter's own layer goes stale
+        (``DrafterTrainer``). Returns the names applied. Raises ValueError / TypeError (a
+        tensor refused) or RuntimeError (requests in flight, a session open): nothing changed.
         """
         return self.weights.update(weights)
 
@@ -160,16 +155,11 @@ class LLM:
         self.weights.begin()
 
     def load_weights(self, weights) -> list[str]:
-        """Stage one chunk (a ``(name, tensor)`` pair, a dict or an iterable of pairs; copied
-        now, ``WeightUpdater.load``) into the open session, or a checkpoint path (a HF
-        directory of safetensors or one ``.safetensors`` file, ``load_checkpoint``): staged,
-        or with no session open applied as one update. Returns the names staged (applied).
-
-        Raises:
-            RuntimeError: a chunk with no session open. ValueError / TypeError: a tensor
-                refused, a corrupt file; the session is aborted, nothing of it applied.
-            FileNotFoundError: a checkpoint path that does not exist or has no safetensors.
-        """
+        """Stage one chunk (a ``(name, tensor)`` pair, a dict or pairs; copied now,
+        ``WeightUpdater.load``) into the open session, or a checkpoint path (safetensors,
+        ``load_checkpoint``; applied at once with no session open). Returns the names staged.
+        Raises RuntimeError (a chunk with no session), ValueError / TypeError (the session is
+        aborted, nothing of it applied), FileNotFoundError (no checkpoint there)."""
         if isinstance(weights, (str, os.PathLike)):
             return self.weights.load_checkpoint(weights)
         return self.weights.load(weights)
@@ -193,15 +183,11 @@ class LLM:
 
     # ---- memory lifecycle (specengine.lifecycle.memory) ----------------------------------------
     def sleep(self, level: int = 1) -> dict[str, int]:
-        """Give memory back between rollouts (``MemoryManager.sleep``). Level 1: release the
-        KV caches and move the target's weights out (CPU: a temporary file; CUDA: pinned host
-        memory) until ``wake_up``. Level 2: also discard them; load new weights before
-        generating. A drafter's own weights stay. Generating while asleep raises RuntimeError.
-        Returns bytes released: ``weights``, ``packed``, ``kv_cache``, ``total``.
-
-        Raises:
-            ValueError: ``level`` not 1 or 2. RuntimeError: requests are in flight.
-        """
+        """Give memory back between rollouts (``MemoryManager.sleep``): release the KV caches
+        and move the target's weights out until ``wake_up`` (level 1) or discard them (level
+        2: load new weights before generating). Returns bytes released (``weights``,
+        ``packed``, ``kv_cache``, ``total``). Raises ValueError (``level`` not 1 or 2),
+        RuntimeError (requests in flight)."""
         return self.memory.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
