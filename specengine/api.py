@@ -113,21 +113,13 @@ class LLM:
     # ---- rollout traces (specengine.replay.trace) -----------------------------------------------
     def start_trace(self) -> None:
         """Start recording a rollout trace: per step the sequences decoded, tokens in the
-        forward, draft nodes per sequence and source, accepted and committed tokens, the
-        strategy and the step's seconds (``specengine.replay.trace``). Off by default; costs one
-        attribute check per step when off.
-
-        Raises:
-            RuntimeError: a trace is already being recorded.
-        """
+        forward, draft nodes, accepted and committed tokens, the strategy and the step's
+        seconds (``specengine.replay.trace``). Raises RuntimeError: one is being recorded."""
         self._trace_preemptions = start_recording(self.engine, self.model_name)
 
     def stop_trace(self) -> RolloutTrace:
-        """Stop recording; returns the ``RolloutTrace`` (``save(path)`` writes it).
-
-        Raises:
-            RuntimeError: no trace is being recorded.
-        """
+        """Stop recording; returns the ``RolloutTrace`` (``save(path)`` writes it). Raises
+        RuntimeError: no trace is being recorded."""
         return stop_recording(self.engine, self._trace_preemptions)
 
     # ---- weight sync (specengine.lifecycle.weights: the checks, all-or-nothing apply) ----------
@@ -252,21 +244,12 @@ class LLM:
     def score(self, prompts, completions: list[list[int]],
               sampling_params: SamplingParams | list[SamplingParams] | None = None,
               logprobs: int | None = None, use_tqdm: bool = False) -> list[ScoreOutput]:
-        """Teacher-forced logprobs of given completions: the trainer's replay of a rollout,
-        equal bit for bit to the logprobs ``generate`` returned for those tokens with batch
-        invariance on (the default; how: ``specengine.scoring``).
-
-        Args:
-            prompts: as ``generate`` takes them (text, token ids or dicts), one per completion.
-            completions: one list of token ids per prompt.
-            sampling_params: the params the completions were sampled with (one for all or
-                one per prompt; default ``SamplingParams()``); ``n``, ``seed``,
-                ``max_tokens`` and ``logprobs`` are not used.
-            logprobs: also return, per token, the top-``logprobs`` entries (the engine's
-                ``logprobs_mode``), as ``CompletionOutput.logprobs``.
-
-        Returns:
-            One ``ScoreOutput`` per prompt, in order.
+        """Teacher-forced logprobs of ``completions`` (token ids, one list per prompt; prompts
+        as ``generate`` takes them), the trainer's replay of a rollout: equal bit for bit to
+        the logprobs ``generate`` returned with batch invariance on (``specengine.scoring``).
+        ``sampling_params``: those the completions were sampled with (``n``, ``seed``,
+        ``max_tokens``, ``logprobs`` unused); ``logprobs``: also the top-k entries per token.
+        Returns one ``ScoreOutput`` per prompt, in order.
 
         Raises:
             ValueError: lengths that differ, a bad prompt or token id, a sequence of
