@@ -8,6 +8,7 @@ import pytest
 from fixed_timings import FakeClock, TimedDrafter, TimedRunner, forward_seconds
 
 from specengine import LLM, SamplingParams
+from specengine.engine import engine as engine_module
 from specengine.models.loader import save_random_model
 from specengine.speculative.config import SpeculativeConfig
 from specengine.speculative.drafters.ngram import NgramDrafter
@@ -16,7 +17,6 @@ from specengine.speculative.policy import (
     BanditPolicy,
     Policy,
     StepRecord,
-    auto,
     batch_bucket,
     candidate_strategies,
     make_policy,
@@ -293,7 +293,7 @@ def fixed_profile(monkeypatch):
         return profiling.profile_forward(TimedRunner(runner, clock), blocks, model,
                                          drafter=drafter and TimedDrafter(drafter, clock), **kw)
 
-    monkeypatch.setattr(auto, "profile_forward", profile)
+    monkeypatch.setattr(engine_module, "profile_forward", profile)
     return clock
 
 
@@ -320,7 +320,9 @@ def test_start_up_profile_stops_within_its_budgets(target_dir):
     runner = TimedRunner(llm.engine.runner, clock, scale=100)
     # drafting twice per point: 0.09, 0.17 and 0.28 s, so three points start within 0.5 s
     drafter = TimedDrafter(NgramDrafter(Strategy(3)), clock, scale=100)
-    pol.warm_start(SimpleNamespace(runner=runner, blocks=llm.engine.blocks, drafter=drafter))
+    blocks = llm.engine.blocks
+    pol.warm_start(SimpleNamespace(profile_forward=lambda latency, clock: profiling.profile_forward(
+        runner, blocks, latency, drafter=drafter, clock=clock)))
     assert runner.calls == 7 and pol.latency.num_forward == 6 and pol.latency.num_draft == 3
     assert pol.latency.forward_time(16, 1024, 16) == pytest.approx(
         100 * forward_seconds(16, 1024), rel=0.02)

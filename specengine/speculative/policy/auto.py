@@ -24,7 +24,6 @@ from specengine.speculative.policy.correction import CorrectionTable
 from specengine.speculative.policy.cutter import TreeCutter
 from specengine.speculative.policy.latency import LatencyModel
 from specengine.speculative.policy.probe import ProbeSchedule
-from specengine.speculative.policy.profiling import profile_forward
 from specengine.speculative.policy.remaining import RemainingLength, length_weights
 from specengine.speculative.policy.rescore import RescoreBudget
 from specengine.speculative.strategy import Strategy
@@ -249,10 +248,9 @@ class AutoPolicy(Policy):
         return out
 
     def warm_start(self, engine) -> None:
-        """Profile the engine's runner (and drafter) for about two seconds
-        (``profiling.profile_forward``)."""
-        profile_forward(engine.runner, engine.blocks, self.latency, drafter=engine.drafter,
-                        clock=self.clock)
+        """Profile the engine's forwards (and drafter) for about two seconds into ``latency``
+        (``Engine.profile_forward``, i.e. ``profiling.profile_forward``)."""
+        engine.profile_forward(self.latency, clock=self.clock)
 
     # ---- learning -----------------------------------------------------------------------------
     def record(self, rec: StepRecord) -> None:
