@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 from helpers import rand_prompts
+from reference_sampling import process_logits
 
 from specengine import LLM, SamplingParams
 from specengine.engine.batch import BatchEntry
@@ -13,7 +14,7 @@ from specengine.engine.model_runner import ModelRunner
 from specengine.engine.sequence import Sequence
 from specengine.kv.block_manager import BlockManager
 from specengine.models.loader import load_model, save_random_model
-from specengine.sampling.params import SampleNoise, process_logits
+from specengine.sampling.params import SampleNoise
 from specengine.speculative.drafters.eagle import (
     EagleConfig,
     EagleDrafter,

@@ -2,8 +2,9 @@
 
 Four areas, each a folder or a pair of modules:
 
-- the lossless core: ``tree.py`` (``DraftTree``, the token tree and its attention mask) and
-  ``verify.py`` (greedy and sampled verification; accepted path plus bonus token);
+- the token tree: ``tree.py`` (``DraftTree``, the tree and its attention mask); the tree is
+  verified by ``specengine.sampling.verify`` (accepted path plus bonus token), which
+  ``Sampler.verify_trees`` runs;
 - ``drafters/``: who proposes the tree (``Drafter`` in ``base.py``; n-gram prompt lookup, an
   independent draft model, the EAGLE feature drafter);
 - ``policy/``: which ``Strategy`` (tree shape, or none) each step runs and which nodes are

@@ -7,7 +7,7 @@ distribution after the request's temperature, top-k, top-p and min-p) proposes f
 token the target samples when ``q_T = p_j``, and agrees with it with probability at least
 ``(1 - TV) / (1 + TV)`` otherwise: the shared-Gumbel coupling of Daliri et al. 2024, "Coupling
 without Communication and Drafter-Invariant Speculative Decoding" (arXiv 2408.07978).
-Verification (``verify_coupled``) is unchanged, so output stays lossless whatever is drafted.
+Verification (``sampling.verify``) is unchanged, so output stays lossless whatever is drafted.
 
 A request's repetition / presence / frequency penalties are applied to the draft logits first,
 each row with its own context (the committed tokens plus the draft path to the row's node,
@@ -79,7 +79,7 @@ def coupled_logprobs(logits: torch.Tensor, seqs: list[Sequence], positions: list
 
 
 def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """``process_logits`` for drafting, batched: temperature, top-k, top-p (Holtzman et al.
+    """``batched.process_rows`` for drafting: temperature, top-k, top-p (Holtzman et al.
     2019), min-p, except that top-p without top-k keeps at most ``TOP_P_WINDOW`` tokens (a
     top-k, not the 49k-token sort that costs ~3.4 ms a row; a flat draft row's nucleus is cut
     there) and that tokens tied at a cut are all kept.
