@@ -7,7 +7,7 @@
 // silu(gate) * up -> [M, I], rounding as silu_and_mul does (gate, up, silu(gate), product each
 // to bf16), so the fusion does not change results.
 //
-// Per call: up to 32 rows of x per pass (two A tiles, four C tiles, two B tiles = 8 tiles).
+// Per call: 32 rows of x per pass (two A tiles, four C tiles, two B tiles = 8 tiles).
 // Each C element is one row of A times one column of B accumulated over K in a fixed order, and
 // the tile unit computes rows independently, so row i of the result does not depend on M or on
 // the other rows (batch invariance), nor on the thread that ran its chunk.
@@ -142,15 +142,24 @@ SE_AMX_TARGET void amx_block(const AmxArgs& a, int64_t p0, int64_t p1, int64_t r
   }
 }
 
+// Pairs [p0, p1) for every row of x. The pairs go in groups that stay in L2 while every
+// 32-row block of x passes over them, so the weights are read from memory once whatever M is
+// (a row block per pass over all the pairs would read them M / 32 times).
 SE_AMX_TARGET void amx_pairs(const AmxArgs& a, int64_t p0, int64_t p1) {
-  for (int64_t r0 = 0; r0 < a.M; r0 += 32) {
-    const int rows = static_cast<int>(std::min<int64_t>(32, a.M - r0));
-    const int m0 = std::min(rows, 16), m1 = rows - m0;
-    configure(m0, m1);
-    if (m1)
-      amx_block<true>(a, p0, p1, r0, m0, m1);
-    else
-      amx_block<false>(a, p0, p1, r0, m0, 0);
+  const int64_t pair_bytes = a.Kb * kPairElems * 2;
+  const int64_t group = std::max<int64_t>(1, (256 << 10) / pair_bytes);
+  int cm0 = -1, cm1 = -1;
+  for (int64_t q0 = p0; q0 < p1; q0 += group) {
+    const int64_t q1 = std::min(p1, q0 + group);
+    for (int64_t r0 = 0; r0 < a.M; r0 += 32) {
+      const int rows = static_cast<int>(std::min<int64_t>(32, a.M - r0));
+      const int m0 = std::min(rows, 16), m1 = rows - m0;
+      if (m0 != cm0 || m1 != cm1) configure(m0, m1), cm0 = m0, cm1 = m1;
+      if (m1)
+        amx_block<true>(a, q0, q1, r0, m0, m1);
+      else
+        amx_block<false>(a, q0, q1, r0, m0, 0);
+    }
   }
   _tile_release();
 }
