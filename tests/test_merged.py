@@ -157,6 +157,9 @@ class FixedDrafter(Drafter):
     def release(self, seq):
         self.calls.append("release")
 
+    def set_weight_version(self, version):
+        self.calls.append(("version", version))
+
 
 def test_merged_drafter_forwards_hooks_and_names_itself():
     a = FixedDrafter("a", labelled([1, 2], [-1, 0], [0.5, 0.5], "a"))
@@ -169,6 +172,8 @@ def test_merged_drafter_forwards_hooks_and_names_itself():
     m.release(None)
     m.discard(None)  # a moved sample: each part drops it (the base discard releases)
     assert a.calls == ["release"] * 2 and b.calls == ["observe", "release", "release"]
+    m.set_weight_version(3)  # every part hears of the target's new weights
+    assert a.calls[-1] == b.calls[-1] == ("version", 3)
     assert m.features(None) is None
     assert m.stats()["merged_nodes_proposed"] == {"a": 4, "b": 4}
     with pytest.raises(ValueError, match="empty"):

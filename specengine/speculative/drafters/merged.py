@@ -209,7 +209,7 @@ class MergedDrafter(Drafter):
     The engine's hooks go to every part: ``observe`` to those that want hidden states,
     ``release`` and ``discard`` to all, ``features`` from the part that keeps them,
     ``publish`` (EAGLE's hot swap of drafter weights) to those with trainable weights
-    (``set_weight_version`` is the base no-op: the parts do not hear of target versions).
+    and ``set_weight_version`` to all (the suffix drafter ages its history by it).
     Anything else of a part is reached through the part itself (``part(name)``,
     ``find(kind)``, ``walk()``).
 
@@ -283,6 +283,11 @@ class MergedDrafter(Drafter):
     def discard(self, seq: Sequence) -> None:
         for p in self.parts:
             p.discard(seq)
+
+    def set_weight_version(self, version: int) -> None:
+        """Tell every part the target's new weight version."""
+        for p in self.parts:
+            p.set_weight_version(version)
 
     def features(self, seq: Sequence) -> torch.Tensor | None:
         """The first part's features for ``seq`` that are not None (EAGLE's), else None."""
