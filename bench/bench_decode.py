@@ -13,7 +13,14 @@ on the default model in bfloat16 and float32, at several batch sizes. Per row:
 - vs HF: decode tok/s over HF's at the same dtype and batch; vs floor: ms/step over the floor,
   weight bytes read per step / measured memory read bandwidth.
 
-    python bench/bench_decode.py [--quick] [--out results.json] [--profile]
+    python bench/bench_decode.py [--quick] [--out results.json] [--profile] [--llamacpp]
+
+``--llamacpp`` adds llama.cpp rows at batch 1 (``llama-cpp-python`` built from source, not
+pinned by the project: see bench/README.md), on the same GGUF: ``Q4_1`` is the shipped file,
+``BF16`` that file requantized by llama.cpp's own ``llama_model_quantize`` (the weights the
+engine runs: Q4_1 dequantized, rounded to bfloat16), ``BF16+lookup`` llama.cpp's prompt-lookup
+decoding (``LlamaPromptLookupDecoding``) on the BF16 file. Same threads as the engine, greedy,
+same prompt tokens; decode time = ``generate(N)`` - ``generate(1)`` as for HF.
 
 ``--invariance`` measures instead what batch invariance costs (``kernels.set_batch_invariant``):
 the engine alone, each batch run with invariance on and off in alternation on one engine (best
@@ -123,6 +130,64 @@ def run_hf(model, prompts: list[list[int]], max_tokens: int, pad_id: int, repeat
             "first_output": out[max_tokens][0, ids.shape[1]:].tolist()}
 
 
+def llamacpp_files() -> dict[str, str]:
+    """The default model's GGUF (Q4_1, hash-checked) and its BF16 requantization by llama.cpp
+    (written once beside it, atomically)."""
+    import os
+
+    import llama_cpp
+
+    from specengine.models.registry import fetch_gguf
+
+    q4 = fetch_gguf(MODEL)
+    bf16 = q4.with_name(q4.stem.replace("Q4_1", "BF16") + ".gguf")
+    if not bf16.exists():
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_BF16
+        params.allow_requantize = True
+        params.nthread = torch.get_num_threads()
+        tmp = bf16.with_suffix(".part")
+        if llama_cpp.llama_model_quantize(str(q4).encode(), str(tmp).encode(), params) != 0:
+            raise RuntimeError(f"llama_model_quantize {q4} -> BF16 failed")
+        os.replace(tmp, bf16)
+    return {"Q4_1": str(q4), "BF16": str(bf16)}
+
+
+def run_llamacpp(path: str, prompt: list[int], max_tokens: int, repeats: int,
+                 lookup: bool = False) -> dict:
+    """llama.cpp (``llama-cpp-python``) at batch 1: greedy, exactly ``max_tokens`` new tokens
+    (``Llama.generate`` does not stop at EOS), the KV cache reset before each run;
+    ``lookup``: its prompt-lookup drafting."""
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    threads = torch.get_num_threads()
+    llm = Llama(model_path=path, n_ctx=len(prompt) + max_tokens + 64, n_threads=threads,
+                n_threads_batch=threads, n_batch=512, verbose=False,
+                draft_model=LlamaPromptLookupDecoding() if lookup else None)
+    out = {}
+
+    def gen(n: int):
+        llm.reset()
+        toks = []
+        for t in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
+                              repeat_penalty=1.0, reset=True):
+            toks.append(t)
+            if len(toks) == n:
+                break
+        out[n] = toks
+
+    gen(4)  # warm up
+    t_n = best_time(lambda: gen(max_tokens), repeats)
+    t_1 = best_time(lambda: gen(1), repeats)
+    decode = max(t_n - t_1, 1e-9)
+    llm.close()
+    return {"decode_tok_s": (max_tokens - 1) / decode, "e2e_tok_s": max_tokens / t_n,
+            "ms_step": 1e3 * decode / (max_tokens - 1), "full_ms_step": None,
+            "prefill_s": t_1, "decode_s": decode, "wall_s": t_n, "threads": threads,
+            "first_output": out[max_tokens]}
+
+
 def profile_decode_step(llm: LLM, prompt: list[int]) -> str:
     """torch.profiler (top ops by self CPU time) and cProfile (top functions) of one batch-1
     decode step of the engine."""
@@ -200,6 +265,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, help="runs per row, best kept (default 2)")
     ap.add_argument("--profile", action="store_true",
                     help="profile one batch-1 decode step (also done when slower than HF)")
+    ap.add_argument("--llamacpp", action="store_true",
+                    help="add llama.cpp rows at batch 1 (llama-cpp-python must be installed)")
     ap.add_argument("--invariance", action="store_true",
                     help="batch invariance on vs off, engine only (see the docstring)")
     args = ap.parse_args()
@@ -272,6 +339,27 @@ def main() -> None:
                 rows.append([name, dtype, b, r["decode_tok_s"], r["e2e_tok_s"], r["ms_step"],
                              r["full_ms_step"], vs_hf if name == "specengine" else None,
                              r["vs_floor"]])
+
+    if args.llamacpp:
+        files = llamacpp_files()
+        eng1 = next((r for r in results if r["engine"] == "specengine" and r["batch"] == 1
+                     and r["dtype"] == "bfloat16"), None)
+        for name, path, lookup in (("BF16", files["BF16"], False), ("Q4_1", files["Q4_1"], False),
+                                   ("BF16+lookup", files["BF16"], True)):
+            r = run_llamacpp(path, all_ids[0], max_tokens, repeats, lookup)
+            print(f"# llama.cpp {name} b=1: {r['decode_tok_s']:.1f} tok/s", file=sys.stderr)
+            ref = eng1["first_output"] if eng1 and "first_output" in eng1 else None
+            r.update(engine="llama.cpp", dtype=name, batch=1, vs_hf=None, vs_floor=(
+                r["ms_step"] / floors["bfloat16"]["floor_ms"] if "bfloat16" in floors else None),
+                agree_prefix_with_engine=None if ref is None else next(
+                    (i for i, (x, y) in enumerate(zip(ref, r["first_output"])) if x != y),
+                    min(len(ref), len(r["first_output"]))))
+            results.append(r)
+            rows.append(["llama.cpp", name, 1, r["decode_tok_s"], r["e2e_tok_s"], r["ms_step"],
+                         None, None, r["vs_floor"]])
+            if eng1:
+                print(f"# specengine bf16 b=1 / llama.cpp {name}: "
+                      f"{eng1['decode_tok_s'] / r['decode_tok_s']:.2f}x", file=sys.stderr)
 
     print(markdown_table(["engine", "dtype", "batch", "decode tok/s", "e2e tok/s", "ms/step",
                           "full ms/step", "vs HF", "vs floor"], rows) + "\n")
