@@ -19,6 +19,7 @@ from specengine.sampling import batched
 from specengine.sampling.batched import (
     TOP_P_WINDOW,
     NoiseStreams,
+    argmax_rows,
     draw,
     gather_noise,
     noise_batch,
@@ -324,3 +325,18 @@ def test_seeded_outputs_are_those_of_the_per_row_sampler(tiny_dir, spec, monkeyp
     assert len({tuple(t) for r in got for t, _ in r}) > 10  # varied samples, not a constant
     if spec is not None:
         assert llm.get_metrics()["accepted_tokens"] > 0
+
+
+def test_argmax_rows_is_torch_argmax_with_ties_nan_and_inf():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        r, v = int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(1, 3000, (1,),
+                                                                               generator=g))
+        x = torch.randint(-2, 3, (r, v), generator=g).float()  # many tied maxima
+        if trial % 3 == 0:
+            x[torch.rand(r, v, generator=g) < 0.01] = float("nan")
+        if trial % 4 == 0:
+            x[torch.rand(r, v, generator=g) < 0.3] = float("-inf")
+        if trial % 7 == 0:
+            x[0] = float("-inf")
+        assert torch.equal(argmax_rows(x), x.argmax(-1)), trial

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from specengine.engine.sequence import Logprob, Sequence
-from specengine.sampling.batched import NoiseStreams, draw, process_rows, race
+from specengine.sampling.batched import NoiseStreams, argmax_rows, draw, process_rows, race
 from specengine.sampling.params import SamplingParams
 from specengine.sampling.penalties import penalize, tree_paths
 from specengine.sampling.verify import check_tree_logits, committed_tokens, walk
@@ -121,7 +121,7 @@ class Sampler:
         out = []
         for t, (seq, tree) in enumerate(zip(seqs, trees)):
             if best[t] is None:
-                best[t] = masked[t].argmax(-1).tolist()
+                best[t] = argmax_rows(masked[t]).tolist()
             accepted, bonus = walk(tree, best[t])
             tokens = committed_tokens(tree, accepted, bonus)
             rows = [0] + [1 + a for a in accepted]
