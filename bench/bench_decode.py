@@ -37,6 +37,7 @@ import cProfile
 import gc
 import io
 import json
+import os
 import pstats
 import sys
 import time
@@ -130,11 +131,14 @@ def run_hf(model, prompts: list[list[int]], max_tokens: int, pad_id: int, repeat
             "first_output": out[max_tokens][0, ids.shape[1]:].tolist()}
 
 
+def agree_prefix(a: list[int], b: list[int]) -> int:
+    """Tokens two greedy outputs share before they first differ."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def llamacpp_files() -> dict[str, str]:
     """The default model's GGUF (Q4_1, hash-checked) and its BF16 requantization by llama.cpp
     (written once beside it, atomically)."""
-    import os
-
     import llama_cpp
 
     from specengine.models.registry import fetch_gguf
@@ -316,7 +320,7 @@ def main() -> None:
             print(f"# hf {dtype} b={b}: {hf[b]['decode_tok_s']:.1f} tok/s", file=sys.stderr)
         # same greedy tokens? (expected in float32; bfloat16 may drift after a near-tie)
         a, h = eng[batches[0]]["first_output"], hf[hf_batches[0]]["first_output"]
-        same = next((i for i, (x, y) in enumerate(zip(a, h)) if x != y), min(len(a), len(h)))
+        same = agree_prefix(a, h)
         floors[dtype]["agree_prefix_with_hf"] = same
         if same < min(len(a), len(h)):  # HF's own top-2 logit gap where the two part
             with torch.inference_mode():
@@ -348,12 +352,10 @@ def main() -> None:
                                    ("BF16+lookup", files["BF16"], True)):
             r = run_llamacpp(path, all_ids[0], max_tokens, repeats, lookup)
             print(f"# llama.cpp {name} b=1: {r['decode_tok_s']:.1f} tok/s", file=sys.stderr)
-            ref = eng1["first_output"] if eng1 and "first_output" in eng1 else None
             r.update(engine="llama.cpp", dtype=name, batch=1, vs_hf=None, vs_floor=(
                 r["ms_step"] / floors["bfloat16"]["floor_ms"] if "bfloat16" in floors else None),
-                agree_prefix_with_engine=None if ref is None else next(
-                    (i for i, (x, y) in enumerate(zip(ref, r["first_output"])) if x != y),
-                    min(len(ref), len(r["first_output"]))))
+                agree_prefix_with_engine=agree_prefix(eng1["first_output"], r["first_output"])
+                if eng1 else None)
             results.append(r)
             rows.append(["llama.cpp", name, 1, r["decode_tok_s"], r["e2e_tok_s"], r["ms_step"],
                          None, None, r["vs_floor"]])
