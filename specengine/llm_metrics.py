@@ -11,8 +11,9 @@ def llm_metrics(engine, weights, memory, generate_time: float) -> dict:
     decode time (seconds), preemptions, KV blocks (total and free), wall time in
     ``generate`` (seconds); with speculation, the policy's ``stats()`` (strategies run,
     steps, predicted and observed tokens/s, decision time; with ``auto`` also
-    ``policy_budget``, how draft nodes were spread over sequences, and
-    ``policy_remaining``, the remembered output lengths) and ``tau_per_weight_version``
+    ``policy_budget``, how draft nodes were spread over sequences,
+    ``policy_remaining``, the remembered output lengths, and ``policy_guard``, the loss
+    guard's account per batch bucket and the speculative steps it refused) and ``tau_per_weight_version``
     (target weight version -> tokens committed per verify step while it served: drift
     after a weight update shows here); with an EAGLE drafter (also inside a
     ``Harvester`` or merged with others), ``drafter_version`` and ``tau_per_version``

@@ -30,6 +30,12 @@ CHAINS = [Strategy(d) for d in range(1, 9)]
 TREES = [Strategy(8, 2, 16), Strategy(8, 4, 32)]
 
 
+def unguarded(*args, **kw) -> AutoPolicy:
+    """An ``AutoPolicy`` without its loss guard: the tests of its criterion and probes see
+    every choice its models make (the guard has its own tests)."""
+    return AutoPolicy(*args, max_loss=None, **kw)
+
+
 def fit_latency(forward, rng, steps=600, noise=0.03, lm=None) -> LatencyModel:
     """A LatencyModel (new, or ``lm``) fed ``steps`` noisy forwards of
     ``forward(tokens, context)`` seconds, a free drafter and a small fixed overhead."""
@@ -100,12 +106,12 @@ def test_acceptance_model_estimates_per_depth_rates_and_adapts():
 def test_memory_bound_prefers_deep_trees_compute_bound_prefers_none():
     rng = np.random.default_rng(3)
     am = fit_acceptance(0.7, 0.85, rng)
-    flat = AutoPolicy(CHAINS + TREES, latency=fit_latency(lambda n, c: 0.01, rng),
-                      acceptance=am)
+    flat = unguarded(CHAINS + TREES, latency=fit_latency(lambda n, c: 0.01, rng),
+                     acceptance=am)
     s = flat.choose(4)
     assert s is not None and s.depth == 8 and not s.is_chain
-    linear = AutoPolicy(CHAINS + TREES, acceptance=am,
-                        latency=fit_latency(lambda n, c: 0.001 + 0.001 * n, rng))
+    linear = unguarded(CHAINS + TREES, acceptance=am,
+                       latency=fit_latency(lambda n, c: 0.001 + 0.001 * n, rng))
     assert linear.choose(64) is None
 
 
@@ -113,7 +119,7 @@ def test_auto_policy_re_decides_as_the_batch_shrinks_in_one_scoring_each():
     rng = np.random.default_rng(4)
     am = fit_acceptance(0.7, 0.85, rng)
     lm = fit_latency(lambda n, c: 0.01 + 1e-4 * max(0, n - 256), rng)
-    pol = AutoPolicy(CHAINS + TREES, latency=lm, acceptance=am, probe_every=0)
+    pol = unguarded(CHAINS + TREES, latency=lm, acceptance=am, probe_every=0)
     big, small = pol.choose(256), pol.choose(2)
     assert big is None and small is not None and small.depth >= 4
     # each new batch size is one vectorised scoring of all 11 candidates (its time per
@@ -147,7 +153,7 @@ def test_auto_policy_hysteresis():
 def test_auto_policy_probes_while_off():
     rng = np.random.default_rng(5)
     lm = fit_latency(lambda n, c: 0.001 * n, rng)
-    pol = AutoPolicy(CHAINS, latency=lm, acceptance=AcceptanceModel(8), probe_every=10)
+    pol = unguarded(CHAINS, latency=lm, acceptance=AcceptanceModel(8), probe_every=10)
     picks = [pol.choose(64) for _ in range(40)]
     # 4, 8, 16 steps after the last switch, then every 10
     assert [i + 1 for i, p in enumerate(picks) if p is not None] == [4, 8, 16, 26, 36]
@@ -160,12 +166,12 @@ def test_auto_policy_measures_the_baseline_on_a_close_call():
     rng = np.random.default_rng(5)
     flat = fit_latency(lambda n, c: 0.01 + 1e-6 * n, rng)  # memory-bound: deep chains win big
     good = fit_acceptance(0.9, 0.9, rng)
-    pol = AutoPolicy(CHAINS, latency=flat, acceptance=good, probe_every=10)
+    pol = unguarded(CHAINS, latency=flat, acceptance=good, probe_every=10)
     assert None not in [pol.choose(4) for _ in range(40)]
     steep = fit_latency(lambda n, c: 0.01 + 0.001 * n, rng)  # 4 more tokens: 30% longer
     close = fit_acceptance(0.45, 0.45, rng)
-    pol = AutoPolicy([Strategy(1)], latency=steep, acceptance=close, probe_every=10,
-                     hysteresis=0.0)
+    pol = unguarded([Strategy(1)], latency=steep, acceptance=close, probe_every=10,
+                    hysteresis=0.0)
     s = pol.score(Strategy(1), 4, 400) / pol.score(None, 4, 400)
     assert 1.0 < s < 1.25  # a close call
     picks = [pol.choose(4) for _ in range(40)]
@@ -174,8 +180,8 @@ def test_auto_policy_measures_the_baseline_on_a_close_call():
 
 def test_per_sequence_choice_skips_requests_whose_drafts_do_not_pay():
     rng = np.random.default_rng(7)
-    pol = AutoPolicy(CHAINS + TREES, latency=fit_latency(lambda n, c: 0.002 + 1e-4 * n, rng),
-                     acceptance=fit_acceptance(0.7, 0.85, rng))
+    pol = unguarded(CHAINS + TREES, latency=fit_latency(lambda n, c: 0.002 + 1e-4 * n, rng),
+                    acceptance=fit_acceptance(0.7, 0.85, rng))
     s = pol.choose(8)
     assert s is not None
     pol.accept_ratio = 0.5
@@ -301,8 +307,9 @@ def test_start_up_profile_warms_the_latency_model_and_returns_the_kv(target_dir,
     llm = make(target_dir, {"method": "draft_model", "model": str(target_dir),
                             "num_speculative_tokens": 3}, kv_cache_memory_bytes=32 << 20)
     lat = llm.engine.policy.latency
-    # every point after the first forward (one-off allocations) and all 9 draft points
-    assert lat.num_forward == 11 and lat.num_draft == 9
+    # every point after the first forward (one-off allocations), all 9 draft points and
+    # the catch-up before each but the first (one-off allocations)
+    assert lat.num_forward == 11 and lat.num_draft == 9 + 8
     assert 0 < lat.forward_time(1, 32, 1) < lat.forward_time(4096, 4096 * 64, 64)
     assert lat.draft_time(4, 3, 12) > 0
     blocks, drafter = llm.engine.blocks, llm.engine.drafter.blocks
@@ -319,11 +326,12 @@ def test_start_up_profile_stops_within_its_budgets(target_dir):
     # the next, 128 tokens, is predicted at 0.33 s > the 0.05 s left and is not run
     runner = TimedRunner(llm.engine.runner, clock, scale=100)
     # drafting twice per point: 0.09, 0.17 and 0.28 s, so three points start within 0.5 s
+    # (each timed twice: its catch-up, but for the first point, and its drafting alone)
     drafter = TimedDrafter(NgramDrafter(Strategy(3)), clock, scale=100)
     blocks = llm.engine.blocks
     pol.warm_start(SimpleNamespace(profile_forward=lambda latency, clock: profiling.profile_forward(
         runner, blocks, latency, drafter=drafter, clock=clock)))
-    assert runner.calls == 7 and pol.latency.num_forward == 6 and pol.latency.num_draft == 3
+    assert runner.calls == 7 and pol.latency.num_forward == 6 and pol.latency.num_draft == 3 + 2
     assert pol.latency.forward_time(16, 1024, 16) == pytest.approx(
         100 * forward_seconds(16, 1024), rel=0.02)
     assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
@@ -334,7 +342,7 @@ def test_start_up_profile_times_eagle_chains_and_trees(target_dir, fixed_profile
     drafting is timed (not fitted as free), trees included; its KV and state are returned."""
     llm = make(target_dir, {"method": "eagle", "model": "random", "num_speculative_tokens": 3})
     lat, drafter = llm.engine.policy.latency, llm.engine.drafter
-    assert lat.num_draft == 9  # every point drafted a tree
+    assert lat.num_draft == 9 + 8  # every point drafted a tree (+ its catch-up but the first)
     assert lat.draft_time(1, 3, 3) > 0
     assert lat.draft_time(4, 6, 96) > lat.draft_time(4, 6, 24)
     assert drafter.blocks.num_free == drafter.blocks.num_blocks and not drafter.states
@@ -492,8 +500,8 @@ def test_probe_drafts_for_a_few_sequences_and_rotates():
     probe; the acceptance statistics count only those."""
     rng = np.random.default_rng(5)
     lm = fit_latency(lambda n, c: 0.001 * n, rng)  # compute-bound: off is best at batch 16
-    pol = AutoPolicy(CHAINS, latency=lm, acceptance=AcceptanceModel(8), probe_every=5,
-                     probe_seqs=3)
+    pol = unguarded(CHAINS, latency=lm, acceptance=AcceptanceModel(8), probe_every=5,
+                    probe_seqs=3)
     seqs = [SimpleNamespace(num_accepted=0, num_drafted=0) for _ in range(16)]
     kept = []
     for _ in range(10):
@@ -533,8 +541,8 @@ def test_correction_drops_a_strategy_slower_than_modelled():
     scored by what it achieved: the policy leaves it for the next best."""
     rng = np.random.default_rng(5)
     lm = fit_latency(lambda n, c: 0.01 + 1e-5 * n, rng)  # memory-bound: chains pay
-    pol = AutoPolicy([Strategy(2)], latency=lm, acceptance=fit_acceptance(0.6, 0.6, rng),
-                     probe_every=0)
+    pol = unguarded([Strategy(2)], latency=lm, acceptance=fit_acceptance(0.6, 0.6, rng),
+                    probe_every=0)
     s = pol.choose(4)
     assert s == Strategy(2)
     for _ in range(30):
@@ -604,8 +612,8 @@ def test_probe_schedule_restarts_only_when_speculation_turns_on_or_off():
     rng = np.random.default_rng(5)
     steep = fit_latency(lambda n, c: 0.01 + 0.001 * n, rng)
     a, b = Strategy(1), Strategy(2)
-    pol = AutoPolicy([a, b], latency=steep, acceptance=fit_acceptance(0.45, 0.45, rng),
-                     probe_every=10, hysteresis=0.0)
+    pol = unguarded([a, b], latency=steep, acceptance=fit_acceptance(0.45, 0.45, rng),
+                    probe_every=10, hysteresis=0.0)
     table = {None: 100.0, a: 110.0, b: 105.0}  # close calls: off is probed
     pol.scores = lambda batch, context, rates=None: dict(table)
     picks = []
@@ -667,17 +675,17 @@ def test_rescoring_is_spaced_by_the_decision_budget(monkeypatch):
     """A re-scoring that costs much more than rescore_budget of a step is reused for up to 32
     steps of the same batch size; a new batch size is scored at once. Scores that cost 20.4
     steps' budget serve 21 steps."""
-    clock = FakeClock()  # the policy's time is what model_rates takes
-    pol = AutoPolicy(CHAINS + TREES, probe_every=0, clock=clock)
+    clock = FakeClock()  # the policy's time is what model_steps takes
+    pol = unguarded(CHAINS + TREES, probe_every=0, clock=clock)
     calls, cost = [], [2e-3]
-    real = pol.model_rates
+    real = pol.model_steps
 
     def slow(batch, context):
         calls.append(batch)
         clock.advance(cost[0])
         return real(batch, context)
 
-    monkeypatch.setattr(pol, "model_rates", slow)
+    monkeypatch.setattr(pol, "model_steps", slow)
     pol.rescore.mean_step = 0.01  # 10 ms steps: the budget is 25 us per step
     pol.rescore.decode_steps = 1000  # models no longer young
     pol.choose(8)
@@ -722,10 +730,11 @@ def test_correction_cells_without_evidence_borrow_from_the_nearest_measured_one(
 def test_speculation_is_turned_off_without_the_hysteresis_margin():
     """The margin protects a switch that costs (speculation on: the drafter catches up), not
     turning it off: once no speculation scores above the running strategy, it is chosen."""
-    pol = AutoPolicy([Strategy(1)], probe_every=0, hysteresis=0.5)
+    pol = unguarded([Strategy(1)], probe_every=0, hysteresis=0.5)
     pol.current = Strategy(1)
     rates = {None: 101.0, Strategy(1): 100.0}
-    pol.model_rates = lambda batch, context: np.array([rates[c] for c in pol.candidates])
+    pol.model_steps = lambda batch, context: (np.array([rates[c] for c in pol.candidates]),
+                                              np.zeros(2))
     assert pol.choose(4) is None
     rates = {None: 100.0, Strategy(1): 140.0}  # on needs the 50% margin
     pol.rescore.every = 0

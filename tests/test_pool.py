@@ -30,7 +30,8 @@ from specengine.models.loader import (  # noqa: E402
 )
 
 KW = {"dtype": "float32", "block_size": 8, "kv_cache_memory_bytes": 8 << 20}
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+# auto without its loss guard, so that these short runs speculate (tests/test_guard.py)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "policy_max_loss": None}
 
 
 @pytest.fixture(scope="module")

@@ -139,7 +139,7 @@ def test_round_stops_when_work_arrives(local_ray, model_dir, monkeypatch):
 
 def test_eagle_inside_a_merged_drafter_trains(local_ray, model_dir):
     spec = {"method": ["suffix", "eagle"], "model": "random", "num_speculative_tokens": 3,
-            "topk": 2}
+            "topk": 2, "policy_max_loss": None}  # speculates from the first step
     w = RolloutWorker(dict(model=str(model_dir), seed=3, speculative_config=spec, **KW))
     assert w.enable_harvest() and w._eagle() is w.llm.engine.drafter.wrapped()[0].part("eagle")
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

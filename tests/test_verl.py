@@ -298,7 +298,8 @@ def test_abort_all_requests_then_resume_generation(tiny_llama_tok_dir, rollouts)
 
 def test_speculation_reports_counters_and_keeps_outputs(tiny_llama_tok_dir, rollouts):
     r = rollouts(tiny_llama_tok_dir, specengine={
-        "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}})
+        "speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                               "policy_max_loss": None}})  # speculates from the first step
     ref = offline_llm(tiny_llama_tok_dir)
     p = [7, 8, 9, 10, 11] * 6
     out = asyncio.run(run_one(r, p, {"temperature": 0, "logprobs": True, "ignore_eos": True}))

@@ -26,3 +26,4 @@ class BatchEntry:
     samplers: list[Sequence] = field(default_factory=list)
     is_prefill: bool = False
     tree: DraftTree | None = None  # draft tokens verified after the decode token (speculation)
+    drafted: bool = False  # the drafter was asked for a tree this step (it saw the sequence)

@@ -319,8 +319,8 @@ class Engine:
             self.trace.begin_step(entries)
         with self.threads.step(phases.max_forward_tokens(entries, strategy)):
             times = StepTimes()
-            num_proposed = phases.draft(self.drafter, self.policy, entries, strategy,
-                                        self.config.max_model_len)
+            num_proposed, catch_up = phases.draft(self.drafter, self.policy, entries, strategy,
+                                                  self.config.max_model_len)
             times.mark("drafted")
             layout = ForwardLayout.of(entries)
             logits, hidden = self.runner.run(entries, self.blocks)
@@ -334,11 +334,12 @@ class Engine:
             num_appended, finished = phases.append(
                 self.requests, self.output, self.blocks, self.finish_sample,
                 self._weight_version, layout, commits, hidden, now=times.sampled)
-            self._account(layout, commits, strategy, times, num_proposed, num_appended)
+            self._account(layout, commits, strategy, times, num_proposed, num_appended, catch_up)
             return ready + [self.finish_request(req, now=times.sampled) for req in finished]
 
     def _account(self, layout: ForwardLayout, commits: list[Commit], strategy: Strategy | None,
-                 times: StepTimes, num_proposed: int | None, num_appended: int) -> None:
+                 times: StepTimes, num_proposed: int | None, num_appended: int,
+                 catch_up: int = 0) -> None:
         """Count the step on the sequences and the engine (``EngineMetrics``), hand the
         policy its ``StepRecord`` (with speculation) and the trace recorder the step (when
         tracing, ``specengine.replay.trace``)."""
@@ -346,7 +347,8 @@ class Engine:
         self.metrics.record_step(layout, commits, times, num_appended,
                                  self.scheduler.num_preemptions)
         if self.drafter is not None:
-            self.policy.record(step_record(layout, commits, strategy, times, num_proposed))
+            self.policy.record(step_record(layout, commits, strategy, times, num_proposed,
+                                           catch_up))
         if self.trace is not None:
             self.trace.record(layout, commits, strategy, times, num_proposed,
                               self.policy.decision_time)

@@ -110,10 +110,13 @@ class EngineMetrics:
 
 def record_sequences(layout: ForwardLayout, commits: list[Commit]) -> None:
     """Count, on each sequence, the target forward it took part in and its verified tree (the
-    counters ``request_metrics`` sums)."""
+    counters ``request_metrics`` sums), and mark how far the drafter has seen a sequence it
+    drafted for (``Sequence.drafted_through``; run after the step's tokens are appended)."""
     for e in layout.entries:
         for s in e.samplers:
             s.num_forwards += 1
+        if e.drafted:
+            e.seq.drafted_through = len(e.seq.token_ids)
     for c in commits:
         if c.is_verified:
             c.seq.spec_stats(c.entry.tree.num_nodes, len(c.accepted))
@@ -144,7 +147,7 @@ def request_metrics(req: Request, now: float) -> dict:
 
 
 def step_record(layout: ForwardLayout, commits: list[Commit], strategy: Strategy | None,
-                times: StepTimes, num_proposed: int | None) -> StepRecord:
+                times: StepTimes, num_proposed: int | None, catch_up: int = 0) -> StepRecord:
     """What the step did and cost, for the policy (``other_time`` runs until now)."""
     decodes = layout.decodes
     verified = [c for c in commits if c.is_verified]
@@ -158,4 +161,4 @@ def step_record(layout: ForwardLayout, commits: list[Commit], strategy: Strategy
         draft_time=times.draft_time, forward_time=times.forward_time,
         other_time=time.perf_counter() - times.forwarded,
         verified=[(c.seq, c.entry.tree, c.accepted) for c in verified],
-        num_proposed=num_proposed)
+        num_proposed=num_proposed, num_catch_up=catch_up)

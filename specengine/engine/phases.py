@@ -41,17 +41,21 @@ def max_forward_tokens(entries: list[BatchEntry], strategy: Strategy | None) -> 
 
 
 def draft(drafter: Drafter, policy, entries: list[BatchEntry], strategy: Strategy | None,
-          max_model_len: int) -> int | None:
+          max_model_len: int) -> tuple[int | None, int]:
     """Attach a draft tree to each decode entry, pruned to what the sequence may still
     commit (``max_tokens``, ``max_model_len``), then cut by the policy's ``refine``.
-    Returns the draft nodes built (before the policy's cuts); None without a strategy."""
+    Returns the draft nodes built (before the policy's cuts; None without a strategy) and the
+    tokens the drafter caught up on (``Sequence.catch_up`` of the sequences drafted for)."""
     if strategy is None:
-        return None
+        return None, 0
     decodes = [e for e in entries if not e.is_prefill]
     if not decodes:
-        return 0
+        return 0, 0
     keep = policy.select([e.seq for e in decodes], strategy)  # may skip some
     decodes = [e for e, k in zip(decodes, keep) if k]
+    catch_up = sum(e.seq.catch_up for e in decodes)
+    for e in decodes:
+        e.drafted = True
     trees = drafter.propose([e.seq for e in decodes], strategy) if decodes else []
     for e, tree in zip(decodes, trees):
         s = e.seq
@@ -64,7 +68,7 @@ def draft(drafter: Drafter, policy, entries: list[BatchEntry], strategy: Strateg
         cut = policy.refine([e.seq for e in decodes], [e.tree for e in decodes], base)
         for e, tree in zip(decodes, cut):
             e.tree = tree
-    return built
+    return built, catch_up
 
 
 def sample(sampler: Sampler, layout: ForwardLayout, logits: torch.Tensor) -> list[Commit]:

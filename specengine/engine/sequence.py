@@ -72,9 +72,19 @@ class Sequence:
         self.num_drafted = 0
         self.num_accepted = 0
         self.accepted_per_depth: list[int] = []  # [d]: verify steps that accepted depth d+1
+        # its length after the last step that drafted for it: the drafter has seen it through
+        # there, so a draft now catches up on ``len(self) - drafted_through`` tokens
+        self.drafted_through = 0
         # scored draft nodes verified: accepted, and predicted by the global calibration
         self.calib_accepted = 0
         self.calib_predicted = 0.0
+
+    @property
+    def catch_up(self) -> int:
+        """Tokens committed in steps that did not draft for it, since the last that did (all
+        of them before the first): what a drafter that keeps state per sequence (EAGLE's KV,
+        a draft model's) must process before it can draft for it again."""
+        return len(self.token_ids) - self.drafted_through
 
     def spec_stats(self, drafted: int, accepted: int) -> None:
         """Record one verify step of this sequence."""

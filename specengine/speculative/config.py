@@ -39,6 +39,10 @@ class SpeculativeConfig:
             1..``num_speculative_tokens`` and ``candidate_trees`` (``spec/policy.py``).
         candidate_trees: trees for ``auto``/``bandit`` as ``[depth, topk, budget]`` lists
             (None: defaults, see ``spec.policy.candidate_strategies``).
+        policy_max_loss: ``auto``: the share of no speculation's speed that speculation may
+            risk in each batch-size bucket, in [0, 1) (default 0.02: never below 0.98x of no
+            speculation; ``policy.guard.LossGuard``); None: no guard, the cost model alone
+            decides (it then speculates from the first step).
         suffix_decoding_max_tree_depth: ``suffix``: most draft tokens on a path, whatever the
             strategy's depth (>= 1; vLLM's key, default 24).
         suffix_decoding_min_token_prob: ``suffix``: least path probability (continuation
@@ -72,6 +76,7 @@ class SpeculativeConfig:
     draft_dtype: str | None = None
     policy: str = "auto"
     candidate_trees: list | None = None
+    policy_max_loss: float | None = 0.02
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_min_token_prob: float = 0.1
     suffix_memory_bytes: int = DEFAULT_SUFFIX_MEMORY_BYTES
@@ -97,6 +102,11 @@ class SpeculativeConfig:
                              f"prompt_lookup_max={self.prompt_lookup_max}: need 1 <= min <= max")
         if self.policy not in POLICIES:
             raise ValueError(f"speculative_config policy={self.policy!r}: use one of {POLICIES}")
+        loss = self.policy_max_loss
+        if loss is not None and (not isinstance(loss, (int, float)) or isinstance(loss, bool)
+                                 or not 0.0 <= loss < 1.0):
+            raise ValueError(f"speculative_config policy_max_loss={loss!r}: must be a number in "
+                             "[0, 1) or None")
         if self.candidate_trees is not None:
             try:
                 self.candidate_trees = [t if isinstance(t, Strategy) else Strategy(*t)

@@ -19,6 +19,8 @@ What lives where:
   finished lengths (``RemainingLength``) and the weights it gives (``length_weights``);
   ``budget.py``: the step's draft nodes spread over sequences by weighted value
   (``allocate``) and the tally of that spread (``BudgetSpread``);
+- ``guard.py``: ``LossGuard``, the per-bucket loss budget that keeps ``AutoPolicy`` never
+  slower than no speculation (the conservative bandit's rule);
 - ``bandit.py``: ``BanditPolicy``, TLT's BEG-MAB (arXiv 2511.16665), the baseline to beat.
 """
 
@@ -72,7 +74,7 @@ def make_policy(cfg, seed: int = 0, drafter=None) -> Policy:
     elif cfg.policy == "bandit":
         policy = BanditPolicy(candidate_strategies(cfg), seed=seed)
     elif cfg.policy == "auto":
-        policy = AutoPolicy(candidate_strategies(cfg))
+        policy = AutoPolicy(candidate_strategies(cfg), max_loss=cfg.policy_max_loss)
         if isinstance(cfg.method, str):  # a single drafter: its trees' source by default
             policy.cutter.sources.default = cfg.method
     else:

@@ -5,7 +5,8 @@ per second for the whole batch, from an online latency model (``latency.py``, wa
 The criterion, the per-sequence choice (``select``) and the bar a draft node must clear to be
 verified (``refine``) are here; the mechanisms around them are its parts, a module each: the
 probe schedule (``probe.py``), the re-scoring budget (``rescore.py``), the observed/modelled
-correction table (``correction.py``) and the tree cutter (``cutter.py``); the expected
+correction table (``correction.py``), the tree cutter (``cutter.py``) and the loss budget
+that keeps it never slower than no speculation (``guard.py``); the expected
 remaining output per sequence and the weights it gives are in ``remaining.py``, the weighted
 spread of the step's node budget in ``budget.py``.
 """
@@ -22,6 +23,7 @@ from specengine.speculative.policy.base import Policy, StepRecord, strategy_name
 from specengine.speculative.policy.budget import BudgetSpread
 from specengine.speculative.policy.correction import CorrectionTable
 from specengine.speculative.policy.cutter import TreeCutter
+from specengine.speculative.policy.guard import LossGuard
 from specengine.speculative.policy.latency import LatencyModel
 from specengine.speculative.policy.probe import ProbeSchedule
 from specengine.speculative.policy.remaining import RemainingLength, length_weights
@@ -55,6 +57,13 @@ class AutoPolicy(Policy):
     - ``correction`` (``CorrectionTable``): what the two models miss, per batch bucket;
     - ``cutter`` (``TreeCutter``): after drafting, ``refine`` cuts each scored tree to the
       nodes whose calibrated acceptance probability pays for the verify time they add;
+    - ``guard`` (``LossGuard``): per batch bucket, the seconds speculation saved against the
+      no-speculation rate plus ``max_loss`` of the time spent there; a speculative step
+      (probes included) whose worst case, its modelled extra seconds over a plain step plus
+      the drafter's catch-up on the tokens it did not see (``LatencyModel.catch_up_time``),
+      exceeds that slack runs without speculation instead, so each bucket stays at least
+      ``1 - max_loss`` as fast as no speculation, the policy's own time counted as loss (the
+      conservative bandit's rule);
     - ``remaining`` (``RemainingLength``): expected remaining output per sequence from its
       prompt group's finished lengths (``finished``), across ``generate`` calls; it weights
       each sequence's draft nodes (``remaining.length_weights``) in ``select`` and ``refine``,
@@ -71,6 +80,9 @@ class AutoPolicy(Policy):
         length_weight: exponent ``alpha`` of the remaining-length weights (0: every sequence
             weighs 1, the unweighted cut).
         remaining: the remaining-length estimator to use (default: a new one).
+        max_loss: the share of no speculation's speed the ``guard`` lets speculation risk
+            (0.02: every bucket at least 0.98x; 0 speculates only on savings already made,
+            which at the start is never); None: no guard, the criterion alone decides.
         clock: seconds; times the policy's own work (``decision_time``, the re-scoring cost
             ``rescore`` spaces out) and the start-up profile. Tests pass a fake one.
     """
@@ -82,7 +94,8 @@ class AutoPolicy(Policy):
                  latency: LatencyModel | None = None,
                  acceptance: AcceptanceModel | None = None, per_sequence: bool = True,
                  clock: Callable[[], float] = time.perf_counter, length_weight: float = 1.0,
-                 remaining: RemainingLength | None = None):
+                 remaining: RemainingLength | None = None,
+                 max_loss: float | None = 0.02):
         super().__init__()
         self.candidates = (None, *(s for s in dict.fromkeys(candidates) if s is not None))
         max_depth = max((s.depth for s in self.candidates if s is not None), default=1)
@@ -99,6 +112,10 @@ class AutoPolicy(Policy):
         self.remaining = remaining or RemainingLength()
         self.length_weight = length_weight
         self.budget = BudgetSpread()
+        self.guard = LossGuard(max_loss) if max_loss is not None else None
+        self._extra: dict[Strategy | None, float] = {}  # modelled seconds over a plain step
+        self._decided = 0.0  # decision_time when the last step was recorded
+        self._running: Callable[[], list] | None = None  # the engine's running sequences
         # this step's decoding sequences (``select``): id -> (expected remaining, weight)
         self._step_weights: dict[int, tuple[float | None, float]] = {}
         self.current: Strategy | None = None
@@ -122,11 +139,16 @@ class AutoPolicy(Policy):
     def model_rates(self, batch: int, context: float) -> np.ndarray:
         """Modelled committed tokens per second (``[len(candidates)]``, in ``candidates``
         order): batch x expected committed tokens over the modelled step time of each."""
+        return self.model_steps(batch, context)[0]
+
+    def model_steps(self, batch: int, context: float) -> tuple[np.ndarray, np.ndarray]:
+        """``(rates, seconds)``, each ``[len(candidates)]`` in ``candidates`` order: the
+        modelled committed tokens per second and step seconds of each candidate."""
         per_seq_committed, per_seq_nodes, per_seq_built = self.acceptance.expected(self.candidates)
         committed, nodes = batch * per_seq_committed, batch * per_seq_nodes
         seconds = self.latency.step_times(batch, context, self._depths, nodes, committed,
                                           batch * per_seq_built)
-        return committed / np.maximum(seconds, 1e-9)
+        return committed / np.maximum(seconds, 1e-9), seconds
 
     def scores(self, batch: int, context: float,
                rates: np.ndarray | None = None) -> dict[Strategy | None, float]:
@@ -141,7 +163,8 @@ class AutoPolicy(Policy):
 
     def choose(self, num_running: int) -> Strategy | None:
         """The best-scoring candidate for ``num_running`` sequences (kept unless beaten by
-        ``hysteresis``), or the probe ``probes`` schedules instead."""
+        ``hysteresis``), or the probe ``probes`` schedules instead; no speculation when the
+        ``guard``'s slack does not cover the step's modelled extra seconds."""
         t0 = self.clock()
         batch = max(num_running, 1)
         if self.rescore.reuse(batch, bool(self.last_scores)):
@@ -149,8 +172,9 @@ class AutoPolicy(Policy):
         else:
             self.flush()
             context = self.context_per_seq * batch
-            rates = self.model_rates(batch, context)
+            rates, seconds = self.model_steps(batch, context)
             self._raw = dict(zip(self.candidates, rates.tolist()))
+            self._extra = dict(zip(self.candidates, (seconds - seconds[0]).tolist()))
             scores = self.scores(batch, context, rates)
             self.rescore.rescored(batch, self.clock() - t0)
         best = max(scores, key=scores.get)
@@ -160,11 +184,25 @@ class AutoPolicy(Policy):
         elif current is not None and scores[None] > scores[current]:
             current = None  # turning speculation off costs nothing: no margin needed
         choice = self.probes.pick(self.current, current, scores)
+        if choice is not None and self.guard is not None:
+            # the worst case: nothing accepted; the extra seconds and the catch-up are lost
+            share = min(1.0, self.probes.seqs / batch) if self.probes.active else 1.0
+            worst = share * (self._extra.get(choice, 0.0)
+                             + self.latency.catch_up_time(self._pending_catch_up()))
+            if not self.guard.affords(batch, worst):
+                choice, self.probes.active = None, False
         self.current = current
         self._predicted = scores[choice]
         self.last_scores = scores
         self.decision_time += self.clock() - t0
         return choice
+
+    def _pending_catch_up(self) -> int:
+        """Tokens the drafter would catch up on if every decoding sequence were drafted for
+        now (``Sequence.catch_up``; 0 before ``warm_start`` connected the engine)."""
+        if self._running is None:
+            return 0
+        return sum(s.catch_up for s in self._running() if s.num_cached >= len(s) - 1)
 
     def weights(self, seqs: list) -> list[float]:
         """This step's weight per decoding sequence of ``seqs``: ``length_weights`` of their
@@ -249,8 +287,11 @@ class AutoPolicy(Policy):
 
     def warm_start(self, engine) -> None:
         """Profile the engine's forwards (and drafter) for about two seconds into ``latency``
-        (``Engine.profile_forward``, i.e. ``profiling.profile_forward``)."""
+        (``Engine.profile_forward``, i.e. ``profiling.profile_forward``), and read the
+        engine's running sequences from now on (the catch-up a switch to speculation costs)."""
         engine.profile_forward(self.latency, clock=self.clock)
+        if hasattr(engine, "scheduler"):
+            self._running = lambda: engine.scheduler.running
 
     # ---- learning -----------------------------------------------------------------------------
     def record(self, rec: StepRecord) -> None:
@@ -262,6 +303,7 @@ class AutoPolicy(Policy):
         self._tally(rec, f"probe {strategy_name(rec.strategy)}" if probing else None)
         if rec.num_decode:
             self.context_per_seq = rec.context_tokens / rec.num_decode
+        self._guard(rec)
         self._pending.append((rec, probing, self._offered, self._raw.get(rec.strategy)))
         self._offered = None
         if rec.strategy is not None and rec.num_decode:
@@ -272,6 +314,20 @@ class AutoPolicy(Policy):
         if len(self._pending) >= self.rescore.every:
             self.flush()
         self.decision_time += self.clock() - t0
+
+    def _guard(self, rec: StepRecord) -> None:
+        """The step's account in the ``guard``: a decode-only step saved ``committed /
+        r_off - seconds`` (``r_off`` no speculation's score for this batch; 0 for a step
+        without speculation), less the policy's own seconds (``decision_time``) since the last
+        step's account."""
+        own, self._decided = self.decision_time - self._decided, self.decision_time
+        if self.guard is None or not rec.is_decode_only:
+            return
+        off_rate = self.last_scores.get(None, 0.0)
+        saved = 0.0
+        if rec.strategy is not None and off_rate > 0:
+            saved = rec.num_committed / off_rate - rec.step_time
+        self.guard.observe(rec.num_decode, rec.step_time + own, saved - own)
 
     def flush(self) -> None:
         """Learn from the recorded steps not learnt from yet (``record`` defers it)."""
@@ -300,9 +356,11 @@ class AutoPolicy(Policy):
             self.acceptance.age()
         if not rec.is_decode_only:
             return
-        if raw and not probing and rec.step_time > 0:
+        # the rate of a run of such steps: the catch-up is the switch's price, not the step's
+        seconds = rec.step_time - self.latency.catch_up_time(rec.num_catch_up)
+        if raw and not probing and seconds > 0:
             self.correction.observe(rec.num_decode, self._index[rec.strategy],
-                                    rec.num_committed / rec.step_time, raw)
+                                    rec.num_committed / seconds, raw)
 
     def stats(self) -> dict:
         """``Policy.stats`` plus ``policy_latency_knee_tokens``, ``policy_nodes_cut_frac``
@@ -310,8 +368,8 @@ class AutoPolicy(Policy):
         probability per confidence bin, the default source's), ``policy_calibration_per_source``
         (``TreeCutter.stats``), ``policy_expected_committed`` per candidate,
         ``policy_budget`` (how the draft nodes were spread over sequences,
-        ``BudgetSpread.stats``) and ``policy_remaining`` (the remaining-length memory,
-        ``RemainingLength.stats``)."""
+        ``BudgetSpread.stats``), ``policy_remaining`` (the remaining-length memory,
+        ``RemainingLength.stats``) and ``policy_guard`` (``LossGuard.stats``)."""
         self.flush()
         d = super().stats()
         d["policy_latency_knee_tokens"] = self.latency.knee
@@ -324,4 +382,6 @@ class AutoPolicy(Policy):
             for s in self.candidates}
         d["policy_budget"] = self.budget.stats()
         d["policy_remaining"] = self.remaining.stats()
+        if self.guard is not None:
+            d["policy_guard"] = self.guard.stats()
         return d

@@ -34,6 +34,9 @@ class StepRecord:
         num_drafted: draft nodes sent to the target.
         num_proposed: draft nodes the drafter built (before the policy's ``refine`` cut any;
             None: ``num_drafted``).
+        num_catch_up: tokens the drafter caught up on before drafting: those committed while
+            it was not drafting for the sequences it drafted for now (``Sequence.catch_up``);
+            a stateful drafter (EAGLE, a draft model) feeds them through its own layers.
         num_committed: tokens committed by the decode sequences (accepted + bonus/plain).
         accepted_per_seq: accepted draft tokens per decode sequence with a tree.
         draft_time, forward_time, other_time: seconds spent drafting, in the target forward,
@@ -54,6 +57,7 @@ class StepRecord:
     other_time: float
     verified: list = field(default_factory=list)
     num_proposed: int | None = None
+    num_catch_up: int = 0
 
     @property
     def step_time(self) -> float:

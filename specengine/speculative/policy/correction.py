@@ -15,11 +15,13 @@ class CorrectionTable:
     bucket first fades all its factors 1% back towards 1, so a strategy judged on another
     workload is tried again.
 
-    A cell with little evidence (``evidence`` below 1: fewer than ~10 recent steps) borrows,
-    in proportion to what it lacks, from the nearest cell that has it (``_borrowed``): nearest
-    in bucket first, then the same candidate, then nearest in candidate order; speculative
-    candidates borrow only from speculative ones, no speculation only from itself in another
-    bucket; 1 when nothing is measured.
+    A young cell learns fast: its first steps are averaged (each of the first ~10 weighs
+    ``1 / (steps so far)`` rather than ``RATE``), and it is trusted fully after ``TRUSTED``
+    evidence (~3 steps), so one or two steps of a strategy far slower than modelled turn it
+    off. A cell with less evidence borrows, in proportion to what it lacks, from the nearest
+    cell that has it (``_borrowed``): nearest in bucket first, then the same candidate, then
+    nearest in candidate order; speculative candidates borrow only from speculative ones, no
+    speculation only from itself in another bucket; 1 when nothing is measured.
     The models' errors are shared that way (a drafter's cost they miss at depth 1 they also
     miss at depth 2 and one bucket up), so a strategy never run is not preferred just
     because nothing has corrected it yet.
@@ -30,7 +32,8 @@ class CorrectionTable:
     """
 
     FADE = 0.01  # per update of a bucket, of every factor towards 1 and of every evidence
-    RATE = 0.1  # weight of one step's ratio in its cell's moving average
+    RATE = 0.1  # weight of one step's ratio in its cell's moving average (once ~10 steps in)
+    TRUSTED = 0.3  # evidence (~3 steps) after which a cell no longer borrows
 
     def __init__(self, num_candidates: int):
         self.num_candidates = num_candidates
@@ -45,7 +48,7 @@ class CorrectionTable:
         b = batch_bucket(batch)
         n = self.num_candidates
         own = self.per_bucket.get(b, np.ones(n))
-        w = np.minimum(self.evidence.get(b, np.zeros(n)), 1.0)
+        w = np.minimum(self.evidence.get(b, np.zeros(n)) / self.TRUSTED, 1.0)
         if (w >= 1.0).all():
             return own
         return w * own + (1.0 - w) * np.array([self._borrowed(b, i) for i in range(n)])
@@ -57,7 +60,7 @@ class CorrectionTable:
         spec = i > 0
         cells = [(abs(k - bucket), j != i, abs(j - i), k, j) for k, e in self.evidence.items()
                  for j in range(self.num_candidates)
-                 if e[j] >= 1.0 and (j > 0) == spec and (k, j) != (bucket, i)]
+                 if e[j] >= self.TRUSTED and (j > 0) == spec and (k, j) != (bucket, i)]
         if not cells:
             return 1.0
         *_, k, j = min(cells)
@@ -73,5 +76,6 @@ class CorrectionTable:
         corr += (1.0 - corr) * self.FADE  # unrefreshed corrections fade (the workload changes)
         ev *= 1.0 - self.FADE
         ratio = min(max(observed / modelled, 0.25), 4.0)
-        corr[index] = (1.0 - self.RATE) * corr[index] + self.RATE * ratio
+        w = max(self.RATE, self.RATE / (ev[index] + self.RATE))  # 1, 1/2, 1/3, ... then RATE
+        corr[index] = (1.0 - w) * corr[index] + w * ratio
         ev[index] += self.RATE

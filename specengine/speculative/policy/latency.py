@@ -9,9 +9,12 @@ A step costs drafting + one target forward + everything else (verify, sampling, 
   while the forward is memory-bound, a steeper slope once it is compute-bound (RLHFSpec arXiv
   2512.04752 models verification cost the same way). The knee is chosen among powers of two by
   the smallest weighted residual, so no machine constant is written down anywhere.
-- **draft** = ``d0 + d1*B + d2*depth + d3*depth*B + d4*nodes`` when speculating (0 otherwise):
-  fits a free n-gram lookup (all ~0), a draft model (a forward of B tokens per depth) and an
-  EAGLE head alike.
+- **draft** = ``d0 + d1*B + d2*depth + d3*depth*B + d4*nodes + d5*catch_up`` when speculating
+  (0 otherwise): fits a free n-gram lookup (all ~0), a draft model (a forward of B tokens per
+  depth) and an EAGLE head alike; ``catch_up`` is the tokens committed while the drafter was
+  not drafting for the sequences it drafts for now (``StepRecord.num_catch_up``), which a
+  stateful drafter feeds through its layers first: the price of turning speculation on
+  (``catch_up_time``), 0 in a run of speculative steps.
 - **other** = ``o0 + o1*B + o2*nodes + o3*committed``.
 
 Each part is a weighted least-squares fit on relative error (weight 1/y^2), kept as sufficient
@@ -172,11 +175,11 @@ def forward_x(tokens, context, per_seq, knee) -> np.ndarray:
                      context, context * per_seq)
 
 
-def draft_x(batch, depth, nodes) -> np.ndarray:
-    """Features of the draft-time fit, ``[..., 5]``: the work of drafting ``nodes`` nodes
-    ``depth`` deep for ``batch`` sequences."""
+def draft_x(batch, depth, nodes, catch_up=0.0) -> np.ndarray:
+    """Features of the draft-time fit, ``[..., 6]``: the work of drafting ``nodes`` nodes
+    ``depth`` deep for ``batch`` sequences after catching up on ``catch_up`` tokens."""
     batch, depth = np.asarray(batch, dtype=float), np.asarray(depth, dtype=float)
-    return _features(1.0, batch, depth, depth * batch, nodes)
+    return _features(1.0, batch, depth, depth * batch, nodes, catch_up)
 
 
 def other_x(batch, nodes, committed) -> np.ndarray:
@@ -196,7 +199,7 @@ class LatencyModel:
         self.prior_weight = prior_weight
         self.knees = np.array(KNEES, dtype=float)
         self.forward = WeightedLeastSquares(5, decay, copies=len(KNEES), refit_every=8)
-        self.draft = WeightedLeastSquares(5, decay, refit_every=8)
+        self.draft = WeightedLeastSquares(6, decay, refit_every=8)
         self.other = WeightedLeastSquares(4, decay, refit_every=8)
         self.knee_index = 0
         self.num_forward = 0  # forward observations (profile included)
@@ -240,18 +243,19 @@ class LatencyModel:
         self.knee_index = int(np.argmin(self.forward.residuals()))
 
     def add_draft(self, batch: int, depth: int, nodes: int, seconds: float,
-                  prior: bool = False) -> None:
-        """Drafting ``nodes`` nodes up to ``depth`` deep for ``batch`` sequences took
-        ``seconds``."""
-        self.add_drafts([batch], [depth], [nodes], [seconds], prior)
+                  prior: bool = False, catch_up: int = 0) -> None:
+        """Drafting ``nodes`` nodes up to ``depth`` deep for ``batch`` sequences, after
+        catching up on ``catch_up`` tokens, took ``seconds``."""
+        self.add_drafts([batch], [depth], [nodes], [seconds], prior, [catch_up])
 
-    def add_drafts(self, batch, depth, nodes, seconds, prior: bool = False) -> None:
+    def add_drafts(self, batch, depth, nodes, seconds, prior: bool = False,
+                   catch_up=0.0) -> None:
         """``add_draft`` of several steps (arrays, in order), one batched update."""
         s = np.asarray(seconds, dtype=float)
         if not len(s):
             return
         w = (self.prior_weight if prior else 1.0) / np.maximum(s, 1e-4) ** 2
-        x = draft_x(batch, depth, nodes)
+        x = draft_x(batch, depth, nodes, catch_up)
         if not prior and self.num_draft:
             w = w * outlier_weight(s, x @ self.draft.stale_theta())
         self.draft.add_many(x, s, w, prior)
@@ -282,7 +286,8 @@ class LatencyModel:
         spec = [r for r in fwd if r.strategy is not None]
         self.add_drafts([r.num_decode for r in spec], [r.strategy.depth for r in spec],
                         [r.num_drafted if r.num_proposed is None else r.num_proposed
-                         for r in spec], [r.draft_time for r in spec])
+                         for r in spec], [r.draft_time for r in spec], False,
+                        [r.num_catch_up for r in spec])
         self.add_others([r.num_decode for r in fwd], [r.num_drafted for r in fwd],
                         [r.num_committed for r in fwd], [r.other_time for r in fwd])
 
@@ -303,12 +308,22 @@ class LatencyModel:
              + c4 * context * tokens / max(num_seqs, 1))
         return max(y, 0.0)
 
-    def draft_time(self, batch: float, depth: float, nodes: float) -> float:
-        """Predicted seconds of drafting (0 for no speculation or before any observation)."""
+    def draft_time(self, batch: float, depth: float, nodes: float,
+                   catch_up: float = 0.0) -> float:
+        """Predicted seconds of drafting (0 for no speculation or before any observation),
+        after catching up on ``catch_up`` tokens."""
         if depth == 0 or self.num_draft == 0:
             return 0.0
-        d0, d1, d2, d3, d4 = self.draft.theta().tolist()
-        return max(d0 + d1 * batch + d2 * depth + d3 * depth * batch + d4 * nodes, 0.0)
+        d0, d1, d2, d3, d4, d5 = self.draft.theta().tolist()
+        return max(d0 + d1 * batch + d2 * depth + d3 * depth * batch + d4 * nodes
+                   + d5 * catch_up, 0.0)
+
+    def catch_up_time(self, tokens: float) -> float:
+        """Predicted seconds a drafter spends catching up on ``tokens`` tokens before it can
+        draft (the draft fit's ``catch_up`` term; 0 before any draft was observed)."""
+        if self.num_draft == 0:
+            return 0.0
+        return max(float(self.draft.theta()[5]) * tokens, 0.0)
 
     def other_time(self, batch: float, nodes: float, committed: float) -> float:
         """Predicted seconds of verify/sampling/bookkeeping."""

@@ -1,0 +1,184 @@
+"""Never slower than no speculation: the loss guard (``policy.guard.LossGuard``), the price of
+turning a stateful drafter on (catch-up tokens in the step record and the latency model), and
+the correction table's fast learning, each alone and together in ``AutoPolicy`` on simulated
+steps whose true costs the policy's models get wrong."""
+
+import numpy as np
+import pytest
+
+from specengine import LLM, SamplingParams
+from specengine.speculative.policy import AutoPolicy, Policy, StaticPolicy, StepRecord
+from specengine.speculative.policy.correction import CorrectionTable
+from specengine.speculative.policy.guard import LossGuard
+from specengine.speculative.policy.latency import LatencyModel
+from specengine.speculative.strategy import Strategy
+
+
+def test_guard_pays_for_risk_out_of_savings_and_its_share_of_time():
+    g = LossGuard(alpha=0.02, horizon=10_000)
+    assert g.affords(8, 0.0) and not g.affords(8, 1e-6)  # nothing spent yet: no risk
+    for _ in range(100):
+        g.observe(8, 0.010, 0.0)  # 100 plain steps of 10 ms: 20 ms may be lost
+    assert g.slack(8) == pytest.approx(0.02 * 1.0, rel=0.01)
+    assert g.affords(9, 0.019) and not g.affords(9, 0.021)  # 8 and 9: the same bucket
+    assert not g.affords(4, 0.001)  # another bucket has its own account
+    g.observe(8, 0.012, -0.015)  # a speculative step lost 15 ms
+    assert g.slack(8) == pytest.approx(0.02 * 1.012 - 0.015, rel=0.03)
+    g.observe(8, 0.010, 0.050)  # one that saved 50 ms pays for much more
+    assert g.affords(8, 0.05)
+    assert g.refused == 3
+    assert g.stats()["buckets"]["8-15"]["spent_s"] == pytest.approx(1.022, rel=0.01)
+
+
+def test_guard_forgets_old_savings():
+    g = LossGuard(alpha=0.0, horizon=100)
+    g.observe(1, 0.01, 1.0)  # a big saving long ago
+    for _ in range(1000):
+        g.observe(1, 0.01, 0.0)
+    assert g.slack(1) < 1e-3
+
+
+@pytest.mark.parametrize("kw", [{"alpha": 1.0}, {"alpha": -0.1}, {"horizon": 0}])
+def test_guard_rejects_bad_arguments(kw):
+    with pytest.raises(ValueError):
+        LossGuard(**kw)
+
+
+def test_correction_learns_a_young_cell_in_a_few_steps():
+    """The first steps of a cell are averaged, not blended at 10% each: a strategy running at
+    half its modelled rate is scored at half within three steps (turn off fast)."""
+    t = CorrectionTable(3)
+    t.observe(8, 0, observed=100.0, modelled=100.0)
+    t.observe(8, 1, observed=50.0, modelled=100.0)
+    assert t.per_bucket[8 .bit_length()][1] == pytest.approx(0.5)
+    for _ in range(2):
+        t.observe(8, 1, observed=50.0, modelled=100.0)
+    assert t.factors(8)[1] == pytest.approx(0.5, abs=0.02)  # trusted: nothing borrowed
+
+
+def test_latency_model_learns_the_catch_up_price():
+    """Draft time = its usual terms + a per-token catch-up cost, learnt from steps that caught
+    up (start-up profile and served steps alike) and 0 for a run of speculative steps."""
+    lat = LatencyModel()
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        b, d = int(rng.integers(1, 32)), int(rng.integers(1, 5))
+        catch_up = int(rng.integers(0, 400)) if rng.random() < 0.3 else 0
+        seconds = 1e-3 + 2e-4 * b * d + 40e-6 * catch_up
+        lat.add_draft(b, d, b * d, seconds, catch_up=catch_up)
+    assert lat.catch_up_time(1000) == pytest.approx(0.040, rel=0.05)
+    assert lat.draft_time(8, 2, 16, catch_up=100) - lat.draft_time(8, 2, 16) == \
+        pytest.approx(0.004, rel=0.05)
+
+
+class Sim:
+    """Steps of ``batch`` sequences whose true cost the policy's models do not know: a plain
+    step takes ``t_off``; a speculative one ``t_off + extra * depth`` plus ``catch_up``
+    seconds per token it catches up on, and commits ``1 + accepted`` tokens per sequence."""
+
+    def __init__(self, batch=8, t_off=0.02, extra=0.004, catch_up=40e-6, accepted=0.0):
+        self.batch, self.t_off, self.extra, self.catch_up = batch, t_off, extra, catch_up
+        self.accepted = accepted
+        self.gap = 0  # steps since the drafter last drafted
+
+    def step(self, s: Strategy | None) -> StepRecord:
+        b = self.batch
+        if s is None:
+            self.gap += 1
+            return StepRecord(None, b, 0, b, b * 100, 0, b, [], 0.0, self.t_off, 0.0)
+        catch_up, self.gap = b * self.gap, 0
+        acc = [round(self.accepted * s.depth)] * b
+        return StepRecord(s, b, 0, b * (1 + s.depth), b * 100, b * s.depth, b + sum(acc), acc,
+                          self.extra * s.depth / 2 + self.catch_up * catch_up,
+                          self.t_off + self.extra * s.depth / 2, 0.0, num_catch_up=catch_up)
+
+
+def simulate(pol: Policy, sim: Sim, steps: int) -> tuple[float, int]:
+    """Run ``steps`` steps; returns (seconds, committed tokens)."""
+    seconds, tokens = 0.0, 0
+    for _ in range(steps):
+        rec = sim.step(pol.choose(sim.batch))
+        pol.record(rec)
+        seconds += rec.step_time
+        tokens += rec.num_committed
+    return seconds, tokens
+
+
+def optimistic_policy(**kw) -> AutoPolicy:
+    """An ``AutoPolicy`` whose models believe speculation is cheap and accepted often: a
+    flat forward (memory-bound) and free drafting, 90% acceptance."""
+    lat = LatencyModel()
+    for n in (8, 16, 32, 64):
+        for ctx in (400, 800):
+            lat.add_forward(n, ctx, 8, 0.02, prior=True)
+    for b, d in ((1, 1), (8, 1), (8, 3), (16, 2)):
+        lat.add_draft(b, d, b * d, 1e-5, prior=True)
+    pol = AutoPolicy([Strategy(1), Strategy(3)], latency=lat, **kw)
+    for _ in range(20):
+        pol.acceptance.observe(Strategy(3), [3] * 8, 8, 24, 24)
+    return pol
+
+
+def test_a_policy_misled_into_speculating_loses_at_most_its_budget():
+    """Speculation accepts nothing and costs more than modelled (drafting and catch-up the
+    models never saw): unguarded, the optimistic models speculate and lose heavily; guarded,
+    the whole run stays within 2% of no speculation."""
+    base_s, base_tok = simulate(StaticPolicy(None), Sim(), 2000)
+    rate_off = base_tok / base_s
+    for max_loss, low, high in ((None, 0.0, 0.97), (0.02, 0.98, 1.0001)):
+        s, tok = simulate(optimistic_policy(max_loss=max_loss), Sim(), 2000)
+        assert low <= (tok / s) / rate_off <= high, max_loss
+
+
+def test_a_paying_strategy_is_found_and_kept_within_the_budget():
+    """Speculation pays (half the draft accepted): the guard lets the first steps run out of
+    the time budget, the savings then pay for the rest, and the run ends well ahead of no
+    speculation."""
+    sim = Sim(accepted=0.5, extra=0.002)
+    base_s, base_tok = simulate(StaticPolicy(None), Sim(), 2000)
+    pol = optimistic_policy()
+    s, tok = simulate(pol, sim, 2000)
+    assert (tok / s) / (base_tok / base_s) > 1.3
+    spec_steps = sum(v["steps"] for k, v in pol.per_strategy.items() if k != "off")
+    assert spec_steps > 1500
+
+
+def test_catch_up_counts_the_tokens_a_drafter_did_not_see(target_dir):
+    """The step record's ``num_catch_up``: a sequence's whole length at its first draft, then
+    0 while it is drafted for every step; after plain steps, the tokens committed in them."""
+    llm = LLM(str(target_dir), dtype="float32", block_size=8, kv_cache_memory_bytes=8 << 20,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                  "policy": "static"})
+    records = []
+    spec = Strategy(2)
+    schedule = iter([None] * 4 + [spec] * 3 + [None] * 2 + [spec] * 20)
+
+    class Scripted(Policy):
+        def choose(self, num_running):
+            return next(schedule)
+
+        def record(self, rec):
+            records.append(rec)
+
+    llm.engine.policy = Scripted()
+    prompt = [5, 6, 7] * 4
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                 use_tqdm=False)
+    # the prefill, 3 plain steps, 3 drafted, 2 plain, then drafted to the end (one token each
+    # step at most: the random target rejects the drafts, or the drafter has none)
+    decodes = [(r.strategy is not None, r.num_catch_up) for r in records if r.num_decode]
+    assert decodes[:7] == [(False, 0)] * 3 + [(True, len(prompt) + 1 + 3), (True, 0),
+                                              (True, 0), (False, 0)]
+    assert decodes[8][0] and decodes[8][1] == 2 and all(c == 0 for _, c in decodes[9:])
+
+
+def test_default_speculative_config_guards_auto(target_dir):
+    llm = LLM(str(target_dir), dtype="float32", block_size=8, kv_cache_memory_bytes=8 << 20,
+              speculative_config={"method": "ngram"})
+    assert llm.engine.policy.guard.alpha == 0.02
+    with pytest.raises(ValueError, match="policy_max_loss"):
+        LLM(str(target_dir), dtype="float32", block_size=8, kv_cache_memory_bytes=8 << 20,
+            speculative_config={"method": "ngram", "policy_max_loss": 1.5})
+    free = LLM(str(target_dir), dtype="float32", block_size=8, kv_cache_memory_bytes=8 << 20,
+               speculative_config={"method": "ngram", "policy_max_loss": None})
+    assert free.engine.policy.guard is None
