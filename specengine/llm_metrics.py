@@ -13,10 +13,10 @@ def llm_metrics(engine, weights, memory, generate_time: float) -> dict:
     steps, predicted and observed tokens/s, decision time; with ``auto`` also
     ``policy_budget``, how draft nodes were spread over sequences,
     ``policy_remaining``, the remembered output lengths, and ``policy_guard``, the loss
-    guard's account per batch bucket and the speculative steps it refused) and ``tau_per_weight_version``
-    (target weight version -> tokens committed per verify step while it served: drift
-    after a weight update shows here); with an EAGLE drafter (also inside a
-    ``Harvester`` or merged with others), ``drafter_version`` and ``tau_per_version``
+    guard's account per batch bucket and the speculative steps it refused) and
+    ``tau_per_weight_version`` (target weight version -> tokens committed per verify step
+    while it served: drift after a weight update shows here); with an EAGLE drafter (also
+    inside a ``Harvester`` or merged with others), ``drafter_version`` and ``tau_per_version``
     (drafter version -> tokens committed per verify step, see ``EagleDrafter.stats``); with
     several drafters merged, ``merged_nodes_proposed`` / ``merged_nodes_kept`` per source
     (``MergedDrafter.stats``); with speculation, ``source_stats``: per draft source, nodes

@@ -30,6 +30,20 @@ def test_guard_pays_for_risk_out_of_savings_and_its_share_of_time():
     assert g.stats()["buckets"]["8-15"]["spent_s"] == pytest.approx(1.022, rel=0.01)
 
 
+def test_guard_learns_how_far_the_models_underestimate_a_loss():
+    """A step that lost 10x its modelled worst case makes the bucket ask 10x the modelled
+    worst case in slack; steps that lose less bring the factor back 10% at a time."""
+    g = LossGuard(alpha=0.02, horizon=10**6)
+    for _ in range(1000):
+        g.observe(8, 0.01, 0.0)  # 0.2 s of slack
+    g.observe(8, 0.01, -0.1, worst_loss=0.01)  # lost 0.1 s where 0.01 was modelled
+    assert g.slack(8) == pytest.approx(0.1002, rel=2e-3)
+    assert g.covers(8, 0.009) and not g.covers(8, 0.011)
+    assert g.covers(2, 0.001) is False and g.underestimate == {4: 10.0}  # its bucket only
+    g.observe(8, 0.01, 0.005, worst_loss=0.01)  # saved: the factor fades
+    assert g.underestimate[4] == pytest.approx(9.1)
+
+
 def test_guard_forgets_old_savings():
     g = LossGuard(alpha=0.0, horizon=100)
     g.observe(1, 0.01, 1.0)  # a big saving long ago

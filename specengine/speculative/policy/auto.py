@@ -88,6 +88,7 @@ class AutoPolicy(Policy):
     """
 
     name = "auto"
+    IDLE_LEARN_EVERY = 64  # recorded steps learnt from at once while ``_idle``
 
     def __init__(self, candidates: list[Strategy | None], hysteresis: float = 0.05,
                  probe_every: int = 50, probe_seqs: int = 4,
@@ -116,6 +117,9 @@ class AutoPolicy(Policy):
         self._extra: dict[Strategy | None, float] = {}  # modelled seconds over a plain step
         self._decided = 0.0  # decision_time when the last step was recorded
         self._running: Callable[[], list] | None = None  # the engine's running sequences
+        self.idle_steps = 0  # steps ``choose`` left off without scoring (``_idle``)
+        self._was_idle = False
+        self._worst = 0.0  # the modelled worst loss of the step chosen last (seconds)
         # this step's decoding sequences (``select``): id -> (expected remaining, weight)
         self._step_weights: dict[int, tuple[float | None, float]] = {}
         self.current: Strategy | None = None
@@ -164,9 +168,19 @@ class AutoPolicy(Policy):
     def choose(self, num_running: int) -> Strategy | None:
         """The best-scoring candidate for ``num_running`` sequences (kept unless beaten by
         ``hysteresis``), or the probe ``probes`` schedules instead; no speculation when the
-        ``guard``'s slack does not cover the step's modelled extra seconds."""
+        ``guard``'s slack does not cover the step's modelled extra seconds. While that slack
+        could not cover any candidate (``_idle``), nothing is scored."""
         t0 = self.clock()
         batch = max(num_running, 1)
+        was_idle, self._was_idle = self._was_idle, self._idle(batch)
+        if self._was_idle:
+            self.idle_steps += 1
+            self.probes.active = False
+            self._predicted = self.last_scores.get(None)
+            self.decision_time += self.clock() - t0
+            return None
+        if was_idle:  # the last scores are from before the idle steps
+            self.rescore.scored_for = (-1, 0)
         if self.rescore.reuse(batch, bool(self.last_scores)):
             scores = self.last_scores  # re-scored when the batch changes, else every few steps
         else:
@@ -191,11 +205,22 @@ class AutoPolicy(Policy):
                              + self.latency.catch_up_time(self._pending_catch_up()))
             if not self.guard.affords(batch, worst):
                 choice, self.probes.active = None, False
+            self._worst = worst
         self.current = current
         self._predicted = scores[choice]
         self.last_scores = scores
         self.decision_time += self.clock() - t0
         return choice
+
+    def _idle(self, batch: int) -> bool:
+        """True when the guard's slack for ``batch`` sequences covers not even the cheapest
+        candidate's extra seconds at the last scoring of this batch size (a probe's share of
+        them included): no step could speculate, so none is scored, and ``record`` learns in
+        bigger batches (the policy's own time is the guard's loss too)."""
+        if self.guard is None or not self._extra or self.rescore.scored_for[0] != batch:
+            return False
+        cheapest = min(v for s, v in self._extra.items() if s is not None)
+        return not self.guard.covers(batch, cheapest * min(1.0, self.probes.seqs / batch))
 
     def _pending_catch_up(self) -> int:
         """Tokens the drafter would catch up on if every decoding sequence were drafted for
@@ -311,7 +336,8 @@ class AutoPolicy(Policy):
         self._step_weights = {}
         if rec.is_decode_only:  # the steps the re-scoring is spread over
             self.rescore.observe_step(rec.step_time)
-        if len(self._pending) >= self.rescore.every:
+        idle = rec.strategy is None and self._idle(rec.num_decode or 1)  # spec: learnt soon
+        if len(self._pending) >= (self.IDLE_LEARN_EVERY if idle else self.rescore.every):
             self.flush()
         self.decision_time += self.clock() - t0
 
@@ -327,7 +353,8 @@ class AutoPolicy(Policy):
         saved = 0.0
         if rec.strategy is not None and off_rate > 0:
             saved = rec.num_committed / off_rate - rec.step_time
-        self.guard.observe(rec.num_decode, rec.step_time + own, saved - own)
+        self.guard.observe(rec.num_decode, rec.step_time + own, saved - own,
+                           self._worst if rec.strategy is not None else None)
 
     def flush(self) -> None:
         """Learn from the recorded steps not learnt from yet (``record`` defers it)."""
@@ -369,7 +396,8 @@ class AutoPolicy(Policy):
         (``TreeCutter.stats``), ``policy_expected_committed`` per candidate,
         ``policy_budget`` (how the draft nodes were spread over sequences,
         ``BudgetSpread.stats``), ``policy_remaining`` (the remaining-length memory,
-        ``RemainingLength.stats``) and ``policy_guard`` (``LossGuard.stats``)."""
+        ``RemainingLength.stats``) and ``policy_guard`` (``LossGuard.stats`` and ``idle_steps``,
+        the steps chosen without scoring because no candidate was affordable)."""
         self.flush()
         d = super().stats()
         d["policy_latency_knee_tokens"] = self.latency.knee
@@ -383,5 +411,5 @@ class AutoPolicy(Policy):
         d["policy_budget"] = self.budget.stats()
         d["policy_remaining"] = self.remaining.stats()
         if self.guard is not None:
-            d["policy_guard"] = self.guard.stats()
+            d["policy_guard"] = {**self.guard.stats(), "idle_steps": self.idle_steps}
         return d

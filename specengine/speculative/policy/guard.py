@@ -24,6 +24,12 @@ class LossGuard:
     last ~``horizon`` steps of each bucket, not only since the engine started: savings from an
     old workload do not pay for losses on a new one.
 
+    The worst case a step is allowed on is the policy's model of it, which may be wrong (a
+    cost the models never saw); so per bucket the guard keeps ``underestimate``: how many
+    times the modelled worst case the real loss of a speculative step has been (the largest
+    ratio seen, fading 10% towards 1 with each step that lost less), and asks for that many
+    times the modelled worst case in slack.
+
     Args:
         alpha: the share of no speculation's speed that may be lost (0.02: at least 0.98x).
         horizon: steps per bucket the sums remember (their fading time constant).
@@ -38,30 +44,45 @@ class LossGuard:
         self.saved: dict[int, float] = {}  # bucket -> seconds saved by speculation (faded)
         self.spent: dict[int, float] = {}  # bucket -> seconds of decode steps (faded)
         self.refused = 0  # speculative steps refused
+        self.underestimate: dict[int, float] = {}  # bucket -> real / modelled worst loss
 
     def slack(self, batch: int) -> float:
         """Seconds a step of ``batch`` sequences may still lose: ``saved + alpha * spent``."""
         b = batch_bucket(batch)
         return self.saved.get(b, 0.0) + self.alpha * self.spent.get(b, 0.0)
 
-    def affords(self, batch: int, worst_loss: float) -> bool:
+    def covers(self, batch: int, worst_loss: float) -> bool:
         """True when a step of ``batch`` sequences that may lose ``worst_loss`` seconds against
-        no speculation keeps the bucket's slack non-negative; counts a refusal otherwise."""
-        if worst_loss <= 0.0 or self.slack(batch) >= worst_loss:
+        no speculation (as modelled; times the bucket's ``underestimate``) keeps the bucket's
+        slack non-negative."""
+        worst_loss *= self.underestimate.get(batch_bucket(batch), 1.0)
+        return worst_loss <= 0.0 or self.slack(batch) >= worst_loss
+
+    def affords(self, batch: int, worst_loss: float) -> bool:
+        """``covers``, counting a refusal when it does not."""
+        if self.covers(batch, worst_loss):
             return True
         self.refused += 1
         return False
 
-    def observe(self, batch: int, step_seconds: float, saved_seconds: float) -> None:
+    def observe(self, batch: int, step_seconds: float, saved_seconds: float,
+                worst_loss: float | None = None) -> None:
         """A decode step of ``batch`` sequences took ``step_seconds`` and saved
-        ``saved_seconds`` against no speculation (0 for a step without it)."""
+        ``saved_seconds`` against no speculation (0 for a step without it); a speculative
+        step also gives the ``worst_loss`` it was allowed on (seconds, as modelled)."""
         b = batch_bucket(batch)
         self.saved[b] = self.saved.get(b, 0.0) * self.fade + saved_seconds
         self.spent[b] = self.spent.get(b, 0.0) * self.fade + step_seconds
+        if worst_loss is not None and worst_loss > 0:
+            u = 1.0 + 0.9 * (self.underestimate.get(b, 1.0) - 1.0)
+            self.underestimate[b] = max(u, -saved_seconds / worst_loss)
 
     def stats(self) -> dict:
-        """``refused`` steps and, per bucket label, ``saved_s`` and ``spent_s``."""
+        """``refused`` steps and, per bucket label, ``saved_s``, ``spent_s`` and
+        ``underestimate``."""
         return {"refused": self.refused,
                 "buckets": {bucket_label(b): {"saved_s": round(self.saved[b], 4),
-                                              "spent_s": round(self.spent[b], 4)}
+                                              "spent_s": round(self.spent[b], 4),
+                                              "underestimate": round(
+                                                  self.underestimate.get(b, 1.0), 2)}
                             for b in sorted(self.saved)}}

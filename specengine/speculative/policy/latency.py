@@ -256,8 +256,8 @@ class LatencyModel:
             return
         w = (self.prior_weight if prior else 1.0) / np.maximum(s, 1e-4) ** 2
         x = draft_x(batch, depth, nodes, catch_up)
-        if not prior and self.num_draft:
-            w = w * outlier_weight(s, x @ self.draft.stale_theta())
+        if not prior and self.num_draft:  # a catch-up teaches its own term: never an outlier
+            w = w * np.where(x[:, 5] > 0, 1.0, outlier_weight(s, x @ self.draft.stale_theta()))
         self.draft.add_many(x, s, w, prior)
         self.num_draft += len(s)
 
