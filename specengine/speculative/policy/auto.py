@@ -61,9 +61,9 @@ class AutoPolicy(Policy):
       no-speculation rate plus ``max_loss`` of the time spent there; a speculative step
       (probes included) whose worst case, its modelled extra seconds over a plain step plus
       the drafter's catch-up on the tokens it did not see (``LatencyModel.catch_up_time``),
-      exceeds that slack runs without speculation instead, so each bucket stays at least
-      ``1 - max_loss`` as fast as no speculation, the policy's own time counted as loss (the
-      conservative bandit's rule);
+      exceeds that slack is not run (the best candidate it covers is, or none), so each
+      bucket stays at least ``1 - max_loss`` as fast as no speculation, the policy's own time
+      counted as loss (the conservative bandit's rule);
     - ``remaining`` (``RemainingLength``): expected remaining output per sequence from its
       prompt group's finished lengths (``finished``), across ``generate`` calls; it weights
       each sequence's draft nodes (``remaining.length_weights``) in ``select`` and ``refine``,
@@ -118,7 +118,6 @@ class AutoPolicy(Policy):
         self._decided = 0.0  # decision_time when the last step was recorded
         self._running: Callable[[], list] | None = None  # the engine's running sequences
         self.idle_steps = 0  # steps ``choose`` left off without scoring (``_idle``)
-        self._was_idle = False
         self._worst = 0.0  # the modelled worst loss of the step chosen last (seconds)
         # this step's decoding sequences (``select``): id -> (expected remaining, weight)
         self._step_weights: dict[int, tuple[float | None, float]] = {}
@@ -167,20 +166,18 @@ class AutoPolicy(Policy):
 
     def choose(self, num_running: int) -> Strategy | None:
         """The best-scoring candidate for ``num_running`` sequences (kept unless beaten by
-        ``hysteresis``), or the probe ``probes`` schedules instead; no speculation when the
-        ``guard``'s slack does not cover the step's modelled extra seconds. While that slack
-        could not cover any candidate (``_idle``), nothing is scored."""
+        ``hysteresis``) among those whose worst case the ``guard``'s slack covers, or the
+        probe ``probes`` schedules instead (if the guard covers it). While that slack could
+        not cover any candidate (``_idle``), nothing is scored."""
         t0 = self.clock()
         batch = max(num_running, 1)
-        was_idle, self._was_idle = self._was_idle, self._idle(batch)
-        if self._was_idle:
+        if self._idle(batch):
             self.idle_steps += 1
             self.probes.active = False
             self._predicted = self.last_scores.get(None)
+            self.rescore.age()  # the scores grow older all the same
             self.decision_time += self.clock() - t0
             return None
-        if was_idle:  # the last scores are from before the idle steps
-            self.rescore.scored_for = (-1, 0)
         if self.rescore.reuse(batch, bool(self.last_scores)):
             scores = self.last_scores  # re-scored when the batch changes, else every few steps
         else:
@@ -191,21 +188,28 @@ class AutoPolicy(Policy):
             self._extra = dict(zip(self.candidates, (seconds - seconds[0]).tolist()))
             scores = self.scores(batch, context, rates)
             self.rescore.rescored(batch, self.clock() - t0)
-        best = max(scores, key=scores.get)
-        current = self.current if self.current in scores else None
-        if scores[best] > scores[current] * (1 + self.hysteresis):
+        pool = scores  # the candidates this step may run: all, or what the guard covers
+        worst: dict[Strategy | None, float] = {}
+        if self.guard is not None:
+            # the worst case: nothing accepted; the extra seconds and the catch-up are lost
+            catch_up = self.latency.catch_up_time(self._pending_catch_up())
+            worst = {c: self._extra.get(c, 0.0) + catch_up for c in scores if c is not None}
+            pool = {c: v for c, v in scores.items()
+                    if c is None or self.guard.covers(batch, worst[c])}
+            if len(pool) < len(scores) and max(scores, key=scores.get) not in pool:
+                self.guard.refused += 1
+        best = max(pool, key=pool.get)
+        current = self.current if self.current in pool else None
+        if pool[best] > pool[current] * (1 + self.hysteresis):
             current = best
-        elif current is not None and scores[None] > scores[current]:
+        elif current is not None and pool[None] > pool[current]:
             current = None  # turning speculation off costs nothing: no margin needed
         choice = self.probes.pick(self.current, current, scores)
-        if choice is not None and self.guard is not None:
-            # the worst case: nothing accepted; the extra seconds and the catch-up are lost
+        if choice is not None and worst:
             share = min(1.0, self.probes.seqs / batch) if self.probes.active else 1.0
-            worst = share * (self._extra.get(choice, 0.0)
-                             + self.latency.catch_up_time(self._pending_catch_up()))
-            if not self.guard.affords(batch, worst):
+            self._worst = share * worst[choice]
+            if not self.guard.affords(batch, self._worst):  # a probe it does not cover
                 choice, self.probes.active = None, False
-            self._worst = worst
         self.current = current
         self._predicted = scores[choice]
         self.last_scores = scores

@@ -141,11 +141,12 @@ class WeightedLeastSquares:
         t = self._last.get(i)
         return self.theta(i) if t is None else t
 
-    def residuals(self) -> np.ndarray:
-        """``[copies]`` weighted sums of squared residuals of the fits (prior and online
-        data)."""
-        t = np.stack([self.theta(i) for i in range(self.shape[0])])
-        a, b = self.prior_a + self.a, self.prior_b + self.b
+    def residuals(self, indices: list[int] | None = None) -> np.ndarray:
+        """Weighted sums of squared residuals of the fits ``indices`` (default: all
+        ``copies``; prior and online data)."""
+        idx = list(range(self.shape[0])) if indices is None else list(indices)
+        t = np.stack([self.theta(i) for i in idx])
+        a, b = self.prior_a[idx] + self.a[idx], self.prior_b[idx] + self.b[idx]
         quad = np.einsum("ci,cij,cj->c", t, a, t)
         return self.prior_yy + self.yy - 2 * np.einsum("ci,ci->c", t, b) + quad
 
@@ -236,11 +237,18 @@ class LatencyModel:
         # the knee is chosen again every few observations: each choice solves all the fits
         every = 16 if self.num_forward <= 64 else 64
         if prior or before // every != self.num_forward // every:
-            self.select_knee()
+            self.select_knee(local=not prior)
 
-    def select_knee(self) -> None:
-        """Take the candidate knee whose forward fit has the smallest weighted residual."""
-        self.knee_index = int(np.argmin(self.forward.residuals()))
+    def select_knee(self, local: bool = False) -> None:
+        """Take the candidate knee whose forward fit has the smallest weighted residual:
+        among all of them, or (``local``: online, where the knee moves little and each
+        candidate costs a solve) among the current one and its two neighbours."""
+        if not local:
+            self.knee_index = int(np.argmin(self.forward.residuals()))
+            return
+        k = self.knee_index
+        near = [i for i in (k - 1, k, k + 1) if 0 <= i < len(KNEES)]
+        self.knee_index = near[int(np.argmin(self.forward.residuals(near)))]
 
     def add_draft(self, batch: int, depth: int, nodes: int, seconds: float,
                   prior: bool = False, catch_up: int = 0) -> None:

@@ -36,6 +36,12 @@ class RescoreBudget:
             return True
         return False
 
+    def age(self) -> None:
+        """A step passed without the scores (the policy had nothing to choose): they count
+        one step older."""
+        batch, age = self.scored_for
+        self.scored_for = (batch, age + 1)
+
     def rescored(self, batch: int, seconds: float) -> None:
         """The scores for ``batch`` sequences were just computed, in ``seconds``: ``every`` is
         set again from the costs so far."""
