@@ -196,3 +196,34 @@ def test_default_speculative_config_guards_auto(target_dir):
     free = LLM(str(target_dir), dtype="float32", block_size=8, kv_cache_memory_bytes=8 << 20,
                speculative_config={"method": "ngram", "policy_max_loss": None})
     assert free.engine.policy.guard is None
+
+
+def test_progress_counts_what_moves_the_batch_finish():
+    """A speculative step's savings count the drop of the longest remaining output (the
+    makespan), not the tokens: acceptance on a sequence that ends early anyway counts nothing,
+    on the longest one all of it."""
+    from types import SimpleNamespace
+
+    from specengine.sampling.params import SamplingParams
+
+    pol = AutoPolicy([Strategy(3)])
+    params = SamplingParams(max_tokens=100)
+
+    def seqs(outputs):
+        return [SimpleNamespace(params=params, num_output_tokens=o, finish_reason=None)
+                for o in outputs]
+
+    def rec(ss, accepted):
+        verified = [(s, None, [0] * a) for s, a in zip(ss, accepted)]
+        return StepRecord(Strategy(3), len(ss), 0, 0, 0, 0, len(ss) + sum(accepted), accepted,
+                          0.0, 0.01, 0.0, verified)
+
+    ahead = seqs([50, 10])  # outputs after the step; the first is 40 tokens ahead
+    pol.weights(ahead)
+    assert pol._progress(rec(ahead, [3, 0])) == 1  # its 3 tokens move nothing
+    behind = seqs([10, 12, 5])
+    pol.weights(behind)
+    assert pol._progress(rec(behind, [0, 2, 3])) == 4  # the longest one took 1 + 3
+    alone = seqs([7])
+    pol.weights(alone)
+    assert pol._progress(rec(alone, [2])) == 3  # batch 1: the tokens committed

@@ -121,6 +121,7 @@ class AutoPolicy(Policy):
         self._worst = 0.0  # the modelled worst loss of the step chosen last (seconds)
         # this step's decoding sequences (``select``): id -> (expected remaining, weight)
         self._step_weights: dict[int, tuple[float | None, float]] = {}
+        self._step_seqs: list = []  # and the sequences themselves
         self.current: Strategy | None = None
         self.context_per_seq = 0.0  # context tokens per decode sequence, last step
         self.last_scores: dict[Strategy | None, float] = {}
@@ -242,6 +243,7 @@ class AutoPolicy(Policy):
         if self.length_weight and n and est.observed:
             rem = [est.expected(s) for s in seqs]
         w = length_weights(rem, self.length_weight) if rem else [1.0] * n
+        self._step_seqs = seqs
         self._step_weights = {id(s): (None if rem is None else r, x)
                               for s, r, x in zip(seqs, rem or [None] * n, w)}
         return w
@@ -337,7 +339,7 @@ class AutoPolicy(Policy):
         self._offered = None
         if rec.strategy is not None and rec.num_decode:
             self.budget.observe_step(rec, self._step_weights)
-        self._step_weights = {}
+        self._step_weights, self._step_seqs = {}, []
         if rec.is_decode_only:  # the steps the re-scoring is spread over
             self.rescore.observe_step(rec.step_time)
         idle = rec.strategy is None and self._idle(rec.num_decode or 1)  # spec: learnt soon
@@ -346,8 +348,9 @@ class AutoPolicy(Policy):
         self.decision_time += self.clock() - t0
 
     def _guard(self, rec: StepRecord) -> None:
-        """The step's account in the ``guard``: a decode-only step saved ``committed /
-        r_off - seconds`` (``r_off`` no speculation's score for this batch; 0 for a step
+        """The step's account in the ``guard``: a decode-only step of ``B`` sequences saved
+        ``progress * B / r_off - seconds`` (``r_off`` no speculation's score for this batch,
+        so ``B / r_off`` is a plain step's seconds; ``progress``: ``_progress``; 0 for a step
         without speculation), less the policy's own seconds (``decision_time``) since the last
         step's account."""
         own, self._decided = self.decision_time - self._decided, self.decision_time
@@ -356,9 +359,32 @@ class AutoPolicy(Policy):
         off_rate = self.last_scores.get(None, 0.0)
         saved = 0.0
         if rec.strategy is not None and off_rate > 0:
-            saved = rec.num_committed / off_rate - rec.step_time
+            saved = self._progress(rec) * rec.num_decode / off_rate - rec.step_time
         self.guard.observe(rec.num_decode, rec.step_time + own, saved - own,
                            self._worst if rec.strategy is not None else None)
+
+    def _progress(self, rec: StepRecord) -> float:
+        """How many plain steps' worth the speculative step ``rec`` moved the batch's finish:
+        the drop of the longest expected remaining output over its sequences (``remaining``'s
+        estimate, else what ``max_tokens`` leaves), each having committed ``1 + accepted``
+        tokens. A batch ends with its longest sequence (the makespan, DAS arXiv 2511.13841):
+        tokens accepted for a sequence that will finish early anyway only move work to a tail
+        of smaller, less efficient steps, so they do not count as savings. 1 for a plain step;
+        at batch 1 the tokens committed. Without the step's sequences (``select`` not called),
+        the tokens committed per sequence."""
+        seqs = self._step_seqs
+        if len(seqs) != rec.num_decode:
+            return rec.num_committed / max(rec.num_decode, 1)
+        accepted = {id(s): len(a) for s, _, a in rec.verified}
+        before = after = 0.0
+        for s in seqs:
+            c = 1 + accepted.get(id(s), 0)
+            rem = self._step_weights.get(id(s), (None, 1.0))[0]  # expected, before the step
+            if rem is None:
+                rem = s.params.max_tokens - s.num_output_tokens + c
+            before = max(before, rem)
+            after = max(after, 0.0 if s.finish_reason is not None else rem - c)
+        return before - after
 
     def flush(self) -> None:
         """Learn from the recorded steps not learnt from yet (``record`` defers it)."""
