@@ -13,7 +13,9 @@ spread of the step's node budget in ``budget.py``.
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 
 import numpy as np
@@ -119,7 +121,7 @@ class AutoPolicy(Policy):
         self._running: Callable[[], list] | None = None  # the engine's running sequences
         self.idle_steps = 0  # steps ``choose`` left off without scoring (``_idle``)
         self._worst = 0.0  # the modelled worst loss of the step chosen last (seconds)
-        self._plain_seconds: dict[int, float] = {}  # batch size -> a plain step's seconds
+        self._plain_seconds: dict[int, deque] = {}  # batch size -> recent plain steps' seconds
         # this step's decoding sequences (``select``): id -> (expected remaining, weight)
         self._step_weights: dict[int, tuple[float | None, float]] = {}
         self._step_seqs: list = []  # and the sequences themselves
@@ -351,7 +353,8 @@ class AutoPolicy(Policy):
     def _guard(self, rec: StepRecord) -> None:
         """The step's account in the ``guard``: a decode-only step of ``B`` sequences saved
         ``progress * t_off - seconds`` (``t_off`` a plain step's seconds at this batch size:
-        the moving average of the plain steps run at it, else ``B / r_off`` with ``r_off`` no
+        the median of the last 9 plain steps run at it (a thread-count probe or a stall does
+        not move it), else ``B / r_off`` with ``r_off`` no
         speculation's score; ``progress``: ``_progress``; 0 for a step without speculation),
         less the policy's own seconds (``decision_time``) since the last step's account."""
         own, self._decided = self.decision_time - self._decided, self.decision_time
@@ -359,12 +362,12 @@ class AutoPolicy(Policy):
             return
         b, saved = rec.num_decode, 0.0
         if rec.strategy is None:  # what a plain step costs, measured
-            last = self._plain_seconds.get(b)
-            self._plain_seconds[b] = rec.step_time if last is None else \
-                0.8 * last + 0.2 * rec.step_time
+            self._plain_seconds.setdefault(b, deque(maxlen=9)).append(rec.step_time)
         else:
             off_rate = self.last_scores.get(None, 0.0)
-            t_off = self._plain_seconds.get(b) or (b / off_rate if off_rate > 0 else 0.0)
+            plain = self._plain_seconds.get(b)
+            t_off = statistics.median(plain) if plain else \
+                (b / off_rate if off_rate > 0 else 0.0)
             if t_off:
                 saved = self._progress(rec) * t_off - rec.step_time
         self.guard.observe(rec.num_decode, rec.step_time + own, saved - own,
