@@ -120,14 +120,16 @@ def simulate(pol: Policy, sim: Sim, steps: int) -> tuple[float, int]:
 
 def optimistic_policy(**kw) -> AutoPolicy:
     """An ``AutoPolicy`` whose models believe speculation is cheap and accepted often: a
-    flat forward (memory-bound) and free drafting, 90% acceptance."""
+    flat forward (memory-bound) and free drafting, 90% acceptance; its clock stands still."""
     lat = LatencyModel()
     for n in (8, 16, 32, 64):
         for ctx in (400, 800):
             lat.add_forward(n, ctx, 8, 0.02, prior=True)
     for b, d in ((1, 1), (8, 1), (8, 3), (16, 2)):
         lat.add_draft(b, d, b * d, 1e-5, prior=True)
-    pol = AutoPolicy([Strategy(1), Strategy(3)], latency=lat, **kw)
+    # a clock that never moves: the policy's own time (which the guard counts as loss) is 0,
+    # so the simulated runs do not depend on the speed of the machine running the test
+    pol = AutoPolicy([Strategy(1), Strategy(3)], latency=lat, clock=lambda: 0.0, **kw)
     for _ in range(20):
         pol.acceptance.observe(Strategy(3), [3] * 8, 8, 24, 24)
     return pol
@@ -135,11 +137,12 @@ def optimistic_policy(**kw) -> AutoPolicy:
 
 def test_a_policy_misled_into_speculating_loses_at_most_its_budget():
     """Speculation accepts nothing and costs more than modelled (drafting and catch-up the
-    models never saw): unguarded, the optimistic models speculate and lose heavily; guarded,
-    the whole run stays within 2% of no speculation."""
+    models never saw): unguarded, the optimistic models speculate and lose over 3%; guarded,
+    the whole run loses at most its 2% budget plus one step's overshoot (the last step it
+    allowed may lose more than its slack: ~57 ms of a 40 s run here, 0.15%)."""
     base_s, base_tok = simulate(StaticPolicy(None), Sim(), 2000)
     rate_off = base_tok / base_s
-    for max_loss, low, high in ((None, 0.0, 0.97), (0.02, 0.98, 1.0001)):
+    for max_loss, low, high in ((None, 0.0, 0.97), (0.02, 0.978, 1.0001)):
         s, tok = simulate(optimistic_policy(max_loss=max_loss), Sim(), 2000)
         assert low <= (tok / s) / rate_off <= high, max_loss
 
