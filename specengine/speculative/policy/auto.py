@@ -351,12 +351,13 @@ class AutoPolicy(Policy):
         self.decision_time += self.clock() - t0
 
     def _guard(self, rec: StepRecord) -> None:
-        """The step's account in the ``guard``: a decode-only step of ``B`` sequences saved
-        ``progress * t_off - seconds`` (``t_off`` a plain step's seconds at this batch size:
-        the median of the last 9 plain steps run at it (a thread-count probe or a stall does
-        not move it), else ``B / r_off`` with ``r_off`` no
-        speculation's score; ``progress``: ``_progress``; 0 for a step without speculation),
-        less the policy's own seconds (``decision_time``) since the last step's account."""
+        """The step's account in the ``guard``: a decode-only speculative step of ``B``
+        sequences saved ``progress * t_off - seconds``, with ``progress`` from ``_progress``
+        and ``t_off`` a plain step's seconds at this batch size (the median of the last 9
+        plain steps run at it, which a thread-count probe or a stall does not move; else
+        ``B / r_off``, ``r_off`` no speculation's score); a plain step saved 0 and is
+        measured. The policy's own seconds (``decision_time``) since the last account count
+        as loss."""
         own, self._decided = self.decision_time - self._decided, self.decision_time
         if self.guard is None or not rec.is_decode_only:
             return
@@ -379,8 +380,8 @@ class AutoPolicy(Policy):
         estimate, else what ``max_tokens`` leaves), each having committed ``1 + accepted``
         tokens. A batch ends with its longest sequence (the makespan, DAS arXiv 2511.13841):
         tokens accepted for a sequence that will finish early anyway only move work to a tail
-        of smaller, less efficient steps, so they do not count as savings. 1 for a plain step;
-        at batch 1 the tokens committed. Without the step's sequences (``select`` not called),
+        of smaller, less efficient steps, so they do not count as savings. At batch 1 it is
+        the tokens committed. Without the step's sequences (``select`` not called),
         the tokens committed per sequence."""
         seqs = self._step_seqs
         if len(seqs) != rec.num_decode:
