@@ -47,20 +47,15 @@ struct TileConfig {
 #define SE_AMX_TARGET \
   __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 
-SE_AMX_TARGET inline uint16_t f2bf(float f) {
-  // round to nearest even, as c10::BFloat16 (NaN kept quiet)
-  if (std::isnan(f)) return 0x7fc0;
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7fff + ((u >> 16) & 1);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-SE_AMX_TARGET inline float bf2f(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
+// Each lane rounded to bf16 (to nearest even, as c10::BFloat16; NaN -> quiet NaN 0x7fc0) and
+// widened back to float.
+SE_AMX_TARGET inline f32x16 bf16_round(f32x16 v) {
+  u32x16 u;
+  std::memcpy(&u, &v, sizeof(u));
+  const u32x16 nan = static_cast<u32x16>(v != v);
+  u = ((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u & ~nan) | (0x7fc00000u & nan);
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
 }
 
 SE_AMX_TARGET inline void configure(int m0, int m1) {
@@ -81,11 +76,12 @@ SE_AMX_TARGET inline void epilogue(const AmxArgs& a, int64_t p, int64_t r0, int 
   if (a.glu) {
     const int64_t col = p * 16;
     for (int r = 0; r < rows; ++r) {
-      uint16_t* out = a.y + (r0 + r) * a.ldy + col;
-      f32x16 g, u;
-      for (int j = 0; j < 16; ++j) g[j] = bf2f(f2bf(c[r][j])), u[j] = bf2f(f2bf(c[r][16 + j]));
-      const f32x16 act = vsilu(g);
-      for (int j = 0; j < 16; ++j) out[j] = f2bf(bf2f(f2bf(act[j])) * u[j]);
+      const f32x16 g = bf16_round(load16(&c[r][0])), u = bf16_round(load16(&c[r][16]));
+      const f32x16 out = bf16_round(bf16_round(vsilu(g)) * u);
+      u32x16 bits;
+      std::memcpy(&bits, &out, sizeof(bits));
+      const u16x16 h = __builtin_convertvector(bits >> 16, u16x16);
+      std::memcpy(a.y + (r0 + r) * a.ldy + col, &h, sizeof(h));
     }
     return;
   }
@@ -103,62 +99,67 @@ SE_AMX_TARGET inline void epilogue(const AmxArgs& a, int64_t p, int64_t r0, int 
   }
 }
 
+// One pair for rows [r0, r0 + m0 + m1). Each K step also prefetches `pf_lines` cache lines
+// from `*pf` (advanced, up to `pf_end`) into L2: the next pair's weights arrive from memory
+// while this pair computes.
 template <bool kTwo>
-SE_AMX_TARGET void amx_block(const AmxArgs& a, int64_t p0, int64_t p1, int64_t r0, int m0,
-                             int m1) {
+SE_AMX_TARGET void amx_block(const AmxArgs& a, int64_t p, int64_t r0, int m0, int m1,
+                             const char*& pf, const char* pf_end, int pf_lines) {
   alignas(64) float c[32][32];
   const int64_t xs_bytes = a.xs * 2;
   const uint16_t* x0 = a.x + r0 * a.xs;
   const uint16_t* x1 = x0 + 16 * a.xs;
-  for (int64_t p = p0; p < p1; ++p) {
-    const uint16_t* wp = a.w + p * a.Kb * kPairElems;
-    _tile_zero(0);
-    _tile_zero(1);
-    if (kTwo) {
-      _tile_zero(2);
-      _tile_zero(3);
-    }
-    for (int64_t kb = 0; kb < a.Kb; ++kb) {
-      const uint16_t* wk = wp + kb * kPairElems;
-      _mm_prefetch(reinterpret_cast<const char*>(wk + 4 * kPairElems), _MM_HINT_T0);
-      _tile_loadd(4, x0 + kb * 32, xs_bytes);
-      _tile_loadd(6, wk, 64);
-      _tile_loadd(7, wk + 512, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      if (kTwo) {
-        _tile_loadd(5, x1 + kb * 32, xs_bytes);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-    }
-    _tile_stored(0, &c[0][0], 128);
-    _tile_stored(1, &c[0][16], 128);
-    if (kTwo) {
-      _tile_stored(2, &c[16][0], 128);
-      _tile_stored(3, &c[16][16], 128);
-    }
-    epilogue(a, p, r0, m0 + m1, c);
+  const uint16_t* wp = a.w + p * a.Kb * kPairElems;
+  _tile_zero(0);
+  _tile_zero(1);
+  if (kTwo) {
+    _tile_zero(2);
+    _tile_zero(3);
   }
+  for (int64_t kb = 0; kb < a.Kb; ++kb) {
+    const uint16_t* wk = wp + kb * kPairElems;
+    for (int i = 0; i < pf_lines && pf < pf_end; ++i, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+    _tile_loadd(4, x0 + kb * 32, xs_bytes);
+    _tile_loadd(6, wk, 64);
+    _tile_loadd(7, wk + 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (kTwo) {
+      _tile_loadd(5, x1 + kb * 32, xs_bytes);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, &c[0][0], 128);
+  _tile_stored(1, &c[0][16], 128);
+  if (kTwo) {
+    _tile_stored(2, &c[16][0], 128);
+    _tile_stored(3, &c[16][16], 128);
+  }
+  epilogue(a, p, r0, m0 + m1, c);
 }
 
-// Pairs [p0, p1) for every row of x. The pairs go in groups that stay in L2 while every
-// 32-row block of x passes over them, so the weights are read from memory once whatever M is
-// (a row block per pass over all the pairs would read them M / 32 times).
-SE_AMX_TARGET void amx_pairs(const AmxArgs& a, int64_t p0, int64_t p1) {
+// Pairs [p0, p1) of the P pairs for every row of x: per pair, every 32-row block of x, so a
+// pair's weights are read from memory once whatever M is (they stay in L1/L2 across the row
+// blocks) and the next pair's are prefetched while this one computes, overlapping the memory
+// reads with the tile unit (over 32 rows a forward would otherwise pay both in turn).
+SE_AMX_TARGET void amx_pairs(const AmxArgs& a, int64_t p0, int64_t p1, int64_t P) {
   const int64_t pair_bytes = a.Kb * kPairElems * 2;
-  const int64_t group = std::max<int64_t>(1, (256 << 10) / pair_bytes);
+  const int64_t blocks = (a.M + 31) / 32;
+  const int pf_lines = static_cast<int>((pair_bytes / 64 + blocks * a.Kb - 1) / (blocks * a.Kb));
+  const char* base = reinterpret_cast<const char*>(a.w);
   int cm0 = -1, cm1 = -1;
-  for (int64_t q0 = p0; q0 < p1; q0 += group) {
-    const int64_t q1 = std::min(p1, q0 + group);
+  for (int64_t p = p0; p < p1; ++p) {
+    const char* pf = p + 1 < P ? base + (p + 1) * pair_bytes : nullptr;
+    const char* pf_end = pf ? pf + pair_bytes : nullptr;
     for (int64_t r0 = 0; r0 < a.M; r0 += 32) {
       const int rows = static_cast<int>(std::min<int64_t>(32, a.M - r0));
       const int m0 = std::min(rows, 16), m1 = rows - m0;
       if (m0 != cm0 || m1 != cm1) configure(m0, m1), cm0 = m0, cm1 = m1;
       if (m1)
-        amx_block<true>(a, q0, q1, r0, m0, m1);
+        amx_block<true>(a, p, r0, m0, m1, pf, pf_end, pf_lines);
       else
-        amx_block<false>(a, q0, q1, r0, m0, 0);
+        amx_block<false>(a, p, r0, m0, 0, pf, pf_end, pf_lines);
     }
   }
   _tile_release();
@@ -186,10 +187,12 @@ bool detect_amx() {
 
 }  // namespace
 
-bool amx_available() {
+bool amx_supported() {
   static const bool ok = detect_amx();
-  return ok && isa_cap() >= kIsaAvx512;
+  return ok;
 }
+
+bool amx_available() { return amx_supported() && isa_cap() >= kIsaAmx; }
 
 void amx_pack(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, bool glu) {
   const int64_t Kb = (K + 31) / 32;
@@ -212,7 +215,7 @@ void amx_linear_kernel(const AmxArgs& a, int64_t P) {
 #if defined(__x86_64__) && defined(__GNUC__)
   const int64_t pair_bytes = a.Kb * kPairElems * 2;
   parallel_ranges(P, std::max<int64_t>(1, (48 << 10) / pair_bytes), 4,
-                  [&](int64_t p0, int64_t p1) { amx_pairs(a, p0, p1); });
+                  [&](int64_t p0, int64_t p1) { amx_pairs(a, p0, p1, P); });
 #else
   (void)a;
   (void)P;
