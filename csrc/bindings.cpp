@@ -42,7 +42,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &specengine::linear_cpu, py::arg("x"), py::arg("weight"),
         py::arg("bias") = py::none(), "x @ weight.T + bias with batch-invariant rows.");
   m.def("amx_available", &specengine::amx_available,
-        "True when AMX-BF16 tiles are usable (CPU support and Linux permission granted).");
+        "True when AMX-BF16 tiles are usable (CPU support and Linux permission granted) and "
+        "the instruction-set cap is amx.");
+  m.def("amx_supported", &specengine::amx_supported,
+        "True when the CPU and OS allow AMX-BF16 tiles, whatever the cap.");
   m.def("pack_weight_amx", &specengine::amx_pack_weight, py::arg("weight"),
         py::arg("glu") = false, "[N, K] bf16 weight -> AMX tile layout for linear_amx.");
   m.def("linear_amx", &specengine::amx_linear, py::arg("x"), py::arg("packed"), py::arg("n"),

@@ -6,10 +6,10 @@
 
 namespace specengine {
 namespace {
-std::atomic<int> g_isa_cap{kIsaAvx512};
+std::atomic<int> g_isa_cap{kIsaAmx};
 }  // namespace
 
-void set_isa_cap(int level) { g_isa_cap.store(std::clamp(level, kIsaGeneric, kIsaAvx512)); }
+void set_isa_cap(int level) { g_isa_cap.store(std::clamp(level, kIsaGeneric, kIsaAmx)); }
 
 int isa_cap() { return g_isa_cap.load(std::memory_order_relaxed); }
 

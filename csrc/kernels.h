@@ -27,6 +27,10 @@ struct AttnArgs {
 bool paged_attention_fast_available(int64_t D);
 // AVX-512 BF16 path: q_bf16 [T, H, D] bf16 bits, unscaled (a.q is not read); a.out float32.
 void paged_attention_bf16_fast(const AttnArgs& a, const uint16_t* q_bf16, float scale);
+// True when bf16 query and caches of head_dim D take the AMX path (paged_attention_amx).
+bool paged_attention_amx_available(int64_t D);
+// AMX path (attention_amx.cpp): arguments as paged_attention_bf16_fast.
+void paged_attention_amx(const AttnArgs& a, const uint16_t* q_bf16, float scale);
 // Portable path over float32 (bf16_cache false) or bf16 caches; a.q float32, scaled.
 void paged_attention_generic(const AttnArgs& a, bool bf16_cache);
 
@@ -64,7 +68,8 @@ struct AmxArgs {
   bool glu;
 };
 
-bool amx_available();
+bool amx_available();  // the CPU has AMX-BF16 (amx_supported) and the cap allows it
+bool amx_supported();  // AMX-BF16 tiles usable on this CPU and OS, whatever the cap
 // [N, K] bf16 bits -> dst [P, Kb, 2, 16, 32] (zero-filled by the caller).
 void amx_pack(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, bool glu);
 // The P packed feature pairs of a.w; only when amx_available().
@@ -93,12 +98,12 @@ void avx512_pack_f32(const float* src, float* dst, int64_t N, int64_t K, bool gl
 void avx512_linear_kernel(const Avx512LinearArgs& a, int64_t G, int64_t element_size);
 
 // ---- instruction-set cap (isa.cpp) --------------------------------------------------------
-// The highest instruction set the run-time dispatch may pick: generic < avx2 < avx512 (AVX-512,
-// AVX-512 BF16 and AMX). Default kIsaAvx512 (whatever the CPU has); lowered to test and
-// benchmark the AVX2 or portable paths on a bigger CPU. The target_clones of vec.h (resolved at
-// load time) are not affected.
-constexpr int kIsaGeneric = 0, kIsaAvx2 = 1, kIsaAvx512 = 2;
-void set_isa_cap(int level);  // clamped to [kIsaGeneric, kIsaAvx512]
+// The highest instruction set the run-time dispatch may pick: generic < avx2 < avx512 (AVX-512
+// and AVX-512 BF16) < amx (AMX tiles too). Default kIsaAmx (whatever the CPU has); lowered to
+// test and benchmark the AVX-512, AVX2 or portable paths on a bigger CPU. The target_clones of
+// vec.h (resolved at load time) are not affected.
+constexpr int kIsaGeneric = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAmx = 3;
+void set_isa_cap(int level);  // clamped to [kIsaGeneric, kIsaAmx]
 int isa_cap();
 
 // ---- AVX2 + FMA linear (linear_avx2.cpp) ----------------------------------------------------

@@ -125,8 +125,11 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
              T, H, KVH, D, NB, BS, MB, W};
   if (fast) {
     const auto qc = query.contiguous();
-    paged_attention_bf16_fast(a, reinterpret_cast<const uint16_t*>(qc.data_ptr()),
-                              static_cast<float>(scale));
+    const auto* qb = reinterpret_cast<const uint16_t*>(qc.data_ptr());
+    if (paged_attention_amx_available(D))
+      paged_attention_amx(a, qb, static_cast<float>(scale));
+    else
+      paged_attention_bf16_fast(a, qb, static_cast<float>(scale));
   } else {
     paged_attention_generic(a, kdt == at::kBFloat16);
   }

@@ -72,7 +72,11 @@ NEEDLES = rand_prompts(2, lo=30, hi=60, seed=100)
 
 def lower_isas() -> list[str]:
     """Instruction-set caps below this CPU's that it can run (``kernels.set_isa``)."""
-    return ["avx2"] if kernels.active_isa() == "avx512" and _avx2_under_cap() else []
+    native = kernels.active_isa()
+    lower = ["avx512"] if native == "amx" else []  # the AVX-512 BF16 kernels, no AMX tiles
+    if native in ("avx512", "amx") and _avx2_under_cap():
+        lower.append("avx2")
+    return lower
 
 
 def _avx2_under_cap() -> bool:
@@ -85,8 +89,9 @@ def _avx2_under_cap() -> bool:
 
 @pytest.fixture(params=["native", *lower_isas()])
 def isa(request):
-    """The CPU's own kernels, then each lower instruction set it can run (the AVX2 kernels
-    on an AVX-512 / AMX machine); restored after the test."""
+    """The CPU's own kernels, then each lower instruction set it can run (the AVX-512 kernels
+    on an AMX machine, the AVX2 kernels on an AVX-512 / AMX machine); restored after the
+    test."""
     prev = kernels.active_isa()
     if request.param != "native":
         kernels.set_isa(request.param)

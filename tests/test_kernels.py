@@ -2,7 +2,8 @@
 masks), write_kv, linear (accuracy and batch invariance), rms_norm, add_rms_norm, silu_and_mul.
 
 The linear tests run once per instruction set this CPU supports (``kernels.set_isa``: generic,
-avx2, avx512), so the AVX2 kernels are tested on an AVX-512 machine too."""
+avx2, avx512, amx), so the AVX2 kernels are tested on an AVX-512 machine and the AVX-512 ones on
+an AMX machine too."""
 
 import os
 import subprocess
@@ -78,10 +79,11 @@ def paged_batch(seqs, block_size, kv_heads, group, head_dim, dtype, seed=0):
 
 
 @needs_ext
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 3, 7])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_attention_matches_reference(block_size, group, dtype):
+def test_attention_matches_reference(block_size, group, dtype, isa):
     # prefill of 37, decode at 300, decode at 1, chunked prefill of 4 after 120, tiny prefill
     seqs = [(0, 37), (299, 1), (0, 1), (120, 4), (3, 2)]
     head_dim = {1: 128, 3: 40, 7: 64}[group]  # 40: vector body + scalar tail
@@ -298,7 +300,9 @@ def test_packed_linear_matches_fp64_math(isa, dtype, N, K, bias):
     w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype)
     b = torch.randn(N, generator=g).to(dtype) if bias else None
     pw = kernels.prepack(w)
-    assert pw.packed is not None and pw.kind in (("amx", "avx512") if isa == "avx512" else (isa,))
+    # the "amx" cap packs float32 weights for the AVX-512 kernel (AMX here is bfloat16 only)
+    assert pw.packed is not None and pw.kind == ("avx512" if isa == "amx" and dtype ==
+                                                 torch.float32 else isa)
     for M in (1, 2, 3, 5, 6, 7, 8, 9, 15, 16, 17, 32, 70):
         if M > max_rows(pw, dtype):
             continue
@@ -566,9 +570,10 @@ def test_bf16_model_rows_are_batch_invariant(isa, tiny_llama_dir):
 
 
 @needs_ext
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ctx", [5, 37, 300])
-def test_tree_node_equals_decoding_its_path(dtype, ctx):
+def test_tree_node_equals_decoding_its_path(dtype, ctx, isa):
     """A node off the first branch of a draft tree (its ancestors are not the slots right
     before it) gets bit for bit the attention output of decoding its path one token at a time,
     where the same keys sit next to each other: the kernel follows the visible keys as one
@@ -596,3 +601,23 @@ def test_tree_node_equals_decoding_its_path(dtype, ctx):
                                       torch.zeros(1, dtype=torch.int32),
                                       torch.tensor([ctx + len(path)], dtype=torch.int32), 0.125)
         assert torch.equal(tree[node], alone[0]), node
+
+
+@needs_ext
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("group,D", [(3, 64), (7, 64), (1, 128), (2, 256)])
+def test_attention_rows_equal_the_row_alone(group, D, isa):
+    """bf16: each of 40 prefill rows crossing the 256-key softmax step (context 230) and a
+    decode row of another sequence equal, bit for bit, the same row computed alone (one query
+    token, same keys), on whichever kernel the cap selects (AMX tiles, AVX-512 BF16, generic):
+    a row does not depend on the rows it shares a call with, nor on their number."""
+    q, kc, vc, meta = paged_batch([(230, 40), (17, 1)], 16, 2, group, D, torch.bfloat16,
+                                  seed=D + group)
+    args = (kc, vc, meta.block_tables)
+    out = ext().paged_attention(q, *args, meta.query_seq, meta.kv_lens, D ** -0.5)
+    ref = paged_attention_ref(q, kc, vc, meta, D ** -0.5)
+    torch.testing.assert_close(out, ref, **TOL[torch.bfloat16])
+    for t in range(q.shape[0]):
+        alone = ext().paged_attention(q[t:t + 1], *args, meta.query_seq[t:t + 1],
+                                      meta.kv_lens[t:t + 1], D ** -0.5)
+        assert torch.equal(out[t], alone[0]), t

@@ -16,10 +16,11 @@ CPUs, the same groups for ``csrc/linear_avx2.cpp`` on AVX2 + FMA CPUs); ``linear
 ``linear_glu`` accept the result in place of a weight.
 
 Instruction set: the extension picks its kernels at run time from what the CPU has, capped by
-the environment variable ``SPECENGINE_ISA`` (``generic``, ``avx2`` or ``avx512``; read once at
-import) or ``set_isa`` (e.g. to test the AVX2 path on an AVX-512 machine); ``active_isa`` says
-which applies. The cap covers the packed linear, AMX, the AVX-512 BF16 plain linear and the
-paged attention's fast path; the auto-vectorised norms / RoPE / SiLU clones are chosen at load.
+the environment variable ``SPECENGINE_ISA`` (``generic``, ``avx2``, ``avx512`` or ``amx``; read
+once at import) or ``set_isa`` (e.g. to test the AVX2 path on an AVX-512 machine, or the AVX-512
+path on an AMX one); ``active_isa`` says which applies. The cap covers the packed linear, AMX,
+the AVX-512 BF16 plain linear and the paged attention's AMX and AVX-512 paths; the
+auto-vectorised norms / RoPE / SiLU clones are chosen at load.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ AVX512_MAX_M = 4096
 # 0.86-0.88x at M=16 on the 576-wide layers (MKL wins), so float32 stops at 8.
 AVX2_MAX_M = {torch.bfloat16: 4096, torch.float32: 8}
 
-ISAS = ("generic", "avx2", "avx512")  # instruction-set caps, lowest first
+ISAS = ("generic", "avx2", "avx512", "amx")  # instruction-set caps, lowest first
 _batch_invariant = True  # see set_batch_invariant
 _isa_epoch = 0  # bumped by set_isa: weights packed before are stale (PackedWeight.is_current)
 
@@ -76,20 +77,23 @@ def _cpp(*tensors: torch.Tensor):
 
 def _hardware_isa(mod) -> str:
     isa = mod.cpu_isa()
-    return "avx512" if isa.startswith("avx512") else isa
+    if isa.startswith("avx512"):
+        return "amx" if mod.amx_supported() else "avx512"
+    return isa
 
 
 def set_isa(isa: str | None) -> str:
     """Cap the instruction set the extension's dispatch may use: ``"generic"`` (portable
-    kernels only), ``"avx2"`` (AVX2 + FMA kernels, no AVX-512 / AMX) or ``"avx512"`` / ``None``
-    (everything the CPU has, the default). Weights packed before keep their kernel; pack them
+    kernels only), ``"avx2"`` (AVX2 + FMA kernels, no AVX-512 / AMX), ``"avx512"`` (AVX-512 and
+    AVX-512 BF16 kernels, no AMX tiles) or ``"amx"`` / ``None`` (everything the CPU has, the
+    default). Weights packed before keep their kernel; pack them
     again (``prepack``) after changing the cap: until then they are not ``is_current`` and
     ``linear`` gives their rows to torch (a model repacks them on its next forward). Returns
     ``active_isa()``.
 
     Raises ValueError for any other name."""
     if isa is None:
-        isa = "avx512"
+        isa = "amx"
     if isa not in ISAS:
         raise ValueError(f"SPECENGINE_ISA / set_isa: unknown instruction set {isa!r}; "
                          f"expected one of {', '.join(ISAS)}")
@@ -136,8 +140,9 @@ def batch_invariant() -> bool:
 
 
 def active_isa() -> str:
-    """The instruction set the dispatch uses now: the lower of the CPU's (``"avx512"``,
-    ``"avx2"`` or ``"generic"``) and the cap; ``"generic"`` without the extension."""
+    """The instruction set the dispatch uses now: the lower of the CPU's (``"amx"``,
+    ``"avx512"``, ``"avx2"`` or ``"generic"``) and the cap; ``"generic"`` without the
+    extension."""
     mod = ext()
     if mod is None:
         return "generic"
