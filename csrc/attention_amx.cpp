@@ -4,7 +4,8 @@
 //
 //   scores  S = Q K^T: A = 16 query rows x 32 dims, B = K^T of 16 keys in VNNI pairs (the 16 x 16
 //           matrix of the keys' dimension pairs, transposed once per key tile for every row of
-//           the work item), C = [16 rows][16 keys] float32;
+//           the work item), C = [16 rows][16 keys] float32; a work item of up to 16 rows (a
+//           decode token) takes S^T = K Q^T instead, the same sums, with no key transposes;
 //   output  O += P V:  A = 16 rows of probabilities (bf16) x 32 keys, B = V of 32 keys in VNNI
 //           pairs (two keys' rows interleaved), C = [16 rows][16 dims] float32.
 //
@@ -13,11 +14,13 @@
 // fixed 256-key steps (positions [0, base), then its visible tree positions), so a row's result
 // does not depend on the other rows of its work item, on the batch, on where its keys sit in the
 // cache or on the thread (batch invariance, as on the AVX-512 path; the two paths round
-// differently and a machine runs one of them).
+// differently and a machine runs one of them). The next key group's K and V rows are
+// prefetched while one computes: a decode step reads every cache row once, from memory.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -87,9 +90,16 @@ SE_ATTN_AMX inline void transpose16(__m512i (&r)[16]) {
 // K^T of keys [16 j0, n) (element offsets kr into kc) as B tiles: kt[(j * DC + c) * 512 +
 // dp * 32 + key * 2 + e] = K[16 j + key][32 c + 2 dp + e]; keys past n are zeros.
 SE_ATTN_AMX void pack_keys(const uint16_t* kc, const int64_t* kr, int64_t j0, int64_t n,
-                           int64_t DC, uint16_t* kt) {
+                           int64_t DC, uint16_t* kt, const uint16_t* vc) {
   for (int64_t j = j0; 16 * j < n; ++j) {
     const int64_t valid = std::min<int64_t>(16, n - 16 * j);
+    // K and V rows of the next group, into L2: the memory reads overlap the transposes (a
+    // decode step reads each cache row once, from memory)
+    for (int64_t o = 16 * (j + 1); o < std::min(n, 16 * (j + 2)); ++o)
+      for (int64_t b = 0; b < DC * 32; b += 32) {
+        _mm_prefetch(reinterpret_cast<const char*>(kc + kr[o] + b), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(vc + kr[o] + b), _MM_HINT_T1);
+      }
     for (int64_t c = 0; c < DC; ++c) {
       __m512i r[16];
       for (int64_t i = 0; i < 16; ++i)
@@ -169,6 +179,64 @@ SE_ATTN_AMX void scores(const uint16_t* qa, int64_t D, const uint16_t* kt, int64
         default: score_groups<1>(a, 2 * D, kt, j, DC, out + 16 * j, kTileKeys); break;
       }
     }
+  }
+}
+
+// Q^T of up to 16 query rows (qa, row stride D) as B tiles: qt[c * 512 + dp * 32 + row * 2 + e]
+// = Q[row][32 c + 2 dp + e] (rows past R: whatever qa holds; their scores are not read).
+SE_ATTN_AMX void pack_queries(const uint16_t* qa, int64_t D, uint16_t* qt) {
+  for (int64_t c = 0; c < D / 32; ++c) {
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(qa + i * D + 32 * c);
+    transpose16(r);
+    for (int dp = 0; dp < 16; ++dp) _mm512_storeu_si512(qt + c * 512 + dp * 32, r[dp]);
+  }
+}
+
+// Scores of the R <= 16 rows of row tile 0 against keys [0, n) as S^T = K Q^T: A = 16 cache
+// rows as they are (a whole block's 16 slots load straight from the cache; other key groups
+// are copied to `kbuf` first), B = qt (pack_queries). Each score is the same sum of the same
+// products in the same order as in `scores` (TDPBF16PS adds the pair products of a dimension
+// pair, pairs in order, whichever operand is A), so the two agree bit for bit; this one skips
+// transposing every key group, which costs more than the products for a decode row.
+// sc[r * kTileKeys + k]; K and V rows of the next group are prefetched into L2 meanwhile.
+SE_ATTN_AMX void scores_transposed(const uint16_t* kc, const uint16_t* vc, const int64_t* kr,
+                                   int64_t n, int64_t D, int64_t stride, const uint16_t* qt,
+                                   int64_t R, uint16_t* kbuf, float* sc) {
+  const int64_t DC = D / 32;
+  alignas(64) float cbuf[16 * 16];
+  for (int64_t j = 0; 16 * j < n; ++j) {
+    const int64_t valid = std::min<int64_t>(16, n - 16 * j);
+    const int64_t* k = kr + 16 * j;
+    for (int64_t o = 16 * (j + 1); o < std::min(n, 16 * (j + 2)); ++o)
+      for (int64_t b = 0; b < D; b += 32) {
+        _mm_prefetch(reinterpret_cast<const char*>(kc + kr[o] + b), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(vc + kr[o] + b), _MM_HINT_T1);
+      }
+    bool dense = valid == 16;
+    for (int64_t i = 1; i < 16 && dense; ++i) dense = k[i] - k[i - 1] == stride;
+    const uint16_t* a = kc + k[0];
+    int64_t a_stride = stride * 2;
+    if (!dense) {
+      for (int64_t i = 0; i < 16; ++i) {
+        if (i < valid)
+          std::memcpy(kbuf + i * D, kc + k[i], D * 2);
+        else
+          std::memset(kbuf + i * D, 0, D * 2);
+      }
+      a = kbuf, a_stride = D * 2;
+    }
+    _tile_zero(0);
+    for (int64_t c = 0; c < DC; ++c) {
+      _tile_loadd(4, a + 32 * c, a_stride);
+      _tile_loadd(5, qt + c * 512, 64);
+      _tile_dpbf16ps(0, 4, 5);
+    }
+    _tile_stored(0, cbuf, 64);
+    __m512i t[16];
+    for (int i = 0; i < 16; ++i) t[i] = _mm512_load_si512(cbuf + 16 * i);
+    transpose16(t);  // [key][row] -> [row][key]
+    for (int64_t r = 0; r < R; ++r) _mm512_storeu_si512(sc + r * kTileKeys + 16 * j, t[r]);
   }
 }
 
@@ -298,6 +366,7 @@ int64_t scratch_bytes(int64_t R, int64_t D) {
          2 * kTileKeys * D * 2 +            // K^T, own K^T
          2 * kTileKeys * D * 2 +            // V pairs, own V pairs
          2 * kTileKeys * 8 + 2 * RP +       // key offsets, own key offsets, row flags
+         16 * D * 2 +                      // Q^T of one row tile
          16 * 64;                           // alignment slack
 }
 
@@ -307,6 +376,36 @@ T* carve(char*& p, int64_t count) {
   T* out = reinterpret_cast<T*>(p);
   p += count * sizeof(T);
   return out;
+}
+
+// Prefetch into L2 the K and V rows of key positions [p0, p1) of KV head g of sequence seq:
+// decode reads each sequence's cache once, scattered over blocks, so without this the tile unit
+// waits on memory at every key group (the next tile's and the next work item's rows are
+// fetched while this one computes).
+SE_ATTN_AMX void prefetch_keys(const AttnArgs& a, int64_t seq, int64_t g, int64_t p0,
+                               int64_t p1) {
+  const int32_t* table = a.block_tables + seq * a.MB;
+  const auto* kc = static_cast<const char*>(a.k_cache);
+  const auto* vc = static_cast<const char*>(a.v_cache);
+  const int64_t row_bytes = a.D * 2;
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t off = ((static_cast<int64_t>(table[p / a.BS]) * a.BS + p % a.BS) * a.KVH + g) *
+                        row_bytes;
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      _mm_prefetch(kc + off + b, _MM_HINT_T1);
+      _mm_prefetch(vc + off + b, _MM_HINT_T1);
+    }
+  }
+}
+
+// The first 32 keys of work item `item` (pack_keys fetches the rest two key groups ahead).
+SE_ATTN_AMX void prefetch_item(const Args& f, int64_t item) {
+  const AttnArgs& a = *f.a;
+  const int64_t run = item / a.KVH, g = item % a.KVH;
+  const int64_t t0 = f.run_start[run], t1 = f.run_start[run + 1];
+  int64_t n = 0;
+  for (int64_t t = t0; t < t1; ++t) n = std::max<int64_t>(n, a.kv_lens[t]);
+  prefetch_keys(a, a.query_seq[t0], g, 0, std::min<int64_t>(n, 32));
 }
 
 SE_ATTN_AMX void attend_amx(const Args& f, int64_t item, char* scratch) {
@@ -339,9 +438,11 @@ SE_ATTN_AMX void attend_amx(const Args& f, int64_t item, char* scratch) {
   auto* rows_own = carve<int64_t>(sp, kTileKeys);
   bool* take = carve<bool>(sp, RP);  // rows the shared P V adds to
   bool* mine = carve<bool>(sp, RP);  // a tree row's rows
+  auto* qt = carve<uint16_t>(sp, 16 * D);  // one row tile's Q^T (scores_transposed)
   // row r: token t0 + r / group, query head g * group + r % group
   for (int64_t r = 0; r < R; ++r)
     std::memcpy(qa + r * D, f.q + ((t0 + r / group) * a.H + g * group + r % group) * D, D * 2);
+  if (RT == 1) pack_queries(qa, D, qt);
   const float ninf = -std::numeric_limits<float>::infinity();
   std::fill(m, m + RP, ninf);
   std::fill(l, l + RP, 0.f);
@@ -372,9 +473,13 @@ SE_ATTN_AMX void attend_amx(const Args& f, int64_t item, char* scratch) {
   for (int64_t p0 = 0; p0 < n_max; p0 += kTileKeys) {
     const int64_t n = std::min<int64_t>(kTileKeys, n_max - p0), steps = (n + 31) / 32;
     for (int64_t o = 0; o < n; ++o) rows[o] = slot(p0 + o);
-    pack_keys(kc, rows, 0, n, DC, kt);
+    if (RT == 1) {  // up to 16 rows (decode): S^T, no key transposes
+      scores_transposed(kc, vc, rows, n, D, stride, qt, R, kt, sc);
+    } else {
+      pack_keys(kc, rows, 0, n, DC, kt, vc);
+      scores(qa, D, kt, 0, RT, 0, (n + 15) / 16, sc);
+    }
     pack_values(vc, rows, 0, n, DC, vi);
-    scores(qa, D, kt, 0, RT, 0, (n + 15) / 16, sc);
     for (int64_t r = 0; r < RP; ++r) take[r] = r < R;
     for (int64_t tok = 0; tok < nt; ++tok) {
       const int64_t nk = std::min<int64_t>(n, count[tok] - p0);  // this token's keys here
@@ -394,7 +499,7 @@ SE_ATTN_AMX void attend_amx(const Args& f, int64_t item, char* scratch) {
         const int64_t k = p0 + o;
         rows_own[o] = k < base_of[tok] ? rows[o] : slot(tree[first[tok] + k - base_of[tok]]);
       }
-      pack_keys(kc, rows_own, j0, nk, DC, kt_own);
+      pack_keys(kc, rows_own, j0, nk, DC, kt_own, vc);
       pack_values(vc, rows_own, 16 * s0, nk, DC, vi_own);
       const int64_t rt0 = r0 / 16, rt1 = (r0 + group + 15) / 16;
       scores(qa, D, kt_own, rt0, rt1, j0, (nk + 15) / 16, sc_own);
@@ -431,9 +536,16 @@ SE_ATTN_AMX void attend_amx(const Args& f, int64_t item, char* scratch) {
 
 // Work items [begin, end) on one thread, with its own scratch and tile configuration.
 SE_ATTN_AMX void attend_items(const Args& f, int64_t begin, int64_t end, int64_t bytes) {
-  std::vector<char> scratch(bytes);
+  // kept per thread across calls: no allocation (and no zeroing) per call; an item writes what
+  // it reads, except tile rows past its own rows, whose results it discards
+  thread_local std::unique_ptr<char[]> scratch;
+  thread_local int64_t size = 0;
+  if (size < bytes) scratch.reset(new char[bytes]), size = bytes;
   configure_tiles();
-  for (int64_t item = begin; item < end; ++item) attend_amx(f, item, scratch.data());
+  for (int64_t item = begin; item < end; ++item) {
+    if (item + 1 < end) prefetch_item(f, item + 1);
+    attend_amx(f, item, scratch.get());
+  }
   _tile_release();
 }
 #endif
