@@ -88,6 +88,13 @@ def main() -> None:
     ap.add_argument("--attention", action="store_true",
                     help="time paged attention per batch, context and query tokens (always "
                          "bf16, whatever --dtype)")
+    ap.add_argument("--shapes", default="1x768,8x768,16x768,24x512",
+                    help="--attention: BxC pairs (batch x cached tokens), comma-separated")
+    ap.add_argument("--queries", default="1,2,3,5",
+                    help="--attention: query tokens per sequence, comma-separated")
+    ap.add_argument("--cold", action="store_true",
+                    help="--attention: one cache per layer (30), as an engine step reads them, "
+                         "instead of one cache read 30 times (kept in the CPU caches)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -102,7 +109,8 @@ def main() -> None:
     if args.forward:
         return bench_forward(dtype, [int(t) for t in args.ts.split(",")])
     if args.attention:
-        return bench_attention()
+        shapes = [tuple(int(v) for v in bc.split("x")) for bc in args.shapes.split(",")]
+        return bench_attention(shapes, [int(q) for q in args.queries.split(",")], args.cold)
     print(f"{'shape':>8} {'N x K':>12} {'M':>3} {'torch us':>9} {'ours us':>9} {'plain us':>9} "
           f"{'torch GB/s':>10} {'ours GB/s':>10} {'speedup':>7}")
     step = {m: [0.0, 0.0] for m in ms}
@@ -165,30 +173,40 @@ def bench_forward(dtype: torch.dtype, ts: list[int], context: int = 200) -> None
 
 
 def bench_attention(shapes=((1, 768), (8, 768), (16, 768), (24, 512)),
-                    queries=(1, 2, 3, 5)) -> None:
+                    queries=(1, 2, 3, 5), cold: bool = False) -> None:
     """Paged attention of SmolLM2-135M's shape (9 query heads, 3 KV heads, head_dim 64, bf16,
     block size 16) over its 30 layers: ms per forward for ``B`` sequences of ``C`` cached
     tokens, each with ``q`` query tokens (1: a decode step; more: a draft chain being
     verified), on the kernels' threads as the engine runs a decode step; the median of
-    repeats, and each ``q``'s time over ``q = 1``'s."""
+    repeats, and each ``q``'s time over ``q = 1``'s. ``cold``: each of the 30 layers reads its
+    own cache, blocks in a shuffled order, so a forward reads every K/V row from memory as an
+    engine step does (otherwise the one cache read 30 times may stay in the CPU caches)."""
     mod = ext()
     heads, kv_heads, dim, bs, layers = 9, 3, 64, 16, 30
-    print(f"paged attention x {layers} layers, bf16 (ms per forward; ratio to q=1):")
+    print(f"paged attention x {layers} layers, bf16, {'cold' if cold else 'warm'} caches "
+          "(ms per forward; ratio to q=1):")
     for batch, ctx in shapes:
         row = []
         for q in queries:
             per = (ctx + q) // bs + 2
-            k = torch.randn(batch * per, bs, kv_heads, dim).to(torch.bfloat16)
-            v = torch.randn_like(k)
-            table = torch.arange(batch * per, dtype=torch.int32).view(batch, per)
+            caches = [(torch.randn(batch * per, bs, kv_heads, dim).to(torch.bfloat16),
+                        torch.randn(batch * per, bs, kv_heads, dim).to(torch.bfloat16))
+                       for _ in range(layers if cold else 1)]
+            order = torch.randperm(batch * per) if cold else torch.arange(batch * per)
+            table = order.to(torch.int32).view(batch, per)
             query = torch.randn(batch * q, heads, dim).to(torch.bfloat16)
             qseq = torch.arange(batch, dtype=torch.int32).repeat_interleave(q)
             lens = torch.tensor([ctx + 1 + j for _ in range(batch) for j in range(q)],
                                 dtype=torch.int32)
-            args = (query, k, v, table, qseq, lens, dim ** -0.5, None, None)
+
+            def forward(query=query, table=table, qseq=qseq, lens=lens, caches=caches):
+                for i in range(layers):
+                    k, v = caches[i % len(caches)]
+                    mod.paged_attention(query, k, v, table, qseq, lens, dim ** -0.5, None, None)
+
             with kernels.kernel_threads(True):
-                sec = time_call(lambda args=args: mod.paged_attention(*args))
-            row.append(sec * layers * 1e3)
+                sec = time_call(forward)
+            row.append(sec * 1e3)
         print(f"  B={batch:>2} C={ctx:>4}: " + "  ".join(
             f"q={q} {t:6.2f} ({t / row[0]:.2f})" for q, t in zip(queries, row)))
 

@@ -11,9 +11,10 @@ a policy update moves it: ``--drift-steps`` AdamW steps of the transformers mode
 ``--drift-lr``) on other text (HumanEval prompts, next-token loss), pushed into every engine
 with ``LLM.update_weights`` (the weight version goes up; the rollout memory ages its history).
 
-Engines (bfloat16, one per row, ``policy: auto``), run in lockstep: each round steps every
-row's engine once, in turn, so all rows see the machine at the same moments, and each row's
-wall time counts only its own steps:
+Engines (bfloat16, one per row, ``policy: auto``, or ``--policy static``: the same tree shape
+verified in every row and step, so tau compares at the same verify budget), run in lockstep:
+each round steps every row's engine once, in turn, so all rows see the machine at the same
+moments, and each row's wall time counts only its own steps:
 ``off`` (no speculation), ``suffix`` (rollout memory: siblings + history + own text),
 ``eagle`` (the shipped drafter, frozen), ``suffix+eagle`` (one merged tree). Each engine sees
 the same prompts, seeds and weights, so every row samples the same tokens (checked: ``mismatch``
@@ -47,9 +48,16 @@ EVAL_GSM_SEED = 1234  # the shipped drafter trains on seed 0 (examples/train_dra
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-def rows(spec_depth: int) -> dict[str, dict | None]:
-    """Row name -> speculative_config (None: no speculation)."""
-    common = {"num_speculative_tokens": spec_depth, "policy": "auto"}
+def rows(spec_depth: int, policy: str = "auto", topk: int | None = None,
+         budget: int | None = None) -> dict[str, dict | None]:
+    """Row name -> speculative_config (None: no speculation). ``policy="static"`` verifies
+    the same tree shape (depth, ``topk``, ``budget`` nodes) in every row and step, so the
+    rows' tau compare at the same verify budget."""
+    common = {"num_speculative_tokens": spec_depth, "policy": policy}
+    if topk is not None:
+        common["topk"] = topk
+    if budget is not None:
+        common["num_verify_tokens"] = budget
     return {"off": None,
             "suffix": {"method": "suffix", **common},
             "eagle": {"method": "eagle", **common},
@@ -211,6 +219,12 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=8, help="samples per prompt (the GRPO group)")
     ap.add_argument("--max-tokens", type=int, default=1024)
     ap.add_argument("--spec-depth", type=int, default=6, help="num_speculative_tokens")
+    ap.add_argument("--policy", default="auto", choices=("auto", "static"),
+                    help="static: every row verifies the same tree shape every step (tau at "
+                         "the same verify budget)")
+    ap.add_argument("--topk", type=int, default=None, help="tree width (default: the config's)")
+    ap.add_argument("--budget", type=int, default=None,
+                    help="verify budget, nodes (default: the config's)")
     ap.add_argument("--drift-steps", type=int, default=4)
     ap.add_argument("--drift-lr", type=float, default=1e-5)
     ap.add_argument("--tail-batch", type=int, default=8)
@@ -223,7 +237,7 @@ def main(argv=None) -> int:
                          "roofline, a projection, not a measurement)")
     ap.add_argument("--out", help="write results as JSON here")
     a = ap.parse_args(argv)
-    known = rows(a.spec_depth)
+    known = rows(a.spec_depth, a.policy, a.topk, a.budget)
     names = [r for r in a.rows.split(",") if r]
     bad = [r for r in names if r not in known]
     if bad or len(set(names)) != len(names) or "off" not in names:

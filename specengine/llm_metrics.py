@@ -18,8 +18,10 @@ def llm_metrics(engine, weights, memory, generate_time: float) -> dict:
     while it served: drift after a weight update shows here); with an EAGLE drafter (also
     inside a ``Harvester`` or merged with others), ``drafter_version`` and ``tau_per_version``
     (drafter version -> tokens committed per verify step, see ``EagleDrafter.stats``); with
-    several drafters merged, ``merged_nodes_proposed`` / ``merged_nodes_kept`` per source
-    (``MergedDrafter.stats``); with speculation, ``source_stats``: per draft source, nodes
+    several drafters merged, ``merged_nodes_proposed`` / ``merged_nodes_kept`` per source,
+    ``merged_base`` (merges each source was the base of) and ``merged_matched_per_draft``
+    (tokens each source's own tree would have had accepted, per draft;
+    ``MergedDrafter.stats``); with speculation, ``source_stats``: per draft source, nodes
     verified and accepted, overall and per depth (``sources.SourceStats``), and where the
     policy calibrates per source (``auto``, or any policy with a merged drafter) its
     ``calibration`` map (acceptance probability per confidence bin, also in

@@ -19,7 +19,7 @@ from specengine import LLM, SamplingParams
 from specengine.speculative.config import SpeculativeConfig
 from specengine.speculative.drafters.base import Drafter, prune_tree
 from specengine.speculative.drafters.eagle import EagleDrafter
-from specengine.speculative.drafters.merged import MergedDrafter, merge_trees
+from specengine.speculative.drafters.merged import MergedDrafter, matched_length, merge_trees
 from specengine.speculative.policy import AutoPolicy, StepRecord
 from specengine.speculative.policy.calibration import SourceCalibrators, bin_of
 from specengine.speculative.policy.cutter import TreeCutter
@@ -166,11 +166,12 @@ def test_merged_drafter_forwards_hooks_and_names_itself():
     b = FixedDrafter("b", labelled([1, 3], [-1, 0], [0.9, 0.5], "b"), hidden=True)
     m = MergedDrafter([a, b])
     assert m.name == "a+b" and m.wants_hidden and m.part("b") is b
-    out = m.propose([object(), object()], Strategy(2, 2, 2))
+    seqs = [SimpleNamespace(seq_id=i, token_ids=[0]) for i in range(2)]
+    out = m.propose(seqs, Strategy(2, 2, 2))
     assert all(t.num_nodes == 2 and t.tokens[0] == 1 for t in out)
     m.observe(None, 0, torch.zeros(1, 4))
-    m.release(None)
-    m.discard(None)  # a moved sample: each part drops it (the base discard releases)
+    m.release(seqs[0])
+    m.discard(seqs[1])  # a moved sample: each part drops it (the base discard releases)
     assert a.calls == ["release"] * 2 and b.calls == ["observe", "release", "release"]
     m.set_weight_version(3)  # every part hears of the target's new weights
     assert a.calls[-1] == b.calls[-1] == ("version", 3)
@@ -182,6 +183,57 @@ def test_merged_drafter_forwards_hooks_and_names_itself():
         MergedDrafter([a, FixedDrafter("a", None)])
     with pytest.raises(AttributeError):  # nothing of a part is forwarded
         m.tree  # noqa: B018
+
+
+def test_matched_length_is_the_longest_path_the_committed_tokens_follow():
+    t = DraftTree([5, 6, 7, 8], [-1, 0, 0, 2])  # 5 -> {6, 7 -> 8}
+    assert matched_length(t, [5, 7, 8, 1]) == 3
+    assert matched_length(t, [5, 6, 9]) == 2
+    assert matched_length(t, [5, 7]) == 2  # no more committed than that
+    assert matched_length(t, [4, 5]) == 0 and matched_length(t, []) == 0
+    assert matched_length(None, [5]) == 0
+
+
+def test_the_base_tree_enters_whole_whatever_the_calibration_says():
+    """``base`` keeps a source's tree whole, even against a calibration that prefers the
+    other's nodes, and the rest of the budget is filled from the others (also when exploring)."""
+    good = labelled([1, 2, 3], [-1, 0, 1], [0.5, 0.5, 0.5], "good")
+    bad = labelled([4, 5, 6], [-1, 0, 1], [0.99, 0.99, 0.99], "bad")
+    cals = SourceCalibrators()
+    for _ in range(200):  # the calibration believes "bad" and not "good"
+        cals.observe({"bad": ([bin_of(0.95)] * 8, [True] * 8),
+                      "good": ([bin_of(0.4)] * 8, [False] * 8)})
+    assert merge_trees([bad, good], ["bad", "good"], 3, cals).tokens == [4, 5, 6]
+    for explore in (False, True):
+        t = merge_trees([bad, good], ["bad", "good"], 4, cals, explore=explore, base="good")
+        assert {(1,), (1, 2), (1, 2, 3)} <= set(paths(t)) and t.num_nodes == 4
+        assert (4,) in paths(t)  # the one node of budget left: the other source's best
+    t = merge_trees([bad, good], ["bad", "good"], 2, cals, base="good")  # base over budget
+    assert paths(t) == [(1,), (1, 2)]
+
+
+def test_merged_drafter_bases_each_merge_on_the_source_that_matched_best():
+    """The parts' trees are scored against what the target committed next; the part that
+    would have had more accepted becomes the base of the following merges (per sequence,
+    starting from the all-sequence average), so its tree is kept whole although the
+    uncalibrated fill prefers the other's confident nodes."""
+    good = FixedDrafter("good", labelled([1, 2, 3], [-1, 0, 1], [0.3, 0.3, 0.3], "good"))
+    bad = FixedDrafter("bad", labelled([4, 5, 6, 7], [-1, 0, 1, 2], [0.99] * 4, "bad"))
+    m = MergedDrafter([bad, good], explore_every=0)
+    seq = SimpleNamespace(seq_id=7, token_ids=[0])
+    strategy = Strategy(4, 1, 4)
+    assert m.propose([seq], strategy)[0].tokens == [4, 5, 6, 7]  # no scores yet
+    seq.token_ids += [1, 2, 3, 9]  # the target's own tokens follow "good"'s path
+    t = m.propose([seq], strategy)[0]
+    assert m.base_of(seq) == "good" and {(1,), (1, 2), (1, 2, 3)} <= set(paths(t))
+    assert t.num_nodes == 4 and (4,) in paths(t)
+    stats = m.stats()
+    assert stats["merged_matched_per_draft"] == {"bad": 0.0, "good": 3.0}
+    assert stats["merged_base"] == {"good": 1}
+    fresh = SimpleNamespace(seq_id=8, token_ids=[0])
+    assert m.base_of(fresh) == "good"  # the all-sequence average
+    m.release(seq)
+    assert seq.seq_id not in m._drafted and seq.seq_id not in m._seq_matched
 
 
 # ---- exactness in the engine ---------------------------------------------------------------
@@ -478,8 +530,9 @@ def test_sleep_releases_the_merged_drafters_kv_and_wakes_to_the_same_outputs(tar
 
 def test_ngram_with_a_self_draft_model_learns_which_source_pays(target_dir, plain):
     """``["ngram", "draft_model"]`` with the target as its own draft model: outputs equal
-    plain decoding (greedy and seeded), the draft model's nodes are accepted far more often
-    than the n-gram ones, and the per-source calibration learns that."""
+    plain decoding (greedy and seeded), the draft model's trees would have had far more
+    accepted than the n-gram ones, so the merge is based on them, and the per-source
+    calibration learns what each source's nodes are worth."""
     prompts = rand_prompts(4, seed=21)
     prompts[0] = [9, 10, 11] * 8
     sp = [SamplingParams(temperature=t, seed=i, max_tokens=20, ignore_eos=True)
@@ -493,7 +546,13 @@ def test_ngram_with_a_self_draft_model_learns_which_source_pays(target_dir, plai
     met = llm.get_metrics()
     assert met["kv_blocks_free"] == met["kv_blocks_total"]
     src = met["source_stats"]
-    assert src["draft_model"]["acceptance"] > 0.3 > src["ngram"]["acceptance"]
+    assert src["draft_model"]["acceptance"] > 0.3
+    # each source's own tree against the target's tokens: the draft model's would have had far
+    # more accepted, so it is the base of the merges and the n-gram nodes only fill what is left
+    matched = met["merged_matched_per_draft"]
+    assert matched["draft_model"] > 1.0 > 0.5 > matched["ngram"]
+    assert set(met["merged_base"]) == {"draft_model"}
+    assert met["merged_nodes_kept"]["ngram"] < met["merged_nodes_proposed"]["ngram"]
     cal = llm.engine.policy.calibration_learner.sources
     b = bin_of(0.5)  # the draft model's well-calibrated confidence bins pay more
     assert cal.get("draft_model").rate_per_bin()[b:].mean() > \

@@ -35,7 +35,8 @@ from specengine.speculative.tree import DraftTree
 
 def merge_trees(trees: list[DraftTree | None], names: list[str], budget: int,
                 scorer: SourceCalibrators, rates: dict[str, list[float]] | None = None,
-                explore: bool = False, counts: dict | None = None) -> MergedTree | None:
+                explore: bool = False, counts: dict | None = None,
+                base: str | None = None) -> MergedTree | None:
     """One sequence's trees merged into one trie of at most ``budget`` nodes.
 
     Args:
@@ -49,6 +50,11 @@ def merge_trees(trees: list[DraftTree | None], names: list[str], budget: int,
             best nodes even when its calibration looks poor.
         counts: if given, ``counts["proposed"][source]`` and ``counts["kept"][source]`` are
             increased by the nodes each source proposed and the kept nodes it voted for.
+        base: a source whose tree is kept first, whole (its first ``budget`` nodes when it has
+            more); the rest of the budget is then filled from the other trees. Acceptance is the
+            longest path of the tree that the target's own samples follow, so a tree holding the
+            base's has at least the base's acceptance: the merge is never worse than that source
+            alone at the same budget.
 
     Returns:
         A ``MergedTree`` (parents before children; children by descending probability; a
@@ -76,7 +82,8 @@ def merge_trees(trees: list[DraftTree | None], names: list[str], budget: int,
         key = _explore_keys(union, per_vote, prob)
     else:
         key = [(-prob[u], -conf[u], union.depth[u], u) for u in range(len(union.tok))]
-    chosen = _best_first(union.par, key, budget)
+    start = union.nodes_of(trees[names.index(base)], budget) if base in names else []
+    chosen = _best_first(union.par, key, budget, start)
     chosen.sort(key=lambda u: (union.depth[u], -prob[u], -conf[u], u))
     if counts is not None:
         _count(counts, "proposed", union.votes)
@@ -138,6 +145,14 @@ class _Union:
                 self.votes[u][s] = max(logc, self.votes[u].get(s, -math.inf))
             where.append(u)
 
+    def nodes_of(self, tree: DraftTree | None, limit: int) -> list[int]:
+        """The union nodes of ``tree``'s first ``limit`` nodes (parents first, as the tree)."""
+        where: list[int] = []
+        for j in range(min(limit, tree.num_nodes if tree is not None else 0)):
+            p = where[tree.parents[j]] if tree.parents[j] >= 0 else -1
+            where.append(self.index[(p, tree.tokens[j])])
+        return where
+
     def tree(self, chosen: list[int], best: list[str]) -> MergedTree:
         """The ``chosen`` nodes (parents first) as a tree labelled and scored by their best
         source ``best[u]``."""
@@ -179,21 +194,40 @@ def _explore_keys(union: _Union, per_vote: list[dict[str, float]],
     return [(rank[u], -prob[u], union.depth[u], u) for u in range(n)]
 
 
-def _best_first(par: list[int], key: list[tuple], budget: int) -> list[int]:
+def _best_first(par: list[int], key: list[tuple], budget: int,
+                start: list[int] | None = None) -> list[int]:
     """Up to ``budget`` nodes by ascending ``key`` (its last item is the node), a node
-    entering only once its parent did."""
+    entering only once its parent did; the nodes of ``start`` (closed under parents) first."""
     children: list[list[int]] = [[] for _ in range(len(par) + 1)]  # slot 0 = root
     for u, p in enumerate(par):
         children[p + 1].append(u)
-    heap = [key[u] for u in children[0]]
+    chosen = list(start or [])
+    taken = set(chosen)
+    heap = [key[c] for u in [-1, *chosen] for c in children[u + 1] if c not in taken]
     heapq.heapify(heap)
-    chosen = []
     while heap and len(chosen) < budget:
         u = heapq.heappop(heap)[-1]
         chosen.append(u)
         for c in children[u + 1]:
             heapq.heappush(heap, key[c])
     return chosen
+
+
+def matched_length(tree: DraftTree | None, tokens: list[int]) -> int:
+    """How many of ``tokens`` (what the target committed after the draft's root) ``tree``
+    drafted: the depth of its longest path that they follow. Verification accepts exactly the
+    nodes on that path (a node is accepted when it carries the target's own token,
+    ``sampling.verify``), so this is what verifying ``tree`` would have given, whichever tree was
+    verified instead (a counterfactual acceptance, exact up to the tokens committed)."""
+    node, depth = -1, 0
+    if tree is None:
+        return 0
+    for t in tokens:
+        node = next((c for c in tree.children(node) if tree.tokens[c] == t), None)
+        if node is None:
+            break
+        depth += 1
+    return depth
 
 
 class MergedDrafter(Drafter):
@@ -205,6 +239,15 @@ class MergedDrafter(Drafter):
     ``explore_every`` (rotating) is filled round-robin over the sources instead of by
     probability (``merge_trees(explore=True)``), so a source whose calibration is too
     pessimistic still has its best nodes verified and its map corrected.
+
+    The merge is never worse than its best source: every part's tree is scored against what
+    the target then committed (``matched_length``: the tokens it would have had accepted), and
+    per sequence the part with the most, averaged over the sequence's drafts and pulled toward
+    the part's average over all sequences (``PRIOR`` drafts' worth), is the *base*: its tree
+    enters the merge whole and the others fill the rest of the budget (``merge_trees(base=)``).
+    A tree that holds the base's accepts at least what the base's would, so the merged tree's
+    acceptance is at least that of the best source per sequence, learnt from every step, and
+    the other sources add acceptance where the base's tree leaves budget unused.
 
     The engine's hooks go to every part: ``observe`` to those that want hidden states,
     ``release`` and ``discard`` to all, ``features`` from the part that keeps them,
@@ -240,6 +283,13 @@ class MergedDrafter(Drafter):
         self.explore_every = explore_every
         self.calls = 0
         self.counts: dict[str, dict[str, int]] = {"proposed": {}, "kept": {}}
+        # seq_id -> (tokens when drafted, each part's tree): scored at the next draft
+        self._drafted: dict[int, tuple[int, list[DraftTree | None]]] = {}
+        self._matched: dict[str, list[float]] = {n: [0.0, 0] for n in names}  # sum, drafts
+        self._seq_matched: dict[int, dict[str, list[float]]] = {}
+        self._bases: dict[str, int] = {}  # source -> merges it was the base of
+
+    PRIOR = 4.0  # drafts' worth of the all-sequence average in a sequence's base choice
 
     def use_scorer(self, scorer: SourceCalibrators) -> None:
         """Fill the budget with ``scorer`` from now on (calibrators a policy trains)."""
@@ -266,10 +316,48 @@ class MergedDrafter(Drafter):
         rates = self.scorer.rates()
         self.calls += 1
         every = self.explore_every
-        return [merge_trees([trees[i] for trees in per_part], names, strategy.budget,
-                            self.scorer, rates, bool(every) and (self.calls + i) % every == 0,
-                            self.counts)
-                for i in range(len(seqs))]
+        out = []
+        for i, seq in enumerate(seqs):
+            trees = [t[i] for t in per_part]
+            self._score(seq)
+            base = self.base_of(seq)
+            if base is not None:
+                self._bases[base] = self._bases.get(base, 0) + 1
+            out.append(merge_trees(trees, names, strategy.budget, self.scorer, rates,
+                                   bool(every) and (self.calls + i) % every == 0, self.counts,
+                                   base))
+            self._drafted[seq.seq_id] = (len(seq.token_ids), trees)
+        return out
+
+    def _score(self, seq: Sequence) -> None:
+        """Score the parts' last trees for ``seq`` against the tokens committed since."""
+        drafted = self._drafted.pop(seq.seq_id, None)
+        if drafted is None or len(seq.token_ids) <= drafted[0]:
+            return
+        start, trees = drafted
+        new = seq.token_ids[start:]
+        mine = self._seq_matched.setdefault(seq.seq_id, {})
+        for part, tree in zip(self.parts, trees):
+            m = matched_length(tree, new)
+            for acc in (self._matched[part.name], mine.setdefault(part.name, [0.0, 0])):
+                acc[0] += m
+                acc[1] += 1
+
+    def base_of(self, seq: Sequence) -> str | None:
+        """The part whose tree enters ``seq``'s merge whole: the most tokens matched per
+        draft, the sequence's own drafts pulled toward all sequences' (None before any part
+        was scored; ties: the first part)."""
+        if not any(n for _, n in self._matched.values()):
+            return None
+        mine = self._seq_matched.get(seq.seq_id, {})
+
+        def rate(name: str) -> float:
+            total, n = self._matched[name]
+            prior = total / n if n else 0.0
+            own, k = mine.get(name, (0.0, 0))
+            return (own + self.PRIOR * prior) / (k + self.PRIOR)
+
+        return max((p.name for p in self.parts), key=rate)
 
     def observe(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
         for p in self.parts:
@@ -277,12 +365,18 @@ class MergedDrafter(Drafter):
                 p.observe(seq, start, hidden)
 
     def release(self, seq: Sequence) -> None:
+        self._forget(seq)
         for p in self.parts:
             p.release(seq)
 
     def discard(self, seq: Sequence) -> None:
+        self._forget(seq)
         for p in self.parts:
             p.discard(seq)
+
+    def _forget(self, seq: Sequence) -> None:
+        self._drafted.pop(seq.seq_id, None)
+        self._seq_matched.pop(seq.seq_id, None)
 
     def set_weight_version(self, version: int) -> None:
         """Tell every part the target's new weight version."""
@@ -312,10 +406,16 @@ class MergedDrafter(Drafter):
     def stats(self) -> dict:
         """Every part's ``stats()`` (e.g. EAGLE's ``drafter_version``) merged, plus
         ``merged_nodes_proposed`` and ``merged_nodes_kept``: per source, the nodes it proposed
-        and those of them the budget fill kept (a node several proposed counts for each)."""
+        and those of them the budget fill kept (a node several proposed counts for each);
+        ``merged_base``: per source, the merges it was the base of; and
+        ``merged_matched_per_draft``: per source, the tokens its own tree would have had
+        accepted per draft (``matched_length``)."""
         out: dict = {}
         for p in self.parts:
             out.update(p.stats())
         out["merged_nodes_proposed"] = dict(self.counts["proposed"])
         out["merged_nodes_kept"] = dict(self.counts["kept"])
+        out["merged_base"] = dict(self._bases)
+        out["merged_matched_per_draft"] = {n: t / k if k else 0.0
+                                           for n, (t, k) in self._matched.items()}
         return out
