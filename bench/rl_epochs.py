@@ -59,6 +59,7 @@ def rows(spec_depth: int, policy: str = "auto", topk: int | None = None,
     if budget is not None:
         common["num_verify_tokens"] = budget
     return {"off": None,
+            "ngram": {"method": "ngram", **common},
             "suffix": {"method": "suffix", **common},
             "eagle": {"method": "eagle", **common},
             "suffix+eagle": {"method": ["suffix", "eagle"], **common}}
@@ -228,7 +229,11 @@ def main(argv=None) -> int:
     ap.add_argument("--drift-steps", type=int, default=4)
     ap.add_argument("--drift-lr", type=float, default=1e-5)
     ap.add_argument("--tail-batch", type=int, default=8)
-    ap.add_argument("--rows", default="off,suffix,eagle,suffix+eagle")
+    ap.add_argument("--rows", default="off,suffix,eagle,suffix+eagle",
+                    help="comma-separated: off, ngram, suffix, eagle, suffix+eagle (eagle rows "
+                         "need the model's EAGLE drafter: the shipped one is SmolLM2's)")
+    ap.add_argument("--model", default=MODEL,
+                    help="target model alias or directory (e.g. qwen2.5-coder-0.5b-instruct)")
     ap.add_argument("--quick", action="store_true", help="4 prompts x 4 samples, 256 tokens")
     ap.add_argument("--trace", help="directory for per-epoch rollout traces (replay input)")
     ap.add_argument("--gpu-table", default=str(Path(__file__).parent / "cost_tables" /
@@ -254,14 +259,14 @@ def main(argv=None) -> int:
     quiet_transformers()
     from transformers import AutoTokenizer
 
-    model_dir = resolve_model(MODEL)
+    model_dir = resolve_model(a.model)
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q["question"]}],
                                            tokenize=False, add_generation_prompt=True),
                    add_special_tokens=False).input_ids
                for q in gsm_questions(a.prompts, seed=EVAL_GSM_SEED)]
     specs = {k: known[k] for k in names}
-    llms = {k: LLM(MODEL, dtype="bfloat16", speculative_config=v, seed=0)
+    llms = {k: LLM(a.model, dtype="bfloat16", speculative_config=v, seed=0)
             for k, v in specs.items()}
     drift = Drift(model_dir, tok, a.drift_lr) if a.epochs > 1 and a.drift_steps else None
     results = []
