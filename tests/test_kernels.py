@@ -573,13 +573,15 @@ def test_bf16_model_rows_are_batch_invariant(isa, tiny_llama_dir):
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ctx", [5, 37, 300])
-def test_tree_node_equals_decoding_its_path(dtype, ctx, isa):
+@pytest.mark.parametrize("parents", [[-1, 0, 0, 2, 1, 1, 3, 3, 4, 6],  # node 9: 0, 2, 3, 6, 9
+                                     [-1, 0, 0, 2, 1]],  # 15 query rows: one AMX row tile
+                         ids=["10-nodes", "5-nodes"])
+def test_tree_node_equals_decoding_its_path(dtype, ctx, isa, parents):
     """A node off the first branch of a draft tree (its ancestors are not the slots right
     before it) gets bit for bit the attention output of decoding its path one token at a time,
     where the same keys sit next to each other: the kernel follows the visible keys as one
     compact sequence, never their slots."""
     g = torch.Generator().manual_seed(ctx)
-    parents = [-1, 0, 0, 2, 1, 1, 3, 3, 4, 6]  # node 9's path: 0, 2, 3, 6, 9
     m, bs, kvh, group, D = len(parents), 16, 2, 3, 64
     nb = -(-(ctx + m) // bs) + 1
     k = torch.randn(nb, bs, kvh, D, generator=g).to(dtype)
