@@ -15,6 +15,7 @@
 #include <immintrin.h>
 #endif
 
+#include "attention_runs.h"
 #include "kernels.h"
 #include "pool.h"
 #include "vec.h"
@@ -135,7 +136,6 @@ SE_CLONES void attend_bf16(const AttnArgs& a, int64_t begin, int64_t end, float*
 #if defined(__x86_64__) && defined(__GNUC__)
 #define SE_ATTN_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 
-constexpr int64_t kRunTokens = 16;  // query tokens per work item
 constexpr int64_t kTileKeys = 256;  // KV positions per online-softmax step
 constexpr int kMaxD = 256;
 
@@ -333,17 +333,10 @@ SE_ATTN_TARGET inline void pv_rows(const uint16_t* pb, float* acc, int64_t r0, i
 // exactly what decoding its path one token at a time gets.
 SE_ATTN_TARGET void attend_fast(const FastArgs& f, int64_t item, float* scratch) {
   const AttnArgs& a = *f.a;
-  const int64_t KVH = a.KVH, D = a.D, BS = a.BS, group = a.H / a.KVH;
-  const int64_t run = item / KVH, g = item % KVH;
-  const int64_t t0 = f.run_start[run], nt = f.run_start[run + 1] - t0, R = nt * group;
+  const WorkItem w(a, f.run_start, item);
+  const int64_t D = a.D, group = a.H / a.KVH, g = w.g, t0 = w.t0, nt = w.nt, R = nt * group;
   const int64_t DC = D / 32;  // 32-wide chunks of D
-  const int64_t stride = KVH * D;
-  const auto* kc = static_cast<const uint16_t*>(a.k_cache) + g * D;
-  const auto* vc = static_cast<const uint16_t*>(a.v_cache) + g * D;
-  const int32_t* table = a.block_tables + static_cast<int64_t>(a.query_seq[t0]) * a.MB;
-  auto slot = [&](int64_t p) {
-    return (static_cast<int64_t>(table[p / BS]) * BS + p % BS) * stride;
-  };
+  const uint16_t *kc = w.kc, *vc = w.vc;
   // scratch: acc [R, D] f32 (d permuted, see the end), m [R], l [R], scores [R, kTileKeys] f32,
   // p [R, kTileKeys] bf16, vi and a private vi [kTileKeys / 2, DC, 2, 32] bf16, key offsets
   // and private key offsets [kTileKeys] int64
@@ -357,48 +350,25 @@ SE_ATTN_TARGET void attend_fast(const FastArgs& f, int64_t item, float* scratch)
   auto* rows = reinterpret_cast<int64_t*>(vi_own + kTileKeys * D);
   int64_t* rows_own = rows + kTileKeys;
   const float ninf = -std::numeric_limits<float>::infinity();
-  // per token: visible keys `count`; `gap`: not simply positions [0, count), then `tree` lists
-  // its visible tree positions (after the context [0, base))
-  int64_t count[kRunTokens], base_of[kRunTokens], first[kRunTokens + 1];
-  bool gap[kRunTokens];
-  std::vector<int32_t> tree;
-  int64_t n_max = 0;
-  for (int64_t i = 0; i < nt; ++i) {
-    const int64_t t = t0 + i, kv = a.kv_lens[t];
-    const int64_t base = a.tree_mask ? std::min<int64_t>(a.tree_base[t], kv) : kv;
-    first[i] = static_cast<int64_t>(tree.size());
-    int64_t c = base;
-    gap[i] = false;
-    for (int64_t p = base; p < kv; ++p) {
-      if (p - base < a.W && a.tree_mask[t * a.W + p - base]) {
-        gap[i] |= p != c;
-        tree.push_back(static_cast<int32_t>(p));
-        ++c;
-      }
-    }
-    count[i] = c;
-    base_of[i] = base;
-    n_max = std::max(n_max, c);
-  }
-  first[nt] = static_cast<int64_t>(tree.size());
+  const RunKeys keys(a, t0, nt);
   std::fill(m, m + R, ninf);  // row r: token t0 + r / group, query head g * group + r % group
   std::fill(l, l + R, 0.f);
   std::fill(acc, acc + R * D, 0.f);
   const int* slot_key = reduce16_slot_keys();  // slot i of reduce16 holds key slot_key[i]
   const __m512 scale = _mm512_set1_ps(f.scale);
-  for (int64_t p0 = 0; p0 < n_max; p0 += kTileKeys) {
-    const int64_t n = std::min<int64_t>(kTileKeys, n_max - p0);
-    for (int64_t o = 0; o < n; ++o) rows[o] = slot(p0 + o);
+  for (int64_t p0 = 0; p0 < keys.n_max; p0 += kTileKeys) {
+    const int64_t n = std::min<int64_t>(kTileKeys, keys.n_max - p0);
+    for (int64_t o = 0; o < n; ++o) rows[o] = w.slot(p0 + o);
     interleave_v(vc, rows, n, DC, vi);
     for (int64_t tok = 0; tok < nt; ++tok) {
-      const int64_t nk = std::min<int64_t>(n, count[tok] - p0);  // this token's keys here
+      const int64_t nk = std::min<int64_t>(n, keys.count[tok] - p0);  // this token's keys here
       if (nk <= 0) continue;
       const int64_t* kr = rows;
       const uint16_t* vt = vi;
-      if (gap[tok] && p0 + nk > base_of[tok]) {  // its own compact keys for this tile
+      if (keys.gap[tok] && p0 + nk > keys.base[tok]) {  // its own compact keys for this tile
         for (int64_t o = 0; o < nk; ++o) {
           const int64_t k = p0 + o;
-          rows_own[o] = k < base_of[tok] ? rows[o] : slot(tree[first[tok] + k - base_of[tok]]);
+          rows_own[o] = k < keys.base[tok] ? rows[o] : w.slot(keys.tree_pos(tok, k));
         }
         interleave_v(vc, rows_own, nk, DC, vi_own);
         kr = rows_own;
@@ -469,18 +439,7 @@ SE_ATTN_TARGET void attend_fast(const FastArgs& f, int64_t item, float* scratch)
       }
     }
   }
-  // acc chunk c: lo lane j holds d = 32c + (j / 4) * 8 + j % 4, hi lane j holds that d + 4
-  for (int64_t r = 0; r < R; ++r) {
-    float* out = a.out + ((t0 + r / group) * a.H + g * group + r % group) * D;
-    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-    const float* ar = acc + r * D;
-    for (int64_t c = 0; c < DC; ++c)
-      for (int j = 0; j < 16; ++j) {
-        const int64_t d = 32 * c + (j / 4) * 8 + j % 4;
-        out[d] = ar[32 * c + j] * inv;
-        out[d + 4] = ar[32 * c + 16 + j] * inv;
-      }
-  }
+  write_rows(a, acc, l, t0, R, group, g);
 }
 #endif
 
@@ -497,12 +456,8 @@ bool paged_attention_fast_available(int64_t D) {
 
 void paged_attention_bf16_fast(const AttnArgs& a, const uint16_t* q_bf16, float scale) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  const int64_t T = a.T, KVH = a.KVH, D = a.D, group = a.H / a.KVH;
-  const int32_t* qs_p = a.query_seq;
-  std::vector<int64_t> runs{0};  // runs of <= kRunTokens consecutive tokens of one sequence
-  for (int64_t t = 1; t < T; ++t)
-    if (qs_p[t] != qs_p[t - 1] || t - runs.back() == kRunTokens) runs.push_back(t);
-  runs.push_back(T);
+  const int64_t KVH = a.KVH, D = a.D, group = a.H / a.KVH;
+  const std::vector<int64_t> runs = query_runs(a);
   const int64_t R = kRunTokens * group;
   const int64_t floats = fast_scratch_floats(R, D);
   FastArgs f{&a, q_bf16, runs.data(), scale};

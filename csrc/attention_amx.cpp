@@ -27,6 +27,8 @@
 #include <immintrin.h>
 #endif
 
+#include "amx_tiles.h"
+#include "attention_runs.h"
 #include "kernels.h"
 #include "pool.h"
 #include "vec.h"
@@ -38,17 +40,7 @@ namespace {
 #define SE_ATTN_AMX \
   __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 
-constexpr int64_t kRunTokens = 16;  // query tokens per work item
 constexpr int64_t kTileKeys = 256;  // keys per online-softmax step (a multiple of 32)
-constexpr int64_t kGroups = kTileKeys / 16;
-
-struct TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
 
 // Every tile 16 rows x 64 bytes: C tiles 0-3, A tile 4, B tiles 5-7.
 SE_ATTN_AMX void configure_tiles() {
@@ -87,19 +79,25 @@ SE_ATTN_AMX inline void transpose16(__m512i (&r)[16]) {
   }
 }
 
+// K and V rows of keys [o0, o1) (element offsets kr into kc, vc; rows of D) into L2: a decode
+// step reads each cache row once, from memory, scattered over blocks, so the key loops fetch
+// the next group's rows while one computes (and the next work item's first ones).
+SE_ATTN_AMX inline void prefetch_rows(const uint16_t* kc, const uint16_t* vc, const int64_t* kr,
+                                      int64_t o0, int64_t o1, int64_t D) {
+  for (int64_t o = o0; o < o1; ++o)
+    for (int64_t b = 0; b < D; b += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(kc + kr[o] + b), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(vc + kr[o] + b), _MM_HINT_T1);
+    }
+}
+
 // K^T of keys [16 j0, n) (element offsets kr into kc) as B tiles: kt[(j * DC + c) * 512 +
 // dp * 32 + key * 2 + e] = K[16 j + key][32 c + 2 dp + e]; keys past n are zeros.
 SE_ATTN_AMX void pack_keys(const uint16_t* kc, const int64_t* kr, int64_t j0, int64_t n,
                            int64_t DC, uint16_t* kt, const uint16_t* vc) {
   for (int64_t j = j0; 16 * j < n; ++j) {
     const int64_t valid = std::min<int64_t>(16, n - 16 * j);
-    // K and V rows of the next group, into L2: the memory reads overlap the transposes (a
-    // decode step reads each cache row once, from memory)
-    for (int64_t o = 16 * (j + 1); o < std::min(n, 16 * (j + 2)); ++o)
-      for (int64_t b = 0; b < DC * 32; b += 32) {
-        _mm_prefetch(reinterpret_cast<const char*>(kc + kr[o] + b), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(vc + kr[o] + b), _MM_HINT_T1);
-      }
+    prefetch_rows(kc, vc, kr, 16 * (j + 1), std::min(n, 16 * (j + 2)), 32 * DC);
     for (int64_t c = 0; c < DC; ++c) {
       __m512i r[16];
       for (int64_t i = 0; i < 16; ++i)
@@ -199,7 +197,7 @@ SE_ATTN_AMX void pack_queries(const uint16_t* qa, int64_t D, uint16_t* qt) {
 // products in the same order as in `scores` (TDPBF16PS adds the pair products of a dimension
 // pair, pairs in order, whichever operand is A), so the two agree bit for bit; this one skips
 // transposing every key group, which costs more than the products for a decode row.
-// sc[r * kTileKeys + k]; K and V rows of the next group are prefetched into L2 meanwhile.
+// sc[r * kTileKeys + k]; K and V rows of the next group are prefetched meanwhile.
 SE_ATTN_AMX void scores_transposed(const uint16_t* kc, const uint16_t* vc, const int64_t* kr,
                                    int64_t n, int64_t D, int64_t stride, const uint16_t* qt,
                                    int64_t R, uint16_t* kbuf, float* sc) {
@@ -208,11 +206,7 @@ SE_ATTN_AMX void scores_transposed(const uint16_t* kc, const uint16_t* vc, const
   for (int64_t j = 0; 16 * j < n; ++j) {
     const int64_t valid = std::min<int64_t>(16, n - 16 * j);
     const int64_t* k = kr + 16 * j;
-    for (int64_t o = 16 * (j + 1); o < std::min(n, 16 * (j + 2)); ++o)
-      for (int64_t b = 0; b < D; b += 32) {
-        _mm_prefetch(reinterpret_cast<const char*>(kc + kr[o] + b), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(vc + kr[o] + b), _MM_HINT_T1);
-      }
+    prefetch_rows(kc, vc, kr, 16 * (j + 1), std::min(n, 16 * (j + 2)), D);
     bool dense = valid == 16;
     for (int64_t i = 1; i < 16 && dense; ++i) dense = k[i] - k[i - 1] == stride;
     const uint16_t* a = kc + k[0];
@@ -378,49 +372,23 @@ T* carve(char*& p, int64_t count) {
   return out;
 }
 
-// Prefetch into L2 the K and V rows of key positions [p0, p1) of KV head g of sequence seq:
-// decode reads each sequence's cache once, scattered over blocks, so without this the tile unit
-// waits on memory at every key group (the next tile's and the next work item's rows are
-// fetched while this one computes).
-SE_ATTN_AMX void prefetch_keys(const AttnArgs& a, int64_t seq, int64_t g, int64_t p0,
-                               int64_t p1) {
-  const int32_t* table = a.block_tables + seq * a.MB;
-  const auto* kc = static_cast<const char*>(a.k_cache);
-  const auto* vc = static_cast<const char*>(a.v_cache);
-  const int64_t row_bytes = a.D * 2;
-  for (int64_t p = p0; p < p1; ++p) {
-    const int64_t off = ((static_cast<int64_t>(table[p / a.BS]) * a.BS + p % a.BS) * a.KVH + g) *
-                        row_bytes;
-    for (int64_t b = 0; b < row_bytes; b += 64) {
-      _mm_prefetch(kc + off + b, _MM_HINT_T1);
-      _mm_prefetch(vc + off + b, _MM_HINT_T1);
-    }
-  }
-}
-
-// The first 32 keys of work item `item` (pack_keys fetches the rest two key groups ahead).
+// The first 32 keys of work item `item` (the key loops prefetch the rest one group ahead).
 SE_ATTN_AMX void prefetch_item(const Args& f, int64_t item) {
-  const AttnArgs& a = *f.a;
-  const int64_t run = item / a.KVH, g = item % a.KVH;
-  const int64_t t0 = f.run_start[run], t1 = f.run_start[run + 1];
-  int64_t n = 0;
-  for (int64_t t = t0; t < t1; ++t) n = std::max<int64_t>(n, a.kv_lens[t]);
-  prefetch_keys(a, a.query_seq[t0], g, 0, std::min<int64_t>(n, 32));
+  const WorkItem w(*f.a, f.run_start, item);
+  int64_t n = 0, kr[32];
+  for (int64_t t = w.t0; t < w.t0 + w.nt; ++t) n = std::max<int64_t>(n, f.a->kv_lens[t]);
+  n = std::min<int64_t>(n, 32);
+  for (int64_t p = 0; p < n; ++p) kr[p] = w.slot(p);
+  prefetch_rows(w.kc, w.vc, kr, 0, n, f.a->D);
 }
 
 SE_ATTN_AMX void attend_amx(const Args& f, int64_t item, char* scratch) {
   const AttnArgs& a = *f.a;
-  const int64_t KVH = a.KVH, D = a.D, BS = a.BS, group = a.H / a.KVH, DC = D / 32;
-  const int64_t run = item / KVH, g = item % KVH;
-  const int64_t t0 = f.run_start[run], nt = f.run_start[run + 1] - t0, R = nt * group;
+  const WorkItem w(a, f.run_start, item);
+  const int64_t D = a.D, group = a.H / a.KVH, DC = D / 32, stride = w.stride;
+  const int64_t g = w.g, t0 = w.t0, nt = w.nt, R = nt * group;
   const int64_t RT = (R + 15) / 16, RP = RT * 16;
-  const int64_t stride = KVH * D;
-  const auto* kc = static_cast<const uint16_t*>(a.k_cache) + g * D;
-  const auto* vc = static_cast<const uint16_t*>(a.v_cache) + g * D;
-  const int32_t* table = a.block_tables + static_cast<int64_t>(a.query_seq[t0]) * a.MB;
-  auto slot = [&](int64_t p) {
-    return (static_cast<int64_t>(table[p / BS]) * BS + p % BS) * stride;
-  };
+  const uint16_t *kc = w.kc, *vc = w.vc;
   char* sp = scratch;
   auto* qa = carve<uint16_t>(sp, RP * D);
   float* acc = carve<float>(sp, RP * D);
@@ -447,32 +415,10 @@ SE_ATTN_AMX void attend_amx(const Args& f, int64_t item, char* scratch) {
   std::fill(m, m + RP, ninf);
   std::fill(l, l + RP, 0.f);
   std::fill(acc, acc + RP * D, 0.f);
-  // per token: visible keys `count`; `gap`: not simply positions [0, count), then `tree` lists
-  // its visible tree positions (after the context [0, base))
-  int64_t count[kRunTokens], base_of[kRunTokens], first[kRunTokens + 1];
-  bool gap[kRunTokens];
-  std::vector<int32_t> tree;
-  int64_t n_max = 0;
-  for (int64_t i = 0; i < nt; ++i) {
-    const int64_t t = t0 + i, kv = a.kv_lens[t];
-    const int64_t base = a.tree_mask ? std::min<int64_t>(a.tree_base[t], kv) : kv;
-    first[i] = static_cast<int64_t>(tree.size());
-    int64_t c = base;
-    gap[i] = false;
-    for (int64_t p = base; p < kv; ++p) {
-      if (p - base < a.W && a.tree_mask[t * a.W + p - base]) {
-        gap[i] |= p != c;
-        tree.push_back(static_cast<int32_t>(p));
-        ++c;
-      }
-    }
-    count[i] = c;
-    base_of[i] = base;
-    n_max = std::max(n_max, c);
-  }
-  for (int64_t p0 = 0; p0 < n_max; p0 += kTileKeys) {
-    const int64_t n = std::min<int64_t>(kTileKeys, n_max - p0), steps = (n + 31) / 32;
-    for (int64_t o = 0; o < n; ++o) rows[o] = slot(p0 + o);
+  const RunKeys keys(a, t0, nt);
+  for (int64_t p0 = 0; p0 < keys.n_max; p0 += kTileKeys) {
+    const int64_t n = std::min<int64_t>(kTileKeys, keys.n_max - p0), steps = (n + 31) / 32;
+    for (int64_t o = 0; o < n; ++o) rows[o] = w.slot(p0 + o);
     if (RT == 1) {  // up to 16 rows (decode): S^T, no key transposes
       scores_transposed(kc, vc, rows, n, D, stride, qt, R, kt, sc);
     } else {
@@ -482,9 +428,9 @@ SE_ATTN_AMX void attend_amx(const Args& f, int64_t item, char* scratch) {
     pack_values(vc, rows, 0, n, DC, vi);
     for (int64_t r = 0; r < RP; ++r) take[r] = r < R;
     for (int64_t tok = 0; tok < nt; ++tok) {
-      const int64_t nk = std::min<int64_t>(n, count[tok] - p0);  // this token's keys here
+      const int64_t nk = std::min<int64_t>(n, keys.count[tok] - p0);  // this token's keys here
       const int64_t r0 = tok * group;
-      if (nk <= 0 || !gap[tok] || p0 + nk <= base_of[tok]) {
+      if (nk <= 0 || !keys.gap[tok] || p0 + nk <= keys.base[tok]) {
         for (int64_t h = 0; h < group; ++h)
           softmax_row(sc + (r0 + h) * kTileKeys, nk, 32 * steps, f.scale, m[r0 + h], l[r0 + h],
                       acc + (r0 + h) * D, D, pb + (r0 + h) * kTileKeys);
@@ -493,11 +439,11 @@ SE_ATTN_AMX void attend_amx(const Args& f, int64_t item, char* scratch) {
       // A tree row off the first branch: keys from compact index `from` on are its own
       // (positions [p0, base) are shared). Scores of its own key groups, then its own P V over
       // every key step of the tile in one chain.
-      const int64_t from = std::max<int64_t>(0, base_of[tok] - p0);
+      const int64_t from = std::max<int64_t>(0, keys.base[tok] - p0);
       const int64_t j0 = from / 16, s0 = from / 32;
       for (int64_t o = 32 * s0; o < nk; ++o) {
         const int64_t k = p0 + o;
-        rows_own[o] = k < base_of[tok] ? rows[o] : slot(tree[first[tok] + k - base_of[tok]]);
+        rows_own[o] = k < keys.base[tok] ? rows[o] : w.slot(keys.tree_pos(tok, k));
       }
       pack_keys(kc, rows_own, j0, nk, DC, kt_own, vc);
       pack_values(vc, rows_own, 16 * s0, nk, DC, vi_own);
@@ -520,18 +466,7 @@ SE_ATTN_AMX void attend_amx(const Args& f, int64_t item, char* scratch) {
     }
     for (int64_t rt = 0; rt < RT; ++rt) pv_rows(pb, vi, vi, steps, steps, D, rt, take, acc);
   }
-  // acc chunk c: lo lane j holds d = 32c + (j / 4) * 8 + j % 4, hi lane j holds that d + 4
-  for (int64_t r = 0; r < R; ++r) {
-    float* out = a.out + ((t0 + r / group) * a.H + g * group + r % group) * D;
-    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;  // no visible position: zeros
-    const float* ar = acc + r * D;
-    for (int64_t c = 0; c < DC; ++c)
-      for (int j = 0; j < 16; ++j) {
-        const int64_t d = 32 * c + (j / 4) * 8 + j % 4;
-        out[d] = ar[32 * c + j] * inv;
-        out[d + 4] = ar[32 * c + 16 + j] * inv;
-      }
-  }
+  write_rows(a, acc, l, t0, R, group, g);
 }
 
 // Work items [begin, end) on one thread, with its own scratch and tile configuration.
@@ -563,11 +498,8 @@ bool paged_attention_amx_available(int64_t D) {
 
 void paged_attention_amx(const AttnArgs& a, const uint16_t* q_bf16, float scale) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  const int64_t T = a.T, group = a.H / a.KVH;
-  std::vector<int64_t> runs{0};  // runs of <= kRunTokens consecutive tokens of one sequence
-  for (int64_t t = 1; t < T; ++t)
-    if (a.query_seq[t] != a.query_seq[t - 1] || t - runs.back() == kRunTokens) runs.push_back(t);
-  runs.push_back(T);
+  const int64_t group = a.H / a.KVH;
+  const std::vector<int64_t> runs = query_runs(a);
   const int64_t bytes = scratch_bytes(kRunTokens * group, a.D);
   Args f{&a, q_bf16, runs.data(), scale};
   parallel_ranges((static_cast<int64_t>(runs.size()) - 1) * a.KVH, 1, 4,

@@ -25,6 +25,7 @@
 #include <unistd.h>
 #endif
 
+#include "amx_tiles.h"
 #include "kernels.h"
 #include "pool.h"
 #include "vec.h"
@@ -33,14 +34,6 @@ namespace specengine {
 namespace {
 
 constexpr int64_t kPairElems = 2 * 16 * 32;  // two B tiles of bf16 per K step of a pair
-
-struct TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
 
 // x86-64 only: AMX tiles and AVX-512 (function-level targets, chosen at run time).
 #if defined(__x86_64__) && defined(__GNUC__)
