@@ -87,6 +87,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("positions"),
         "[S] int64: argmax(probs[r] / exponential_noise(keys[r], [positions[r]], V)[0]) per "
         "row, the noise never stored.");
+  m.def("coupled_topk", &specengine::coupled_topk, py::arg("logits"), py::arg("k"),
+        py::arg("temperature"), py::arg("keys"), py::arg("positions"),
+        py::arg("vocab_map") = py::none(),
+        "(values [R, k] float32, indices [R, k] int64): per row the k largest of "
+        "log_softmax(z), z = logits (temperature 0) or logits / temperature - log E with E the "
+        "noise of (keys[r], positions[r]) at token vocab_map[i]; the noise never stored.");
   m.def("set_pool_threads", &specengine::set_pool_threads, py::arg("n"),
         "Threads of the kernels' pool (0: follow torch.get_num_threads()).");
   m.def("pool_threads", &specengine::pool_threads, "Threads the kernels' pool uses now.");

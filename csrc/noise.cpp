@@ -11,7 +11,8 @@
 // torch's exponential_ with a seeded generator (0.7 ms for 49k tokens on one core).
 // exponential_noise_rows_kernel draws rows of many keys (all the sampled rows of a step) in one
 // call; exponential_race_kernel draws the tokens argmax(p / E) of many rows without the noise in
-// memory. The tensor checks are in ops.cpp.
+// memory; coupled_topk_kernel ranks a drafter's children by its noise-perturbed log-probabilities
+// (speculative/drafters/coupling.py) without the noise in memory. The tensor checks are in ops.cpp.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -157,6 +158,77 @@ SE_CLONES void race_chunk(uint64_t row, const float* p, int64_t n, float* best_o
   *index_out = bi;
 }
 
+
+// One row of coupled_topk_kernel: z_i = logits[i] (greedy, t == 0) or logits[i] / t - log E_i,
+// E_i the noise of stream `row` at token map[i] (i without a map); then the k largest z_i - lse(z)
+// (ties: the lower index first; NaN never taken), written to values / indices (-inf / 0 when the
+// row has fewer than k finite entries). z is scratch of Vd floats.
+SE_CLONES void coupled_topk_row(const float* logits, int64_t Vd, float t, uint64_t row,
+                                const int64_t* map, int64_t k, float* z, float* values,
+                                int64_t* indices) {
+  const float inf = __builtin_inff();
+  int64_t i = 0;
+  if (t == 0.f) {
+    std::memcpy(z, logits, Vd * sizeof(float));
+  } else {
+    const u64x8 lane = {1, 2, 3, 4, 5, 6, 7, 8};
+    for (; i < Vd; i += 8) {
+      const int64_t n = std::min<int64_t>(8, Vd - i);
+      u64x8 tok;
+      if (map != nullptr) {
+        uint64_t m[8] = {};
+        for (int64_t l = 0; l < n; ++l) m[l] = static_cast<uint64_t>(map[i + l]) + 1;
+        std::memcpy(&tok, m, sizeof(tok));
+      } else {
+        tok = lane + static_cast<uint64_t>(i);
+      }
+      const f32x8v log_e = -neg_log(exp_noise(vmix64(row + kColMul * tok)));
+      f32x8v l = {};
+      std::memcpy(&l, logits + i, n * sizeof(float));
+      const f32x8v zv = l / t - log_e;
+      std::memcpy(z + i, &zv, n * sizeof(float));
+    }
+  }
+  f32x16 mx = f32x16{} - inf;
+  for (i = 0; i + 16 <= Vd; i += 16) {
+    const f32x16 v = load16(z + i);
+    mx = v > mx ? v : mx;
+  }
+  float m = -inf;
+  for (int l = 0; l < 16; ++l) m = mx[l] > m ? mx[l] : m;
+  for (; i < Vd; ++i) m = z[i] > m ? z[i] : m;
+  for (int64_t j = 0; j < k; ++j) values[j] = -inf, indices[j] = 0;
+  if (!(m > -inf)) return;  // nothing finite (or only NaN)
+  f32x16 acc = {};
+  const f32x16 mv = f32x16{} + m;
+  for (i = 0; i + 16 <= Vd; i += 16) {
+    const f32x16 d = load16(z + i) - mv;
+    acc += d > -87.f ? vexp(d) : f32x16{};
+  }
+  float sum = hsum(acc);
+  for (; i < Vd; ++i) sum += z[i] - m > -87.f ? std::exp(z[i] - m) : 0.f;
+  const float lse = m + std::log(sum);
+  // top-k by insertion into values (descending); a vector of 16 is skipped when no lane beats
+  // the k-th best so far
+  for (i = 0; i < Vd; i += 16) {
+    const int64_t n = std::min<int64_t>(16, Vd - i);
+    if (n == 16) {
+      const auto beat = load16(z + i) > (f32x16{} + values[k - 1]);
+      bool any = false;
+      for (int l = 0; l < 16; ++l) any |= beat[l] != 0;
+      if (!any) continue;
+    }
+    for (int64_t l = 0; l < n; ++l) {
+      const float v = z[i + l];
+      if (!(v > values[k - 1])) continue;
+      int64_t j = k - 1;
+      for (; j > 0 && v > values[j - 1]; --j) values[j] = values[j - 1], indices[j] = indices[j - 1];
+      values[j] = v, indices[j] = i + l;
+    }
+  }
+  for (int64_t j = 0; j < k; ++j) values[j] -= lse;
+}
+
 }  // namespace
 
 void exponential_noise_rows_kernel(const int64_t* keys, int64_t key_step,
@@ -200,6 +272,19 @@ void exponential_race_kernel(const float* probs, const int64_t* keys, const int6
     }
     out[r] = index[c];
   }
+}
+
+void coupled_topk_kernel(const float* logits, int64_t R, int64_t Vd, const float* temperature,
+                         const int64_t* keys, const int64_t* positions, const int64_t* vocab_map,
+                         int64_t k, float* values, int64_t* indices) {
+  parallel_chunks(R, [&](int64_t r) {
+    thread_local std::vector<float> z;
+    if (static_cast<int64_t>(z.size()) < Vd) z.resize(Vd);
+    const uint64_t row = mix64(static_cast<uint64_t>(keys[r]) +
+                               kRowMul * (static_cast<uint64_t>(positions[r]) + 1));
+    coupled_topk_row(logits + r * Vd, Vd, temperature[r], row, vocab_map, k, z.data(),
+                     values + r * k, indices + r * k);
+  });
 }
 
 }  // namespace specengine

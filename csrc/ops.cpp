@@ -469,4 +469,52 @@ at::Tensor exponential_race(const at::Tensor& probs, const at::Tensor& keys,
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor> coupled_topk(const at::Tensor& logits, int64_t k,
+                                                const at::Tensor& temperature,
+                                                const at::Tensor& keys,
+                                                const at::Tensor& positions,
+                                                const std::optional<at::Tensor>& vocab_map) {
+  TORCH_CHECK_VALUE(logits.dim() == 2 && logits.scalar_type() == at::kFloat &&
+                    logits.size(1) >= 1 && logits.device().is_cpu(),
+                    "logits must be a CPU [R, Vd >= 1] float32 tensor, got ", logits.sizes(),
+                    " ", logits.scalar_type());
+  const int64_t R = logits.size(0), Vd = logits.size(1);
+  TORCH_CHECK_VALUE(k >= 1 && k <= Vd, "k must be in [1, ", Vd, "], got ", k);
+  TORCH_CHECK_VALUE(temperature.dim() == 1 && temperature.size(0) == R &&
+                    temperature.scalar_type() == at::kFloat,
+                    "temperature must be a [R] float32 tensor with R = ", R, ", got ",
+                    temperature.sizes(), " ", temperature.scalar_type());
+  check_streams(keys, positions);
+  TORCH_CHECK_VALUE(keys.size(0) == R, "keys must have one entry per row of logits (", R,
+                    "), got ", keys.size(0));
+  check_positions(positions, 1);
+  const int64_t* map = nullptr;
+  at::Tensor vm;
+  if (vocab_map.has_value()) {
+    vm = vocab_map->contiguous();
+    TORCH_CHECK_VALUE(vm.dim() == 1 && vm.size(0) == Vd && vm.scalar_type() == at::kLong,
+                      "vocab_map must be a [Vd] int64 tensor with Vd = ", Vd, ", got ",
+                      vm.sizes(), " ", vm.scalar_type());
+    map = vm.data_ptr<int64_t>();
+    for (int64_t i = 0; i < Vd; ++i) {
+      TORCH_CHECK_VALUE(map[i] >= 0, "vocab_map must hold token ids >= 0, got ", map[i]);
+    }
+  }
+  const auto lg = logits.contiguous();
+  const auto t = temperature.contiguous();
+  for (int64_t r = 0; r < R; ++r) {
+    const float tr = t.data_ptr<float>()[r];
+    TORCH_CHECK_VALUE(tr >= 0.f, "temperature must be >= 0 (0: greedy), got ", tr, " in row ",
+                      r);
+  }
+  const auto ks = keys.contiguous();
+  const auto pos = positions.contiguous();
+  auto values = at::empty({R, k}, at::TensorOptions().dtype(at::kFloat));
+  auto indices = at::empty({R, k}, at::TensorOptions().dtype(at::kLong));
+  coupled_topk_kernel(lg.data_ptr<float>(), R, Vd, t.data_ptr<float>(), ks.data_ptr<int64_t>(),
+                      pos.data_ptr<int64_t>(), map, k, values.data_ptr<float>(),
+                      indices.data_ptr<int64_t>());
+  return {values, indices};
+}
+
 }  // namespace specengine

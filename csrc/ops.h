@@ -67,6 +67,11 @@ at::Tensor exponential_noise_batch(const at::Tensor& keys, const at::Tensor& pos
 // torch.argmax (first index of the largest, NaN largest), the noise never stored.
 at::Tensor exponential_race(const at::Tensor& probs, const at::Tensor& keys,
                             const at::Tensor& positions);
+std::tuple<at::Tensor, at::Tensor> coupled_topk(const at::Tensor& logits, int64_t k,
+                                                const at::Tensor& temperature,
+                                                const at::Tensor& keys,
+                                                const at::Tensor& positions,
+                                                const std::optional<at::Tensor>& vocab_map);
 
 #ifdef SPECENGINE_WITH_CUDA
 at::Tensor paged_attention_cuda(const at::Tensor& query, const at::Tensor& k_cache,

@@ -7,7 +7,12 @@ from reference_sampling import process_logits, sample
 from specengine.engine.sequence import Sequence
 from specengine.ops.extension import ext
 from specengine.sampling.params import SampleNoise, SamplingParams, noise_rows
-from specengine.speculative.drafters.coupling import TOP_P_WINDOW, coupled_logprobs, filter_logits
+from specengine.speculative.drafters.coupling import (
+    TOP_P_WINDOW,
+    coupled_logprobs,
+    coupled_topk,
+    filter_logits,
+)
 
 
 def test_params_validation_names_the_field():
@@ -186,3 +191,54 @@ def test_coupled_draft_argmax_is_the_targets_sample():
     vmap = torch.randperm(V, generator=g)
     lp = coupled_logprobs(logits[:, vmap], seqs, positions, V, vmap)
     assert torch.equal(vmap[lp.argmax(-1)], want)
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_coupled_topk_equals_topk_of_coupled_logprobs(mapped):
+    """``coupled_topk`` (one extension call for the rows without filters or penalties, torch
+    for the others) gives the children ``torch.topk(coupled_logprobs)`` gives: the same
+    indices, log-probabilities within a few ulp, over a batch mixing greedy, temperature-only,
+    filtered and penalised rows, with and without a draft vocabulary map."""
+    g = torch.Generator().manual_seed(3)
+    V, Vd, k = 5000, 1200, 4
+    vmap = torch.randperm(V, generator=g)[:Vd] if mapped else None
+    logits = torch.randn(48, Vd if mapped else V, generator=g) * 4
+    kinds = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.6),
+             dict(temperature=1.0, top_p=0.9), dict(temperature=0.8, top_k=20),
+             dict(temperature=1.0, min_p=0.05), dict(temperature=1.0, presence_penalty=1.0),
+             dict(temperature=0.0, repetition_penalty=1.3)]
+    seqs = [Sequence("r", i, [1, 2, 3] + list(range(10, 10 + i)),
+                     SamplingParams(seed=i, **kinds[i % len(kinds)]), SampleNoise(11, i))
+            for i in range(48)]
+    positions = [i % 7 for i in range(48)]
+    paths = [[5 + i % 3] for i in range(48)]
+    want = torch.topk(coupled_logprobs(logits, seqs, positions, V, vmap, paths), k, dim=-1)
+    values, indices = coupled_topk(logits, k, seqs, positions, V, vmap, paths)
+    assert torch.equal(indices, want.indices)
+    assert torch.allclose(values, want.values, rtol=0, atol=1e-5)
+    if ext() is not None:  # the extension call itself: greedy and temperature-only rows
+        plain = [r for r, s in enumerate(seqs) if r % len(kinds) < 3]
+        v, i = ext().coupled_topk(
+            logits[plain], k, torch.tensor([seqs[r].params.temperature for r in plain]),
+            torch.tensor([seqs[r].noise.key for r in plain]),
+            torch.tensor([positions[r] for r in plain]), vmap)
+        assert torch.equal(i, want.indices[plain])
+        assert torch.allclose(v, want.values[plain], rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(ext() is None, reason="needs the C++ extension")
+def test_coupled_topk_rejects_bad_input():
+    mod, x = ext(), torch.randn(2, 8)
+    keys, pos = torch.tensor([1, 2]), torch.tensor([0, 0])
+    for args, kwargs, what in [
+            ((x, 3, torch.tensor([1.0, -1.0]), keys, pos), {}, "temperature must be >= 0"),
+            ((x, 9, torch.tensor([1.0, 1.0]), keys, pos), {}, "k must be in"),
+            ((x, 2, torch.tensor([1.0]), keys, pos), {}, "temperature must be a"),
+            ((x, 2, torch.tensor([1.0, 1.0]), keys[:1], pos), {}, "keys and positions"),
+            ((x.double(), 2, torch.tensor([1.0, 1.0]), keys, pos), {}, "logits must be"),
+            ((x, 2, torch.tensor([1.0, 1.0]), keys, pos), {"vocab_map": torch.arange(7)},
+             "vocab_map must be"),
+            ((x, 2, torch.tensor([1.0, 1.0]), keys, pos),
+             {"vocab_map": torch.arange(8) - 1}, "token ids >= 0")]:
+        with pytest.raises(ValueError, match=what):
+            mod.coupled_topk(*args, **kwargs)

@@ -214,8 +214,11 @@ def test_coupled_self_draft_accepts_almost_everything_at_t1(target_dir, monkeypa
         return llm.get_metrics()["acceptance_length"], [o.outputs[0].token_ids for o in outs]
 
     coupled, want = run()
-    monkeypatch.setattr(draft_model, "coupled_logprobs",
-                        lambda logits, *args: torch.log_softmax(logits, -1))
+    def uncoupled(logits, k, *args):
+        top = torch.topk(torch.log_softmax(logits, -1), k, dim=-1)
+        return top.values, top.indices
+
+    monkeypatch.setattr(draft_model, "coupled_topk", uncoupled)
     uncoupled, got = run()
     print(f"self-draft tau at T=1, d={d}: coupled {coupled:.3f}, uncoupled {uncoupled:.3f}")
     assert coupled >= d + 0.9

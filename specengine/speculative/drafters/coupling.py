@@ -13,6 +13,11 @@ A request's repetition / presence / frequency penalties are applied to the draft
 each row with its own context (the committed tokens plus the draft path to the row's node,
 ``specengine.sampling.penalties``), as verification applies them to the target's: not needed for
 losslessness, but otherwise the draft keeps proposing the tokens the target is penalised for.
+
+``coupled_topk`` gives a drafter's children directly: one extension call (``coupled_topk`` in
+``csrc/noise.cpp``) for the rows with neither filters nor penalties, which computes each noise
+value as it goes (counter-based, never stored) and keeps the k best in one pass over the draft
+vocabulary; the other rows take ``coupled_logprobs`` and ``torch.topk``.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from specengine.engine.sequence import Sequence
+from specengine.ops.extension import ext
 from specengine.sampling.batched import gather_noise, store_noise
 from specengine.sampling.params import SamplingParams
 from specengine.sampling.penalties import penalize
@@ -76,6 +82,56 @@ def coupled_logprobs(logits: torch.Tensor, seqs: list[Sequence], positions: list
     out = torch.log_softmax(logits, -1)
     out[sampled] = lp
     return out
+
+
+def coupled_topk(logits: torch.Tensor, k: int, seqs: list[Sequence], positions: list[int],
+                 vocab: int, vocab_map: torch.Tensor | None = None,
+                 paths: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` best children of each row: ``torch.topk(coupled_logprobs(...), k)``.
+
+    Args and the ranking as ``coupled_logprobs`` (``k`` <= ``Vd``). Rows that are greedy or
+    sampled with a temperature only (no top-k / top-p / min-p, no penalties) take one
+    extension call when the extension is built (float32 log-probabilities equal to
+    ``coupled_logprobs``' within a few ulp; ties go to the lower index); the others, and all
+    rows without the extension or off the CPU, ``coupled_logprobs`` and ``torch.topk``.
+
+    Returns:
+        ``(values, indices)``: ``[R, k]`` float32 log-probabilities, best first, and ``[R, k]``
+        int64 draft-vocabulary indices (``-inf`` values past a row's tokens that survive its
+        filters).
+    """
+    mod = ext()
+    R = logits.shape[0]
+    plain = [r for r, s in enumerate(seqs) if _plain(s.params, vocab)]
+    if mod is None or logits.device.type != "cpu" or not plain:
+        top = torch.topk(coupled_logprobs(logits, seqs, positions, vocab, vocab_map, paths), k,
+                         dim=-1)
+        return top.values, top.indices
+    x = logits if len(plain) == R else logits[plain]
+    params = [seqs[r].params for r in plain]
+    values, indices = mod.coupled_topk(
+        x.float().contiguous(), k,
+        torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32),
+        torch.tensor([0 if p.greedy else seqs[r].noise.key for r, p in zip(plain, params)],
+                     dtype=torch.int64),
+        torch.tensor([positions[r] for r in plain], dtype=torch.int64), vocab_map)
+    if len(plain) == R:
+        return values, indices
+    rest = [r for r in range(R) if r not in set(plain)]
+    lp = coupled_logprobs(logits[rest], [seqs[r] for r in rest], [positions[r] for r in rest],
+                          vocab, vocab_map, None if paths is None else [paths[r] for r in rest])
+    top = torch.topk(lp, k, dim=-1)
+    out_v, out_i = torch.empty(R, k), torch.empty(R, k, dtype=torch.int64)
+    out_v[plain], out_i[plain] = values, indices
+    out_v[rest], out_i[rest] = top.values, top.indices
+    return out_v, out_i
+
+
+def _plain(p: SamplingParams, vocab: int) -> bool:
+    """True when a row's draft scores need no filter and no penalty (``coupled_topk``'s
+    extension call handles it)."""
+    return not p.has_penalties and (p.greedy or (
+        p.top_p >= 1.0 and p.min_p <= 0.0 and not 0 < p.top_k < vocab))
 
 
 def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -20,7 +20,7 @@ from specengine.engine.model_runner import ModelRunner
 from specengine.engine.sequence import Sequence
 from specengine.kv.block_manager import BlockManager
 from specengine.speculative.drafters.base import Drafter
-from specengine.speculative.drafters.coupling import coupled_logprobs
+from specengine.speculative.drafters.coupling import coupled_topk
 from specengine.speculative.drafters.shadow import new_shadow, sync_shadow
 from specengine.speculative.strategy import Strategy
 from specengine.speculative.tree import DraftTree
@@ -101,13 +101,13 @@ class DraftModelDrafter(Drafter):
         for step in range(d):
             logits, _ = self.runner.run(entries, self.blocks)
             chains = [shadows[i].token_ids[len(seqs[i]):] for i in live]  # drafted so far
-            logp = coupled_logprobs(logits[:, :self.vocab_size].float(), live_seqs,
-                                    [n + step for n in n_out], self.vocab_size, None, chains)
-            top = torch.topk(logp, k, dim=-1)
+            values, indices = coupled_topk(logits[:, :self.vocab_size].float(), k, live_seqs,
+                                           [n + step for n in n_out], self.vocab_size, None,
+                                           chains)
             for row, i in enumerate(live):
                 sh = shadows[i]
                 sh.num_cached = len(sh)
-                toks, vals = top.indices[row].tolist(), top.values[row].tolist()
+                toks, vals = indices[row].tolist(), values[row].tolist()
                 cands[i].append([(t, lp) for t, lp in zip(toks, vals) if lp > -torch.inf])
                 sh.token_ids.append(toks[0])
             if step + 1 < d:

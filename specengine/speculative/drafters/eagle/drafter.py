@@ -21,7 +21,7 @@ from specengine.attention.base import AttentionMetadata
 from specengine.engine.sequence import Sequence
 from specengine.kv.block_manager import BlockManager
 from specengine.speculative.drafters.base import Drafter
-from specengine.speculative.drafters.coupling import coupled_logprobs
+from specengine.speculative.drafters.coupling import coupled_topk
 from specengine.speculative.drafters.eagle.checkpoint import (
     load_drafter,
     load_state,
@@ -202,14 +202,14 @@ class EagleDrafter(Drafter):
     def _topk(self, feats: torch.Tensor, k: int, seqs: list[Sequence], positions: list[int],
               paths: list[list[int]] | None = None) -> list[list[tuple[int, float]]]:
         """Per row of ``feats`` ``[R, H]``: the top-k children as (target id, log-probability)
-        by ``coupled_logprobs`` (row r drafts for ``seqs[r]`` at output position
+        by ``coupled_topk`` (row r drafts for ``seqs[r]`` at output position
         ``positions[r]``, after the draft tokens ``paths[r]``), best first; tokens of
         log-probability ``-inf`` are left out."""
         m = self.model
-        logp = coupled_logprobs(m.draft_logits(feats), seqs, positions, m.config.vocab_size,
-                                m.vocab_map, paths)
-        top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
-        rows = zip(m.to_full_ids(top.indices).tolist(), top.values.tolist())
+        logits = m.draft_logits(feats)
+        values, indices = coupled_topk(logits, min(k, logits.shape[-1]), seqs, positions,
+                                       m.config.vocab_size, m.vocab_map, paths)
+        rows = zip(m.to_full_ids(indices).tolist(), values.tolist())
         return [[(t, lp) for t, lp in zip(ts, lps) if lp > -torch.inf] for ts, lps in rows]
 
     def _feed_prefix(self, seqs: list[Sequence], states: list[_State]) -> torch.Tensor:
