@@ -9,12 +9,20 @@ plain (the C++ kernel on the unpacked weight, M <= 8).
 With ``--attention``: the paged attention kernel over the 30 layers, per batch, context and
 query tokens per sequence (decode: 1; verifying a draft chain: more).
 
+With ``--draft``: the EAGLE draft loop (``EagleDrafter.propose`` with the drafter shipped for
+SmolLM2-135M, 8192-token draft vocabulary) for B sequences of 160 cached tokens, depth d, top-k
+k, greedy and T = 1: ms per call and per depth (the prefix feed counts as one), timed in turns
+in one run: the loop in one extension call (``eagle_draft``); the Python loop (``_grow``) with
+the one-call coupled top-k (``coupled_topk``); and the Python loop with torch's coupled
+log-probabilities and top-k (the drafting before either, noise rows drawn into memory; each
+call's noise cache emptied first, as a new step's positions are not cached).
+
 With ``--forward``: the whole model (SmolLM2-135M, real weights) per forward of T tokens at
 batch 1 after a 200-token context: T=1 is a decode step, T=9 a 1+8 token verify (ms, median).
 
     python bench/bench_kernels.py [--dtype bfloat16|float32] [--ms 1,4,8,16,32] [--threads N]
                                   [--isa generic|avx2|avx512] [--forward [--ts 1,9,17]]
-                                  [--attention]
+                                  [--attention] [--draft [--shapes 32x4x1,...] [--out F]]
 
 ``--isa avx2`` caps both sides at AVX2 + FMA, as on a CPU without AVX-512: specengine's dispatch
 (``SPECENGINE_ISA``) and torch's (``ATEN_CPU_CAPABILITY``, oneDNN's ``ONEDNN_MAX_CPU_ISA``, MKL's
@@ -92,6 +100,9 @@ def main() -> None:
                     help="--attention: BxC pairs (batch x cached tokens), comma-separated")
     ap.add_argument("--queries", default="1,2,3,5",
                     help="--attention: query tokens per sequence, comma-separated")
+    ap.add_argument("--draft", action="store_true",
+                    help="time the EAGLE draft loop; --shapes BxDxK (batch x depth x top-k)")
+    ap.add_argument("--out", default=None, help="--draft: also write the rows to this JSON")
     ap.add_argument("--cold", action="store_true",
                     help="--attention: one cache per layer (30), as an engine step reads them, "
                          "instead of one cache read 30 times (kept in the CPU caches)")
@@ -108,6 +119,10 @@ def main() -> None:
           f"torch_capability={torch.backends.cpu.get_cpu_capability()}")
     if args.forward:
         return bench_forward(dtype, [int(t) for t in args.ts.split(",")])
+    if args.draft:
+        shapes = (args.shapes if "--shapes" in sys.argv else "8x4x1,32x4x1,32x4x2,32x6x2")
+        return bench_draft([tuple(int(v) for v in s.split("x")) for s in shapes.split(",")],
+                           args.out)
     if args.attention:
         shapes = [tuple(int(v) for v in bc.split("x")) for bc in args.shapes.split(",")]
         return bench_attention(shapes, [int(q) for q in args.queries.split(",")], args.cold)
@@ -170,6 +185,75 @@ def bench_forward(dtype: torch.dtype, ts: list[int], context: int = 200) -> None
     for t in ts:
         sec = time_call(lambda t=t: forward(context, t), min_time=1.0)
         print(f"  T={t:>2}: {sec * 1e3:7.2f} ms")
+
+
+def bench_draft(shapes: list[tuple[int, int, int]], out: str | None, context: int = 160) -> None:
+    """EAGLE ``propose`` per (batch, depth, top-k), greedy and T = 1: the extension loop vs the
+    Python loop (``_grow``), medians of interleaved calls."""
+    import json
+
+    from common import machine_info
+
+    from specengine import LLM, SamplingParams
+    from specengine.engine.sequence import Sequence
+    from specengine.sampling.params import SampleNoise
+    from specengine.speculative.drafters import coupling
+    from specengine.speculative.strategy import Strategy
+
+    # name -> (loop in the extension, coupled_topk's one-call kernel)
+    VARIANTS = {"extension": (True, True), "python_loop": (False, True),
+                "torch_topk_loop": (False, False)}
+    llm = LLM("smollm2-135m-instruct", dtype="bfloat16", speculative_config={
+        "method": "eagle", "num_speculative_tokens": 4, "policy": "static"})
+    drafter = llm.engine.drafter
+    hidden = llm.engine.runner.model.config.hidden_size
+    grow = drafter._grow_in_extension
+    rows = []
+    print(f"EAGLE draft loop, {context} cached tokens per sequence (bfloat16), ms per call "
+          "[per depth]:")
+    print(f"{'B':>3} {'d':>2} {'k':>2} {'T':>3} {'extension':>17} {'python loop':>17} "
+          f"{'torch top-k loop':>17} {'speedup':>7}")
+    for b, d, k in shapes:
+        for temp in (0.0, 1.0):
+            g = torch.Generator().manual_seed(0)
+            seqs = []
+            for i in range(b):
+                s = Sequence("bench", i, torch.randint(100, 5000, (context + 1,),
+                                                       generator=g).tolist(),
+                             SamplingParams(temperature=temp, seed=i), SampleNoise(i, 0))
+                s.num_cached = context
+                f = torch.randn(context + 1, hidden, generator=g)
+                drafter.observe(s, 0, (f / f.norm(dim=-1, keepdim=True) * hidden ** 0.5)
+                                .to(torch.bfloat16))
+                seqs.append(s)
+            strategy = Strategy(d, topk=k, budget=d * k)
+            times = {name: [] for name in VARIANTS}
+            with kernels.kernel_threads(kernels.packed_covers(b * (1 + d * k))):
+                for rep in range(12):
+                    for name, (in_ext, fused) in VARIANTS.items():
+                        drafter._grow_in_extension = grow if in_ext else (lambda *a: None)
+                        coupling.ext = ext if fused else (lambda: None)
+                        for s in seqs:
+                            s.noise._cache.clear()
+                        t0 = time.perf_counter()
+                        drafter.propose(seqs, strategy)
+                        if rep:  # the first call of each fills the drafter KV
+                            times[name].append(time.perf_counter() - t0)
+            drafter._grow_in_extension, coupling.ext = grow, ext
+            for s in seqs:
+                drafter.release(s)
+            ms = {name: sorted(t)[len(t) // 2] * 1e3 for name, t in times.items()}
+            rows.append({"batch": b, "depth": d, "topk": k, "temperature": temp,
+                         **{f"{name}_ms": round(v, 3) for name, v in ms.items()},
+                         **{f"{name}_ms_per_depth": round(v / d, 3) for name, v in ms.items()}})
+            print(f"{b:>3} {d:>2} {k:>2} {temp:>3.0f} "
+                  + " ".join(f"{v:>8.2f} [{v / d:>5.2f}]" for v in ms.values())
+                  + f" {ms['torch_topk_loop'] / ms['extension'] :>6.2f}x")
+    if out:
+        with open(out + ".tmp", "w") as fh:
+            json.dump({"machine": machine_info(), "threads": torch.get_num_threads(),
+                       "context": context, "rows": rows}, fh, indent=1)
+        os.replace(out + ".tmp", out)
 
 
 def bench_attention(shapes=((1, 768), (8, 768), (16, 768), (24, 512)),

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <vector>
 
 #include "kernels.h"
@@ -44,20 +45,22 @@ SE_INLINE u64x8 vmix64(u64x8 z) {
   return z ^ (z >> 31);
 }
 
-// -log(u) for u in (0, 1], 8 lanes: natural log by exponent / mantissa split and the Cephes
-// logf polynomial (~1 ulp), written with portable vectors so every ISA clone computes it alike.
-SE_INLINE f32x8v neg_log(f32x8v x) {
-  i32x8 bits;
+// -log(u) for u in (0, 1], on 8 or 16 lanes (F float and I int32 vectors of one length): natural
+// log by exponent / mantissa split and the Cephes logf polynomial (~1 ulp), written with portable
+// vectors so every ISA clone computes it alike.
+template <typename F, typename I>
+SE_INLINE F neg_log_t(F x) {
+  I bits;
   std::memcpy(&bits, &x, sizeof(bits));
-  i32x8 e = ((bits >> 23) & 0xff) - 126;
-  i32x8 mb = (bits & 0x7fffff) | 0x3f000000;  // mantissa in [0.5, 1)
-  f32x8v m;
+  I e = ((bits >> 23) & 0xff) - 126;
+  I mb = (bits & 0x7fffff) | 0x3f000000;  // mantissa in [0.5, 1)
+  F m;
   std::memcpy(&m, &mb, sizeof(m));
   const auto small = m < 0.707106781186547524f;
   e = small ? e - 1 : e;
   m = small ? m + m - 1.f : m - 1.f;
-  const f32x8v z = m * m;
-  f32x8v y = f32x8v{} + 7.0376836292e-2f;
+  const F z = m * m;
+  F y = F{} + 7.0376836292e-2f;
   y = y * m - 1.1514610310e-1f;
   y = y * m + 1.1676998740e-1f;
   y = y * m - 1.2420140846e-1f;
@@ -66,21 +69,30 @@ SE_INLINE f32x8v neg_log(f32x8v x) {
   y = y * m + 2.0000714765e-1f;
   y = y * m - 2.4999993993e-1f;
   y = y * m + 3.3333331174e-1f;
-  const f32x8v ef = __builtin_convertvector(e, f32x8v);
+  const F ef = __builtin_convertvector(e, F);
   y = y * m * z;
   y = y + ef * -2.12194440e-4f;
   y = y - 0.5f * z;
-  const f32x8v r = m + y + ef * 0.693359375f;
+  const F r = m + y + ef * 0.693359375f;
   return -r;
 }
 
-SE_INLINE f32x8v exp_noise(u64x8 h) {
-  const f32x8v v0 = __builtin_convertvector(h | 1, f32x8v) * 5.42101086242752217e-20f;  // 2^-64
-  const f32x8v v = v0 < 0.99999994f ? v0 : f32x8v{} + 0.99999994f;
-  const f32x8v w = 1.f - v;
-  const f32x8v big = neg_log(w) * (v / (1.f - w));  // -log1p(-v), Goldberg's correction
+SE_INLINE f32x8v neg_log(f32x8v x) { return neg_log_t<f32x8v, i32x8>(x); }
+
+// Exp(1) noise from the uniform v behind it (v as exp_noise computes it from the hash).
+template <typename F, typename I>
+SE_INLINE F exp_noise_of(F v) {
+  const F w = 1.f - v;
+  const F big = neg_log_t<F, I>(w) * (v / (1.f - w));  // -log1p(-v), Goldberg's correction
   return w == 1.f ? v : big;
 }
+
+SE_INLINE f32x8v uniform_of(u64x8 h) {
+  const f32x8v v0 = __builtin_convertvector(h | 1, f32x8v) * 5.42101086242752217e-20f;  // 2^-64
+  return v0 < 0.99999994f ? v0 : f32x8v{} + 0.99999994f;
+}
+
+SE_INLINE f32x8v exp_noise(u64x8 h) { return exp_noise_of<f32x8v, i32x8>(uniform_of(h)); }
 
 SE_CLONES void noise_row(uint64_t row, float* out, int64_t V) {
   const u64x8 lane = {1, 2, 3, 4, 5, 6, 7, 8};
@@ -127,10 +139,9 @@ SE_CLONES void race_chunk(uint64_t row, const float* p, int64_t n, float* best_o
   i32x8 best_index = {};
   auto step = [&](int64_t i, f32x8v pv, i32x8 valid) SE_INLINE_LAMBDA {
     const u64x8 h = vmix64(row + kColMul * (lane + static_cast<uint64_t>(i)));
-    const f32x8v v0 = __builtin_convertvector(h | 1, f32x8v) * 5.42101086242752217e-20f;
-    const f32x8v v = v0 < 0.99999994f ? v0 : f32x8v{} + 0.99999994f;  // as exp_noise
+    const f32x8v v = uniform_of(h);
     if (all_set((pv <= v * bound) | ~valid)) return;
-    const f32x8v q = pv / exp_noise(h);
+    const f32x8v q = pv / exp_noise_of<f32x8v, i32x8>(v);
     const i32x8 take = ((q > best) | ((q != q) & (best == best))) & valid;
     best = take ? q : best;
     best_index = take ? lane_index + static_cast<int32_t>(i) : best_index;
@@ -159,35 +170,45 @@ SE_CLONES void race_chunk(uint64_t row, const float* p, int64_t n, float* best_o
 }
 
 
-// One row of coupled_topk_kernel: z_i = logits[i] (greedy, t == 0) or logits[i] / t - log E_i,
-// E_i the noise of stream `row` at token map[i] (i without a map); then the k largest z_i - lse(z)
-// (ties: the lower index first; NaN never taken), written to values / indices (-inf / 0 when the
-// row has fewer than k finite entries). z is scratch of Vd floats.
-SE_CLONES void coupled_topk_row(const float* logits, int64_t Vd, float t, uint64_t row,
-                                const int64_t* map, int64_t k, float* z, float* values,
-                                int64_t* indices) {
+// log E_i for i in [0, Vd): the noise of stream `row` at token map[i] (i without a map), 16
+// tokens at a time (the same values exp_noise gives, through the 16-lane twins of its steps).
+SE_CLONES void log_noise_row(uint64_t row, const int64_t* map, int64_t Vd, float* out) {
+  const u64x8 lane = {1, 2, 3, 4, 5, 6, 7, 8};
+  for (int64_t i = 0; i < Vd; i += 16) {
+    const int64_t n = std::min<int64_t>(16, Vd - i);
+    u64x8 lo, hi;
+    if (map != nullptr) {
+      uint64_t m[16] = {};
+      for (int64_t l = 0; l < n; ++l) m[l] = static_cast<uint64_t>(map[i + l]) + 1;
+      std::memcpy(&lo, m, sizeof(lo));
+      std::memcpy(&hi, m + 8, sizeof(hi));
+    } else {
+      lo = lane + static_cast<uint64_t>(i);
+      hi = lane + static_cast<uint64_t>(i + 8);
+    }
+    const f32x8v a = uniform_of(vmix64(row + kColMul * lo));
+    const f32x8v b = uniform_of(vmix64(row + kColMul * hi));
+    const f32x16 v = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                             14, 15);
+    const f32x16 log_e = -neg_log_t<f32x16, i32x16>(exp_noise_of<f32x16, i32x16>(v));
+    std::memcpy(out + i, &log_e, n * sizeof(float));
+  }
+}
+
+// One row of coupled_topk_kernel: z_i = logits[i] (log_e null: greedy) or logits[i] / t -
+// log_e[i]; then the k largest z_i - lse(z) (ties: the lower index first; NaN never taken),
+// written to values / indices (-inf / 0 when the row has fewer than k finite entries). z is
+// scratch of Vd floats.
+SE_CLONES void coupled_topk_row(const float* logits, int64_t Vd, float t, const float* log_e,
+                                int64_t k, float* z, float* values, int64_t* indices) {
   const float inf = __builtin_inff();
   int64_t i = 0;
-  if (t == 0.f) {
+  if (log_e == nullptr) {
     std::memcpy(z, logits, Vd * sizeof(float));
   } else {
-    const u64x8 lane = {1, 2, 3, 4, 5, 6, 7, 8};
-    for (; i < Vd; i += 8) {
-      const int64_t n = std::min<int64_t>(8, Vd - i);
-      u64x8 tok;
-      if (map != nullptr) {
-        uint64_t m[8] = {};
-        for (int64_t l = 0; l < n; ++l) m[l] = static_cast<uint64_t>(map[i + l]) + 1;
-        std::memcpy(&tok, m, sizeof(tok));
-      } else {
-        tok = lane + static_cast<uint64_t>(i);
-      }
-      const f32x8v log_e = -neg_log(exp_noise(vmix64(row + kColMul * tok)));
-      f32x8v l = {};
-      std::memcpy(&l, logits + i, n * sizeof(float));
-      const f32x8v zv = l / t - log_e;
-      std::memcpy(z + i, &zv, n * sizeof(float));
-    }
+    const f32x16 tv = f32x16{} + t;
+    for (; i + 16 <= Vd; i += 16) store16(z + i, load16(logits + i) / tv - load16(log_e + i));
+    for (; i < Vd; ++i) z[i] = logits[i] / t - log_e[i];
   }
   f32x16 mx = f32x16{} - inf;
   for (i = 0; i + 16 <= Vd; i += 16) {
@@ -277,13 +298,39 @@ void exponential_race_kernel(const float* probs, const int64_t* keys, const int6
 void coupled_topk_kernel(const float* logits, int64_t R, int64_t Vd, const float* temperature,
                          const int64_t* keys, const int64_t* positions, const int64_t* vocab_map,
                          int64_t k, float* values, int64_t* indices) {
-  parallel_chunks(R, [&](int64_t r) {
-    thread_local std::vector<float> z;
-    if (static_cast<int64_t>(z.size()) < Vd) z.resize(Vd);
-    const uint64_t row = mix64(static_cast<uint64_t>(keys[r]) +
-                               kRowMul * (static_cast<uint64_t>(positions[r]) + 1));
-    coupled_topk_row(logits + r * Vd, Vd, temperature[r], row, vocab_map, k, z.data(),
-                     values + r * k, indices + r * k);
+  // tasks: each greedy row alone, and each noise stream (key, position) with all its sampled
+  // rows (siblings of a token tree share one), whose noise is computed once
+  std::vector<std::vector<int64_t>> tasks;
+  std::vector<bool> sampled;
+  std::map<std::pair<int64_t, int64_t>, size_t> streams;  // (key, position) -> task
+  for (int64_t r = 0; r < R; ++r) {
+    if (temperature[r] == 0.f) {
+      tasks.push_back({r});
+      sampled.push_back(false);
+      continue;
+    }
+    const auto [it, fresh] = streams.try_emplace({keys[r], positions[r]}, tasks.size());
+    if (fresh) {
+      tasks.push_back({r});
+      sampled.push_back(true);
+    } else {
+      tasks[it->second].push_back(r);
+    }
+  }
+  parallel_chunks(static_cast<int64_t>(tasks.size()), [&](int64_t c) {
+    thread_local std::vector<float> z, log_e;
+    if (static_cast<int64_t>(z.size()) < Vd) z.resize(Vd), log_e.resize(Vd);
+    const auto& rows = tasks[c];
+    if (sampled[c]) {
+      const int64_t r = rows[0];
+      log_noise_row(mix64(static_cast<uint64_t>(keys[r]) +
+                          kRowMul * (static_cast<uint64_t>(positions[r]) + 1)),
+                    vocab_map, Vd, log_e.data());
+    }
+    for (const int64_t r : rows) {
+      coupled_topk_row(logits + r * Vd, Vd, temperature[r], sampled[c] ? log_e.data() : nullptr,
+                       k, z.data(), values + r * k, indices + r * k);
+    }
   });
 }
 

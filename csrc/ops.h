@@ -4,6 +4,7 @@
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -72,6 +73,15 @@ std::tuple<at::Tensor, at::Tensor> coupled_topk(const at::Tensor& logits, int64_
                                                 const at::Tensor& keys,
                                                 const at::Tensor& positions,
                                                 const std::optional<at::Tensor>& vocab_map);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> eagle_draft(
+    const at::Tensor& root, const std::vector<at::Tensor>& weights,
+    const std::vector<int64_t>& sizes, int64_t kind, bool glu, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, double scale, double eps, at::Tensor k_cache,
+    at::Tensor v_cache, const at::Tensor& block_tables, const std::vector<int64_t>& prefix,
+    int64_t block_size, const at::Tensor& temperature, const at::Tensor& keys,
+    const std::vector<int64_t>& n_out, const std::optional<at::Tensor>& vocab_map, int64_t depth,
+    int64_t topk);
 
 #ifdef SPECENGINE_WITH_CUDA
 at::Tensor paged_attention_cuda(const at::Tensor& query, const at::Tensor& k_cache,

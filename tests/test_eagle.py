@@ -14,6 +14,8 @@ from specengine.engine.model_runner import ModelRunner
 from specengine.engine.sequence import Sequence
 from specengine.kv.block_manager import BlockManager
 from specengine.models.loader import load_model, save_random_model
+from specengine.ops import kernels
+from specengine.ops.extension import ext
 from specengine.sampling.params import SampleNoise
 from specengine.speculative.drafters.eagle import (
     EagleConfig,
@@ -155,6 +157,61 @@ def test_paged_drafting_equals_dense_unroll(target):
         assert chain.parents == [-1, 0, 1]
         for i, tok in enumerate(chain.tokens):
             assert vmap[dense_logprobs(seq, chain.tokens[:i]).argmax()] == tok
+
+
+@pytest.mark.skipif(ext() is None or not hasattr(ext(), "eagle_draft"),
+                    reason="needs the C++ extension")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_draft_loop_in_extension_equals_the_python_loop(target_dir, dtype, isa):
+    """``eagle_draft`` (the loop over depths in one extension call) gives the trees and drafter
+    KV the Python loop gives, bit for bit: greedy, T = 1 and T = 0.7 sequences of different
+    lengths in one batch, a chain and a wide tree, drafting twice (the second reuses the cached
+    drafter KV); under the CPU's own kernels and the AVX2 cap."""
+    prev = kernels.ISAS[ext().isa_cap()]
+    if isa != "native" and kernels.set_isa(isa) != isa:
+        pytest.skip(f"this CPU cannot run the {isa} kernels")
+    try:
+        target = load_model(target_dir, dtype=dtype)
+        vmap = torch.randperm(512, generator=torch.Generator().manual_seed(1))[:300]
+
+        def run(in_extension: bool):
+            em = EagleModel(EagleConfig.for_target(target, 300), target.model, dtype,
+                            vmap).random_init(5)
+            drafter = EagleDrafter(Strategy(4), em, 128, 8)
+            grow = drafter._grow_in_extension
+
+            def spy(*args):
+                cands = grow(*args) if in_extension else None
+                ran.append(cands is not None)
+                return cands
+
+            drafter._grow_in_extension = spy
+            g = torch.Generator().manual_seed(2)
+            seqs, trees = [], []
+            for i, t in enumerate([0.0, 1.0, 0.7, 1.0, 0.0]):
+                tokens = torch.randint(0, 512, (9 + 4 * i,), generator=g).tolist()
+                seq = Sequence("r", i, tokens[:5], SamplingParams(temperature=t, seed=i),
+                               SampleNoise(i, 0))
+                seq.token_ids = tokens
+                drafter.observe(seq, 0, torch.randn(len(tokens), 64, generator=g).to(dtype))
+                seqs.append(seq)
+            for strategy in [Strategy(4), Strategy(4, 3, 12), Strategy(5, 2, 10)]:
+                trees += drafter.propose(seqs, strategy)
+            return ([(t.tokens, t.parents, t.draft_logprobs) for t in trees],
+                    drafter.kv.clone())
+
+        if kernels.prepack(torch.zeros(64, 64, dtype=dtype)).kind is None:
+            pytest.skip("no packed kernel for this dtype here: the extension loop does not apply")
+        ran: list[bool] = []
+        fast, kv_fast = run(True)
+        assert ran == [True] * 3  # every propose took the extension loop
+        slow, kv_slow = run(False)
+        assert len(fast) == 15 and all(len(t[0]) > 0 for t in fast)
+        assert fast == slow
+        assert torch.equal(kv_fast, kv_slow)
+    finally:
+        kernels.set_isa(prev)
 
 
 def test_checkpoint_round_trip(target, tmp_path):

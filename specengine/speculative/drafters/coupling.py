@@ -102,7 +102,7 @@ def coupled_topk(logits: torch.Tensor, k: int, seqs: list[Sequence], positions: 
     """
     mod = ext()
     R = logits.shape[0]
-    plain = [r for r, s in enumerate(seqs) if _plain(s.params, vocab)]
+    plain = [r for r, s in enumerate(seqs) if plain_params(s.params, vocab)]
     if mod is None or logits.device.type != "cpu" or not plain:
         top = torch.topk(coupled_logprobs(logits, seqs, positions, vocab, vocab_map, paths), k,
                          dim=-1)
@@ -127,7 +127,7 @@ def coupled_topk(logits: torch.Tensor, k: int, seqs: list[Sequence], positions: 
     return out_v, out_i
 
 
-def _plain(p: SamplingParams, vocab: int) -> bool:
+def plain_params(p: SamplingParams, vocab: int) -> bool:
     """True when a row's draft scores need no filter and no penalty (``coupled_topk``'s
     extension call handles it)."""
     return not p.has_penalties and (p.greedy or (

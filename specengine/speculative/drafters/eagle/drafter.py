@@ -20,8 +20,10 @@ from specengine.attention import make_backend
 from specengine.attention.base import AttentionMetadata
 from specengine.engine.sequence import Sequence
 from specengine.kv.block_manager import BlockManager
+from specengine.ops import kernels
+from specengine.ops.extension import ext
 from specengine.speculative.drafters.base import Drafter
-from specengine.speculative.drafters.coupling import coupled_topk
+from specengine.speculative.drafters.coupling import coupled_topk, plain_params
 from specengine.speculative.drafters.eagle.checkpoint import (
     load_drafter,
     load_state,
@@ -280,18 +282,30 @@ class EagleDrafter(Drafter):
         shadows = [states[i].shadow for i in live]
         f = self._feed_prefix(live_seqs, [states[i] for i in live])
         n_out = [s.num_output_tokens for s in live_seqs]  # output position of depth-1 tokens
+        cands = self._grow_in_extension(live_seqs, shadows, f, n_out, d, k)
+        if cands is None:
+            cands = self._grow(live_seqs, shadows, f, n_out, d, k)
+        for b, i in enumerate(live):
+            out[i] = self._tree(cands[b], strategy.budget)
+            self._drafted[seqs[i].seq_id] = self.version
+        return out
+
+    def _grow(self, live_seqs: list[Sequence], shadows: list[Sequence], f: torch.Tensor,
+              n_out: list[int], d: int, k: int) -> list[list[Candidate]]:
+        """The candidates of each sequence: depth-1 children of its root feature ``f[b]``, then
+        per depth one drafter forward over the frontier (the ``k`` best new nodes)."""
         pen = any(s.params.has_penalties for s in live_seqs)  # draft paths are needed
         cands = [[Candidate(lp, 1, t, -1, lp) for t, lp in kids]
                  for kids in self._topk(f, k, live_seqs, n_out)]
         frontier = [list(range(len(c))) for c in cands]  # candidate indices to feed next
-        fed: list[list[int]] = [[] for _ in live]  # candidate index of each fed node, in order
-        feed_feat = [f[b:b + 1].expand(len(frontier[b]), -1) for b in range(len(live))]
+        fed: list[list[int]] = [[] for _ in live_seqs]  # candidate index of each fed node, in order
+        feed_feat = [f[b:b + 1].expand(len(frontier[b]), -1) for b in range(len(live_seqs))]
         for depth in range(2, d + 1):
             f, rows = self._feed_depth(live_seqs, shadows, cands, frontier, fed, feed_feat, depth)
             kids = self._topk(f, k, [live_seqs[b] for b, _, _ in rows],
                               [n_out[b] + depth - 1 for b, _, _ in rows],
                               [_path(cands[b], ci) for b, ci, _ in rows] if pen else None)
-            new = [[] for _ in live]
+            new = [[] for _ in live_seqs]
             for r, (b, ci, _) in enumerate(rows):
                 cum = cands[b][ci].cum
                 for t, lp in kids[r]:
@@ -299,14 +313,54 @@ class EagleDrafter(Drafter):
                     new[b].append((len(cands[b]) - 1, r))
             if depth == d:
                 break
-            for b in range(len(live)):
+            for b in range(len(live_seqs)):
                 best = sorted(new[b], key=lambda x: -cands[b][x[0]].cum)[:k]
                 frontier[b] = [c for c, _ in best]
                 feed_feat[b] = f[[r for _, r in best]]
-        for b, i in enumerate(live):
-            out[i] = self._tree(cands[b], strategy.budget)
-            self._drafted[seqs[i].seq_id] = self.version
-        return out
+        return cands
+
+    def _grow_in_extension(self, live_seqs: list[Sequence], shadows: list[Sequence],
+                           f: torch.Tensor, n_out: list[int], d: int, k: int
+                           ) -> list[list[Candidate]] | None:
+        """``_grow`` in one extension call (``eagle_draft``, csrc/eagle_draft.cpp: the same
+        kernels in the same order, so the same candidates bit for bit), or None where it does
+        not apply: no extension, weights not all packed for one CPU kernel, no draft
+        vocabulary map, biases in the layer, batch invariance off, or a request with filters or
+        penalties."""
+        mod, m = ext(), self.model
+        lay, t = m.layer, m.target
+        if (mod is None or not hasattr(mod, "eagle_draft") or m.vocab_map is None
+                or self.kv.device.type != "cpu" or lay.qkv_bias is not None
+                or lay.o_bias is not None or not kernels.batch_invariant()
+                or not all(plain_params(s.params, m.config.vocab_size) for s in live_seqs)):
+            return None
+        packs = [m._packed("fc", m.fc), lay.packed("qkv_proj"), lay.packed("o_proj"),
+                 lay.packed("gate_up_proj"), lay.packed("down_proj"),
+                 m._packed("head", m.head_weight())]
+        kinds = {pw.kind for pw in packs}
+        if len(kinds) != 1 or None in kinds or any(pw.weight.dtype != f.dtype for pw in packs):
+            return None
+        fc, qkv, o, gate_up, down, head = packs
+        bs = self.blocks.block_size
+        width = max(len(sh.block_table) for sh in shadows)
+        tables = torch.tensor([sh.block_table + [0] * (width - len(sh.block_table))
+                               for sh in shadows], dtype=torch.int32)
+        params = [s.params for s in live_seqs]
+        count, cum, depth, token, parent, logprob = mod.eagle_draft(
+            f.contiguous(),
+            [t.embed_tokens, fc.packed, m.fc_bias, lay.input_norm, qkv.packed, o.packed,
+             lay.post_attn_norm, gate_up.packed, down.packed, t.norm, head.packed, m.rope],
+            [pw.weight.shape[0] for pw in packs], ("amx", "avx512", "avx2").index(kinds.pop()),
+            gate_up.glu, lay.num_heads, lay.num_kv_heads, lay.head_dim, lay.scale, lay.eps,
+            self.kv[0], self.kv[1], tables, [len(s) - 1 for s in live_seqs], bs,
+            torch.tensor([0.0 if p.greedy else p.temperature for p in params],
+                         dtype=torch.float32),
+            torch.tensor([0 if p.greedy else s.noise.key for s, p in zip(live_seqs, params)],
+                         dtype=torch.int64),
+            n_out, m.vocab_map, d, k)
+        cols = [x.tolist() for x in (cum, depth, token, parent, logprob)]
+        return [[Candidate(*(col[b][c] for col in cols)) for c in range(n)]
+                for b, n in enumerate(count.tolist())]
 
     @staticmethod
     def _tree(cands: list[Candidate], budget: int) -> DraftTree:
