@@ -12,7 +12,8 @@ query tokens per sequence (decode: 1; verifying a draft chain: more).
 With ``--draft``: the EAGLE draft loop (``EagleDrafter.propose`` with the drafter shipped for
 SmolLM2-135M, 8192-token draft vocabulary) for B sequences of 160 cached tokens, depth d, top-k
 k, greedy and T = 1: ms per call and per depth (the prefix feed counts as one), timed in turns
-in one run: the loop in one extension call (``eagle_draft``); the Python loop (``_grow``) with
+in one run: a step's drafting (prefix feed and the loop over depths) in one extension call
+(``eagle_draft``); the Python loop (``_feed_prefix``, ``_grow``) with
 the one-call coupled top-k (``coupled_topk``); and the Python loop with torch's coupled
 log-probabilities and top-k (the drafting before either, noise rows drawn into memory; each
 call's noise cache emptied first, as a new step's positions are not cached).
@@ -207,7 +208,7 @@ def bench_draft(shapes: list[tuple[int, int, int]], out: str | None, context: in
         "method": "eagle", "num_speculative_tokens": 4, "policy": "static"})
     drafter = llm.engine.drafter
     hidden = llm.engine.runner.model.config.hidden_size
-    grow = drafter._grow_in_extension
+    draft = drafter._draft_in_extension
     rows = []
     print(f"EAGLE draft loop, {context} cached tokens per sequence (bfloat16), ms per call "
           "[per depth]:")
@@ -231,7 +232,7 @@ def bench_draft(shapes: list[tuple[int, int, int]], out: str | None, context: in
             with kernels.kernel_threads(kernels.packed_covers(b * (1 + d * k))):
                 for rep in range(12):
                     for name, (in_ext, fused) in VARIANTS.items():
-                        drafter._grow_in_extension = grow if in_ext else (lambda *a: None)
+                        drafter._draft_in_extension = draft if in_ext else (lambda *a: None)
                         coupling.ext = ext if fused else (lambda: None)
                         for s in seqs:
                             s.noise._cache.clear()
@@ -239,7 +240,7 @@ def bench_draft(shapes: list[tuple[int, int, int]], out: str | None, context: in
                         drafter.propose(seqs, strategy)
                         if rep:  # the first call of each fills the drafter KV
                             times[name].append(time.perf_counter() - t0)
-            drafter._grow_in_extension, coupling.ext = grow, ext
+            drafter._draft_in_extension, coupling.ext = draft, ext
             for s in seqs:
                 drafter.release(s)
             ms = {name: sorted(t)[len(t) // 2] * 1e3 for name, t in times.items()}

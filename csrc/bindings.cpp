@@ -93,13 +93,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(values [R, k] float32, indices [R, k] int64): per row the k largest of "
         "log_softmax(z), z = logits (temperature 0) or logits / temperature - log E with E the "
         "noise of (keys[r], positions[r]) at token vocab_map[i]; the noise never stored.");
-  m.def("eagle_draft", &specengine::eagle_draft, py::arg("root"), py::arg("weights"),
+  m.def("eagle_draft", &specengine::eagle_draft, py::arg("prefix_ids"),
+        py::arg("prefix_feats"), py::arg("prefix_pos"), py::arg("prefix_seq"), py::arg("last"),
+        py::arg("weights"),
         py::arg("sizes"), py::arg("kind"), py::arg("glu"), py::arg("num_heads"),
         py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("eps"),
-        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("prefix"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("lengths"),
         py::arg("block_size"), py::arg("temperature"), py::arg("keys"), py::arg("n_out"),
         py::arg("vocab_map"), py::arg("depth"), py::arg("topk"),
-        "The EAGLE-2 draft loop of EagleDrafter.propose after the prefix feed, in one call: "
+        "EagleDrafter.propose's drafting in one call (prefix feed, then the loop over depths): "
         "(count [B], cum [B, C] f64, depth [B, C], token [B, C], parent [B, C], logprob [B, C] "
         "f64), the candidates of each sequence in the Python loop's order.");
   m.def("set_pool_threads", &specengine::set_pool_threads, py::arg("n"),

@@ -1,5 +1,6 @@
-// The EAGLE-2 draft loop (arXiv 2406.16858) of speculative/drafters/eagle/drafter.py in one call:
-// depth-1 children of each sequence's root feature, then per depth one drafter forward over the
+// The EAGLE-2 draft step (arXiv 2406.16858) of speculative/drafters/eagle/drafter.py in one call:
+// the drafter forward over each sequence's real rows not cached yet, the depth-1 children of its
+// last row (the root's feature), then per depth one drafter forward over the
 // frontier nodes of every sequence (tree attention over the drafter's paged KV), their coupled
 // top-k children (coupled_topk_kernel), and the next frontier (the k best new nodes by
 // cumulative log-probability). The same kernels in the same order as the Python loop, so the
@@ -45,10 +46,12 @@ struct Candidate {
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> eagle_draft(
-    const at::Tensor& root, const std::vector<at::Tensor>& weights,
+    const std::vector<int64_t>& prefix_ids, const at::Tensor& prefix_feats,
+    const std::vector<int64_t>& prefix_pos, const std::vector<int64_t>& prefix_seq,
+    const std::vector<int64_t>& last, const std::vector<at::Tensor>& weights,
     const std::vector<int64_t>& sizes, int64_t kind, bool glu, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, double scale, double eps, at::Tensor k_cache, at::Tensor v_cache,
-    const at::Tensor& block_tables, const std::vector<int64_t>& prefix, int64_t block_size,
+    const at::Tensor& block_tables, const std::vector<int64_t>& lengths, int64_t block_size,
     const at::Tensor& temperature, const at::Tensor& keys, const std::vector<int64_t>& n_out,
     const std::optional<at::Tensor>& vocab_map, int64_t depth, int64_t topk) {
   TORCH_CHECK_VALUE(weights.size() == 12 && sizes.size() == 6,
@@ -57,11 +60,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   TORCH_CHECK_VALUE(kind >= 0 && kind <= 2, "eagle_draft: kind must be 0 (amx), 1 (avx512) or "
                     "2 (avx2), got ", kind);
   TORCH_CHECK_VALUE(depth >= 1 && topk >= 1, "eagle_draft: depth and topk must be >= 1");
-  const int64_t B = root.size(0);
-  TORCH_CHECK_VALUE(root.dim() == 2 && static_cast<int64_t>(prefix.size()) == B &&
+  const int64_t B = static_cast<int64_t>(last.size());
+  const int64_t P = static_cast<int64_t>(prefix_ids.size());
+  TORCH_CHECK_VALUE(prefix_feats.dim() == 2 && prefix_feats.size(0) == P &&
+                    static_cast<int64_t>(prefix_pos.size()) == P &&
+                    static_cast<int64_t>(prefix_seq.size()) == P,
+                    "eagle_draft: prefix_ids, prefix_feats, prefix_pos and prefix_seq must have "
+                    "one entry per prefix row");
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK_VALUE(last[b] >= 0 && last[b] < P, "eagle_draft: last[", b, "] = ", last[b],
+                      " is not a prefix row");
+  }
+  TORCH_CHECK_VALUE(static_cast<int64_t>(lengths.size()) == B &&
                     static_cast<int64_t>(n_out.size()) == B && block_tables.size(0) == B &&
                     temperature.size(0) == B && keys.size(0) == B,
-                    "eagle_draft: root [B, H], prefix, n_out, block_tables, temperature and keys "
+                    "eagle_draft: last, lengths, n_out, block_tables, temperature and keys "
                     "must have B = ", B, " rows");
   TORCH_CHECK_VALUE(temperature.scalar_type() == at::kFloat && temperature.is_contiguous() &&
                     keys.scalar_type() == at::kLong && keys.is_contiguous() &&
@@ -75,7 +88,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const Weights w{weights[0], weights[1], weights[2], weights[3], weights[4], weights[5],
                   weights[6], weights[7], weights[8], weights[9], weights[10], weights[11],
                   sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], glu, kind};
-  const auto dtype = root.scalar_type();
+  const auto dtype = w.embed.scalar_type();
   const auto i64 = at::TensorOptions().dtype(at::kLong);
   const auto i32 = at::TensorOptions().dtype(at::kInt);
   const int64_t nq = num_heads, nkv = num_kv_heads, D = head_dim;
@@ -85,6 +98,45 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const int64_t* map = vocab_map.has_value() ? vocab_map->data_ptr<int64_t>() : nullptr;
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t width = block_tables.size(1);
+
+  auto to_tensor = [](const std::vector<int64_t>& v, at::TensorOptions o) {
+    return at::tensor(v, at::TensorOptions().dtype(at::kLong)).to(o.dtype());
+  };
+  // the drafter forward (EagleModel.forward and DecoderLayer.forward, same ops and order) over
+  // rows of token ids `tok` and input features `feats` [R, H] at RoPE positions `pos`, writing
+  // their K/V to `slot`; row r attends as sequence qseq[r] over kv_len[r] keys (tree rows: the
+  // keys before tree_base plus those `mask` marks)
+  auto forward = [&](const at::Tensor& feats, const std::vector<int64_t>& tok,
+                     const std::vector<int64_t>& pos, const std::vector<int64_t>& slot,
+                     const std::vector<int64_t>& qseq, const std::vector<int64_t>& kv_len,
+                     const std::optional<at::Tensor>& tree_base,
+                     const std::optional<at::Tensor>& mask) {
+    const int64_t R = static_cast<int64_t>(tok.size());
+    auto x = at::cat({w.embed.index_select(0, to_tensor(tok, i64)), feats.to(dtype)}, -1);
+    x = packed_linear(w.kind, x, w.fc, w.n_fc, w.fc_bias, false, false);
+    const auto cs = w.rope.index_select(0, to_tensor(pos, i64)).unsqueeze(1).chunk(2, -1);
+    auto residual = x;
+    auto h = rms_norm_cpu(x, w.input_norm, eps);
+    auto qkv = packed_linear(w.kind, h, w.qkv, w.n_qkv, std::nullopt, false, false)
+                   .view({R, nq + 2 * nkv, D});
+    auto qk = qkv.narrow(1, 0, nq + nkv);
+    rope_inplace_cpu(qk, cs[0].reshape({R, D}), cs[1].reshape({R, D}));
+    write_kv_cpu(k_cache, v_cache, qkv.narrow(1, nq, nkv), qkv.narrow(1, nq + nkv, nkv),
+                 to_tensor(slot, i64));
+    const auto attn = paged_attention_cpu(qkv.narrow(1, 0, nq), k_cache, v_cache, block_tables,
+                                          to_tensor(qseq, i32), to_tensor(kv_len, i32), scale,
+                                          tree_base, mask);
+    h = packed_linear(w.kind, attn.reshape({R, nq * D}), w.o, w.n_o, std::nullopt, false, false);
+    std::tie(h, residual) = add_rms_norm_cpu(h, residual, w.post_norm, eps);
+    h = w.glu ? packed_linear(w.kind, h, w.gate_up, w.n_gate_up, std::nullopt, true, false)
+              : silu_and_mul_cpu(packed_linear(w.kind, h, w.gate_up, w.n_gate_up,
+                                               std::nullopt, false, false));
+    h = packed_linear(w.kind, h, w.down, w.n_down, std::nullopt, false, false);
+    return std::get<0>(add_rms_norm_cpu(h, residual, final_norm, eps));
+  };
+  auto slot_of = [&](int64_t b, int64_t p) {
+    return static_cast<int64_t>(tables[b * width + p / block_size]) * block_size + p % block_size;
+  };
 
   // the children of rows `feats` [R, H] (row r drafts for sequence seq[r] at output position
   // pos[r]): coupled top-k over the draft vocabulary, as (target id, log-probability)
@@ -113,6 +165,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   std::vector<int64_t> feed_rows;  // per frontier node, in order: its row of `feed`
   at::Tensor feed;
   {
+    // the real rows not cached yet; each sequence's last one predicts its depth-1 tokens
+    std::vector<int64_t> slot(P), kv_len(P);
+    for (int64_t r = 0; r < P; ++r) {
+      slot[r] = slot_of(prefix_seq[r], prefix_pos[r]);
+      kv_len[r] = prefix_pos[r] + 1;
+    }
+    const auto f = forward(prefix_feats, prefix_ids, prefix_pos, slot, prefix_seq, kv_len,
+                           std::nullopt, std::nullopt);
+    const auto root = f.index_select(0, to_tensor(last, i64));
     std::vector<int64_t> seq(B), pos(n_out);
     for (int64_t b = 0; b < B; ++b) seq[b] = b;
     const int64_t k = children(root, seq, pos);
@@ -130,14 +191,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   for (int64_t d = 2; d <= depth; ++d) {
     std::vector<int64_t> tok, pos, slot, seq, out_pos, qseq, kv_len, base, cand;
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t n = prefix[b];
+      const int64_t n = lengths[b];
       for (const int64_t ci : frontier[b]) {
         fed[b].push_back(ci);
         const int64_t g = static_cast<int64_t>(fed[b].size()) - 1, p = n + g;
         tok.push_back(cands[b][ci].token);
         pos.push_back(n + d - 2);
-        slot.push_back(static_cast<int64_t>(tables[b * width + p / block_size]) * block_size +
-                       p % block_size);
+        slot.push_back(slot_of(b, p));
         seq.push_back(b);
         qseq.push_back(b);
         out_pos.push_back(n_out[b] + d - 1);
@@ -161,33 +221,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
         m[r * mask_width + g] = true;
       }
     }
-    auto to_tensor = [](const std::vector<int64_t>& v, at::TensorOptions o) {
-      return at::tensor(v, at::TensorOptions().dtype(at::kLong)).to(o.dtype());
-    };
-    // the drafter forward (EagleModel.forward and DecoderLayer.forward, same ops and order)
-    const auto rows = feed.index_select(0, to_tensor(feed_rows, i64));
-    auto x = at::cat({w.embed.index_select(0, to_tensor(tok, i64)), rows.to(dtype)}, -1);
-    x = packed_linear(w.kind, x, w.fc, w.n_fc, w.fc_bias, false, false);
-    const auto cs = w.rope.index_select(0, to_tensor(pos, i64)).unsqueeze(1).chunk(2, -1);
-    auto residual = x;
-    auto h = rms_norm_cpu(x, w.input_norm, eps);
-    auto qkv = packed_linear(w.kind, h, w.qkv, w.n_qkv, std::nullopt, false, false)
-                   .view({R, nq + 2 * nkv, D});
-    auto qk = qkv.narrow(1, 0, nq + nkv);
-    rope_inplace_cpu(qk, cs[0].reshape({R, D}), cs[1].reshape({R, D}));
-    write_kv_cpu(k_cache, v_cache, qkv.narrow(1, nq, nkv), qkv.narrow(1, nq + nkv, nkv),
-                 to_tensor(slot, i64));
-    const auto attn = paged_attention_cpu(
-        qkv.narrow(1, 0, nq), k_cache, v_cache, block_tables, to_tensor(qseq, i32),
-        to_tensor(kv_len, i32), scale, to_tensor(base, i32), mask);
-    h = packed_linear(w.kind, attn.reshape({R, nq * D}), w.o, w.n_o, std::nullopt, false, false);
-    std::tie(h, residual) = add_rms_norm_cpu(h, residual, w.post_norm, eps);
-    h = w.glu ? packed_linear(w.kind, h, w.gate_up, w.n_gate_up, std::nullopt, true, false)
-              : silu_and_mul_cpu(packed_linear(w.kind, h, w.gate_up, w.n_gate_up,
-                                               std::nullopt, false, false));
-    h = packed_linear(w.kind, h, w.down, w.n_down, std::nullopt, false, false);
-    const auto f = std::get<0>(add_rms_norm_cpu(h, residual, final_norm, eps));
-
+    const auto f = forward(feed.index_select(0, to_tensor(feed_rows, i64)), tok, pos, slot, qseq,
+                           kv_len, to_tensor(base, i32), mask);
     const int64_t k = children(f, seq, out_pos);
     std::vector<std::vector<std::pair<int64_t, int64_t>>> fresh(B);  // (candidate, row)
     for (int64_t r = 0; r < R; ++r) {

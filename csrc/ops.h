@@ -75,10 +75,12 @@ std::tuple<at::Tensor, at::Tensor> coupled_topk(const at::Tensor& logits, int64_
                                                 const std::optional<at::Tensor>& vocab_map);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> eagle_draft(
-    const at::Tensor& root, const std::vector<at::Tensor>& weights,
+    const std::vector<int64_t>& prefix_ids, const at::Tensor& prefix_feats,
+    const std::vector<int64_t>& prefix_pos, const std::vector<int64_t>& prefix_seq,
+    const std::vector<int64_t>& last, const std::vector<at::Tensor>& weights,
     const std::vector<int64_t>& sizes, int64_t kind, bool glu, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, double scale, double eps, at::Tensor k_cache,
-    at::Tensor v_cache, const at::Tensor& block_tables, const std::vector<int64_t>& prefix,
+    at::Tensor v_cache, const at::Tensor& block_tables, const std::vector<int64_t>& lengths,
     int64_t block_size, const at::Tensor& temperature, const at::Tensor& keys,
     const std::vector<int64_t>& n_out, const std::optional<at::Tensor>& vocab_map, int64_t depth,
     int64_t topk);

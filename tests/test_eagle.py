@@ -164,10 +164,11 @@ def test_paged_drafting_equals_dense_unroll(target):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 def test_draft_loop_in_extension_equals_the_python_loop(target_dir, dtype, isa):
-    """``eagle_draft`` (the loop over depths in one extension call) gives the trees and drafter
-    KV the Python loop gives, bit for bit: greedy, T = 1 and T = 0.7 sequences of different
-    lengths in one batch, a chain and a wide tree, drafting twice (the second reuses the cached
-    drafter KV); under the CPU's own kernels and the AVX2 cap."""
+    """``eagle_draft`` (a step's drafting in one extension call: the prefix feed and the loop
+    over depths) gives the trees and drafter KV the Python loop gives, bit for bit: greedy,
+    T = 1 and T = 0.7 sequences of different lengths in one batch, a chain and two trees, with
+    the whole prefix fed first and then three rows per sequence (two committed tokens and the
+    last row again); under the CPU's own kernels and the AVX2 cap."""
     prev = kernels.ISAS[ext().isa_cap()]
     if isa != "native" and kernels.set_isa(isa) != isa:
         pytest.skip(f"this CPU cannot run the {isa} kernels")
@@ -179,14 +180,14 @@ def test_draft_loop_in_extension_equals_the_python_loop(target_dir, dtype, isa):
             em = EagleModel(EagleConfig.for_target(target, 300), target.model, dtype,
                             vmap).random_init(5)
             drafter = EagleDrafter(Strategy(4), em, 128, 8)
-            grow = drafter._grow_in_extension
+            grow = drafter._draft_in_extension
 
             def spy(*args):
                 cands = grow(*args) if in_extension else None
                 ran.append(cands is not None)
                 return cands
 
-            drafter._grow_in_extension = spy
+            drafter._draft_in_extension = spy
             g = torch.Generator().manual_seed(2)
             seqs, trees = [], []
             for i, t in enumerate([0.0, 1.0, 0.7, 1.0, 0.0]):
@@ -198,6 +199,10 @@ def test_draft_loop_in_extension_equals_the_python_loop(target_dir, dtype, isa):
                 seqs.append(seq)
             for strategy in [Strategy(4), Strategy(4, 3, 12), Strategy(5, 2, 10)]:
                 trees += drafter.propose(seqs, strategy)
+                for seq in seqs:  # two tokens committed: the next prefix feed has 3 rows
+                    seq.token_ids += torch.randint(0, 512, (2,), generator=g).tolist()
+                    drafter.observe(seq, len(seq.token_ids) - 2,
+                                    torch.randn(2, 64, generator=g).to(dtype))
             return ([(t.tokens, t.parents, t.draft_logprobs) for t in trees],
                     drafter.kv.clone())
 

@@ -323,14 +323,14 @@ def test_eagle_drafts_each_node_with_its_path(target_dir, monkeypatch):
     from specengine.speculative.drafters.eagle import drafter as eagle_mod
 
     seen: dict[int, list[list[int]]] = {}
-    real = eagle_mod.coupled_logprobs
+    real = eagle_mod.coupled_topk
 
-    def spy(logits, seqs, positions, vocab, vocab_map=None, paths=None):
+    def spy(logits, k, seqs, positions, vocab, vocab_map=None, paths=None):
         for r, s in enumerate(seqs):
             seen.setdefault(s.seq_id, []).append([] if paths is None else paths[r])
-        return real(logits, seqs, positions, vocab, vocab_map, paths)
+        return real(logits, k, seqs, positions, vocab, vocab_map, paths)
 
-    monkeypatch.setattr(eagle_mod, "coupled_logprobs", spy)
+    monkeypatch.setattr(eagle_mod, "coupled_topk", spy)
     llm = make(target_dir, SPECS["eagle-tree"] | {"num_speculative_tokens": 4, "topk": 3,
                                                   "num_verify_tokens": 12})
     trees = []

@@ -47,6 +47,17 @@ class Candidate(NamedTuple):
     logprob: float
 
 
+class _Prefix(NamedTuple):
+    """The drafter rows of a step's prefix feed: token ids, input features ``[P, H]``, RoPE
+    positions (= KV positions), the sequence of each row, and each sequence's last row."""
+
+    ids: list[int]
+    feats: torch.Tensor
+    pos: list[int]
+    qseq: list[int]
+    last: list[int]
+
+
 class _State:
     """Per-sequence drafter state: observed features and a shadow sequence owning the drafter
     KV of positions 0..num_cached-1 (keys: ``token_ids[j] = tok_{j+1}``)."""
@@ -214,25 +225,27 @@ class EagleDrafter(Drafter):
         rows = zip(m.to_full_ids(indices).tolist(), values.tolist())
         return [[(t, lp) for t, lp in zip(ts, lps) if lp > -torch.inf] for ts, lps in rows]
 
-    def _feed_prefix(self, seqs: list[Sequence], states: list[_State]) -> torch.Tensor:
-        """Forward 1: each sequence's real rows not cached yet, which then count as cached.
-        Returns ``[b, H]``: per sequence the predicted feature of position n (the depth-1
-        distribution), n = ``len(seq) - 1``."""
-        ids, feats, pos, qseq, kv_lens, last = [], [], [], [], [], []
+    @staticmethod
+    def _prefix_rows(seqs: list[Sequence], states: list[_State]) -> _Prefix:
+        """The real rows of each sequence not in the drafter KV yet (then counted as cached)."""
+        ids, feats, pos, qseq, last = [], [], [], [], []
         for b, (st, s) in enumerate(zip(states, seqs)):
             c, n = st.shadow.num_cached, len(s) - 1
             ids += s.token_ids[c + 1:n + 1]
             feats.append(st.feats[c:n])
             pos += range(c, n)
             qseq += [b] * (n - c)
-            kv_lens += range(c + 1, n + 1)
             last.append(len(pos) - 1)
-        meta = self._meta([st.shadow for st in states], qseq, pos, kv_lens)
-        f = self.model(torch.tensor(ids), torch.cat(feats), torch.tensor(pos),
+            st.shadow.num_cached = n
+        return _Prefix(ids, torch.cat(feats), pos, qseq, last)
+
+    def _feed_prefix(self, shadows: list[Sequence], prefix: _Prefix) -> torch.Tensor:
+        """Forward 1 over the ``prefix`` rows. Returns ``[b, H]``: per sequence the predicted
+        feature of position n (the depth-1 distribution), n = ``len(seq) - 1``."""
+        meta = self._meta(shadows, prefix.qseq, prefix.pos, [p + 1 for p in prefix.pos])
+        f = self.model(torch.tensor(prefix.ids), prefix.feats, torch.tensor(prefix.pos),
                        (self.kv[0], self.kv[1]), meta, self.backend)
-        for st, s in zip(states, seqs):
-            st.shadow.num_cached = len(s) - 1
-        return f[last]
+        return f[prefix.last]
 
     def _feed_depth(self, seqs: list[Sequence], shadows: list[Sequence],
                     cands: list[list[Candidate]],
@@ -280,11 +293,12 @@ class EagleDrafter(Drafter):
             return out
         live_seqs = [seqs[i] for i in live]
         shadows = [states[i].shadow for i in live]
-        f = self._feed_prefix(live_seqs, [states[i] for i in live])
+        prefix = self._prefix_rows(live_seqs, [states[i] for i in live])
         n_out = [s.num_output_tokens for s in live_seqs]  # output position of depth-1 tokens
-        cands = self._grow_in_extension(live_seqs, shadows, f, n_out, d, k)
+        cands = self._draft_in_extension(live_seqs, shadows, prefix, n_out, d, k)
         if cands is None:
-            cands = self._grow(live_seqs, shadows, f, n_out, d, k)
+            cands = self._grow(live_seqs, shadows, self._feed_prefix(shadows, prefix), n_out,
+                               d, k)
         for b, i in enumerate(live):
             out[i] = self._tree(cands[b], strategy.budget)
             self._drafted[seqs[i].seq_id] = self.version
@@ -319,14 +333,14 @@ class EagleDrafter(Drafter):
                 feed_feat[b] = f[[r for _, r in best]]
         return cands
 
-    def _grow_in_extension(self, live_seqs: list[Sequence], shadows: list[Sequence],
-                           f: torch.Tensor, n_out: list[int], d: int, k: int
-                           ) -> list[list[Candidate]] | None:
-        """``_grow`` in one extension call (``eagle_draft``, csrc/eagle_draft.cpp: the same
-        kernels in the same order, so the same candidates bit for bit), or None where it does
-        not apply: no extension, weights not all packed for one CPU kernel, no draft
-        vocabulary map, biases in the layer, batch invariance off, or a request with filters or
-        penalties."""
+    def _draft_in_extension(self, live_seqs: list[Sequence], shadows: list[Sequence],
+                            prefix: _Prefix, n_out: list[int], d: int, k: int
+                            ) -> list[list[Candidate]] | None:
+        """``_feed_prefix`` and ``_grow`` in one extension call (``eagle_draft``,
+        csrc/eagle_draft.cpp: the same kernels in the same order, so the same candidates and
+        drafter KV bit for bit), or None where it does not apply: no extension, weights not all
+        packed for one CPU kernel, no draft vocabulary map, biases in the layer, batch
+        invariance off, or a request with filters or penalties."""
         mod, m = ext(), self.model
         lay, t = m.layer, m.target
         if (mod is None or not hasattr(mod, "eagle_draft") or m.vocab_map is None
@@ -338,7 +352,8 @@ class EagleDrafter(Drafter):
                  lay.packed("gate_up_proj"), lay.packed("down_proj"),
                  m._packed("head", m.head_weight())]
         kinds = {pw.kind for pw in packs}
-        if len(kinds) != 1 or None in kinds or any(pw.weight.dtype != f.dtype for pw in packs):
+        if (len(kinds) != 1 or None in kinds
+                or any(pw.weight.dtype != prefix.feats.dtype for pw in packs)):
             return None
         fc, qkv, o, gate_up, down, head = packs
         bs = self.blocks.block_size
@@ -347,7 +362,7 @@ class EagleDrafter(Drafter):
                                for sh in shadows], dtype=torch.int32)
         params = [s.params for s in live_seqs]
         count, cum, depth, token, parent, logprob = mod.eagle_draft(
-            f.contiguous(),
+            prefix.ids, prefix.feats.contiguous(), prefix.pos, prefix.qseq, prefix.last,
             [t.embed_tokens, fc.packed, m.fc_bias, lay.input_norm, qkv.packed, o.packed,
              lay.post_attn_norm, gate_up.packed, down.packed, t.norm, head.packed, m.rope],
             [pw.weight.shape[0] for pw in packs], ("amx", "avx512", "avx2").index(kinds.pop()),
