@@ -100,10 +100,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("eps"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("lengths"),
         py::arg("block_size"), py::arg("temperature"), py::arg("keys"), py::arg("n_out"),
-        py::arg("vocab_map"), py::arg("depth"), py::arg("topk"),
-        "EagleDrafter.propose's drafting in one call (prefix feed, then the loop over depths): "
-        "(count [B], cum [B, C] f64, depth [B, C], token [B, C], parent [B, C], logprob [B, C] "
-        "f64), the candidates of each sequence in the Python loop's order.");
+        py::arg("vocab_map"), py::arg("depth"), py::arg("topk"), py::arg("budget"),
+        "EagleDrafter.propose's drafting in one call (prefix feed, the loop over depths, the "
+        "trees): (nodes [B], token [B, budget], parent [B, budget], draft logprob [B, budget] "
+        "f64), each sequence's tree in its first nodes[b] columns.");
   m.def("set_pool_threads", &specengine::set_pool_threads, py::arg("n"),
         "Threads of the kernels' pool (0: follow torch.get_num_threads()).");
   m.def("pool_threads", &specengine::pool_threads, "Threads the kernels' pool uses now.");

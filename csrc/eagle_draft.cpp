@@ -3,8 +3,9 @@
 // last row (the root's feature), then per depth one drafter forward over the
 // frontier nodes of every sequence (tree attention over the drafter's paged KV), their coupled
 // top-k children (coupled_topk_kernel), and the next frontier (the k best new nodes by
-// cumulative log-probability). The same kernels in the same order as the Python loop, so the
-// candidates are the same bit for bit; what it saves is the Python between them.
+// cumulative log-probability); then each sequence's tree of the `budget` best candidates. The
+// same kernels in the same order as the Python loop, so the trees are the same bit for bit; what
+// it saves is the Python between them.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -45,7 +46,7 @@ struct Candidate {
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> eagle_draft(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> eagle_draft(
     const std::vector<int64_t>& prefix_ids, const at::Tensor& prefix_feats,
     const std::vector<int64_t>& prefix_pos, const std::vector<int64_t>& prefix_seq,
     const std::vector<int64_t>& last, const std::vector<at::Tensor>& weights,
@@ -53,13 +54,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     int64_t num_kv_heads, int64_t head_dim, double scale, double eps, at::Tensor k_cache, at::Tensor v_cache,
     const at::Tensor& block_tables, const std::vector<int64_t>& lengths, int64_t block_size,
     const at::Tensor& temperature, const at::Tensor& keys, const std::vector<int64_t>& n_out,
-    const std::optional<at::Tensor>& vocab_map, int64_t depth, int64_t topk) {
+    const std::optional<at::Tensor>& vocab_map, int64_t depth, int64_t topk, int64_t budget) {
   TORCH_CHECK_VALUE(weights.size() == 12 && sizes.size() == 6,
                     "eagle_draft: 12 weights and 6 sizes expected, got ", weights.size(), " and ",
                     sizes.size());
   TORCH_CHECK_VALUE(kind >= 0 && kind <= 2, "eagle_draft: kind must be 0 (amx), 1 (avx512) or "
                     "2 (avx2), got ", kind);
-  TORCH_CHECK_VALUE(depth >= 1 && topk >= 1, "eagle_draft: depth and topk must be >= 1");
+  TORCH_CHECK_VALUE(depth >= 1 && topk >= 1 && budget >= 1,
+                    "eagle_draft: depth, topk and budget must be >= 1");
   const int64_t B = static_cast<int64_t>(last.size());
   const int64_t P = static_cast<int64_t>(prefix_ids.size());
   TORCH_CHECK_VALUE(prefix_feats.dim() == 2 && prefix_feats.size(0) == P &&
@@ -248,24 +250,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     }
     feed = f;
   }
-  int64_t C = 1;
-  for (const auto& c : cands) C = std::max<int64_t>(C, c.size());
-  auto cum = at::zeros({B, C}, at::TensorOptions().dtype(at::kDouble));
-  auto logprob = at::zeros({B, C}, at::TensorOptions().dtype(at::kDouble));
-  auto token = at::zeros({B, C}, i64), parent = at::zeros({B, C}, i64);
-  auto depth_of = at::zeros({B, C}, i64), count = at::zeros({B}, i64);
+  // each sequence's tree (EagleDrafter._tree): the `budget` best candidates by cumulative
+  // log-probability (ties: shallower first, then earlier), ordered by depth, then best first
+  auto count = at::zeros({B}, i64);
+  auto token = at::zeros({B, budget}, i64), parent = at::full({B, budget}, -1, i64);
+  auto logprob = at::zeros({B, budget}, at::TensorOptions().dtype(at::kDouble));
   for (int64_t b = 0; b < B; ++b) {
-    count.data_ptr<int64_t>()[b] = static_cast<int64_t>(cands[b].size());
-    for (size_t c = 0; c < cands[b].size(); ++c) {
-      const auto& e = cands[b][c];
-      cum.data_ptr<double>()[b * C + c] = e.cum;
-      logprob.data_ptr<double>()[b * C + c] = e.logprob;
-      token.data_ptr<int64_t>()[b * C + c] = e.token;
-      parent.data_ptr<int64_t>()[b * C + c] = e.parent;
-      depth_of.data_ptr<int64_t>()[b * C + c] = e.depth;
+    const auto& c = cands[b];
+    std::vector<int64_t> order(c.size());
+    for (size_t i = 0; i < c.size(); ++i) order[i] = static_cast<int64_t>(i);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+      return -c[x].cum < -c[y].cum || (-c[x].cum == -c[y].cum && c[x].depth < c[y].depth);
+    });
+    order.resize(std::min<size_t>(order.size(), budget));
+    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+      return c[x].depth < c[y].depth || (c[x].depth == c[y].depth && -c[x].cum < -c[y].cum);
+    });
+    std::vector<int64_t> index(c.size(), -1);
+    for (size_t j = 0; j < order.size(); ++j) index[order[j]] = static_cast<int64_t>(j);
+    count.data_ptr<int64_t>()[b] = static_cast<int64_t>(order.size());
+    for (size_t j = 0; j < order.size(); ++j) {
+      const auto& e = c[order[j]];
+      token.data_ptr<int64_t>()[b * budget + j] = e.token;
+      parent.data_ptr<int64_t>()[b * budget + j] = e.parent >= 0 ? index[e.parent] : -1;
+      logprob.data_ptr<double>()[b * budget + j] = e.logprob;
     }
   }
-  return {count, cum, depth_of, token, parent, logprob};
+  return {count, token, parent, logprob};
 }
 
 }  // namespace specengine

@@ -74,7 +74,7 @@ std::tuple<at::Tensor, at::Tensor> coupled_topk(const at::Tensor& logits, int64_
                                                 const at::Tensor& positions,
                                                 const std::optional<at::Tensor>& vocab_map);
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> eagle_draft(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> eagle_draft(
     const std::vector<int64_t>& prefix_ids, const at::Tensor& prefix_feats,
     const std::vector<int64_t>& prefix_pos, const std::vector<int64_t>& prefix_seq,
     const std::vector<int64_t>& last, const std::vector<at::Tensor>& weights,
@@ -83,7 +83,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     at::Tensor v_cache, const at::Tensor& block_tables, const std::vector<int64_t>& lengths,
     int64_t block_size, const at::Tensor& temperature, const at::Tensor& keys,
     const std::vector<int64_t>& n_out, const std::optional<at::Tensor>& vocab_map, int64_t depth,
-    int64_t topk);
+    int64_t topk, int64_t budget);
 
 #ifdef SPECENGINE_WITH_CUDA
 at::Tensor paged_attention_cuda(const at::Tensor& query, const at::Tensor& k_cache,

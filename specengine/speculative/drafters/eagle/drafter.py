@@ -295,12 +295,13 @@ class EagleDrafter(Drafter):
         shadows = [states[i].shadow for i in live]
         prefix = self._prefix_rows(live_seqs, [states[i] for i in live])
         n_out = [s.num_output_tokens for s in live_seqs]  # output position of depth-1 tokens
-        cands = self._draft_in_extension(live_seqs, shadows, prefix, n_out, d, k)
-        if cands is None:
+        trees = self._draft_in_extension(live_seqs, shadows, prefix, n_out, strategy)
+        if trees is None:
             cands = self._grow(live_seqs, shadows, self._feed_prefix(shadows, prefix), n_out,
                                d, k)
-        for b, i in enumerate(live):
-            out[i] = self._tree(cands[b], strategy.budget)
+            trees = [self._tree(c, strategy.budget) for c in cands]
+        for tree, i in zip(trees, live):
+            out[i] = tree
             self._drafted[seqs[i].seq_id] = self.version
         return out
 
@@ -334,10 +335,10 @@ class EagleDrafter(Drafter):
         return cands
 
     def _draft_in_extension(self, live_seqs: list[Sequence], shadows: list[Sequence],
-                            prefix: _Prefix, n_out: list[int], d: int, k: int
-                            ) -> list[list[Candidate]] | None:
-        """``_feed_prefix`` and ``_grow`` in one extension call (``eagle_draft``,
-        csrc/eagle_draft.cpp: the same kernels in the same order, so the same candidates and
+                            prefix: _Prefix, n_out: list[int], strategy: Strategy
+                            ) -> list[DraftTree] | None:
+        """``_feed_prefix``, ``_grow`` and ``_tree`` in one extension call (``eagle_draft``,
+        csrc/eagle_draft.cpp: the same kernels in the same order, so the same trees and
         drafter KV bit for bit), or None where it does not apply: no extension, weights not all
         packed for one CPU kernel, no draft vocabulary map, biases in the layer, batch
         invariance off, or a request with filters or penalties."""
@@ -361,7 +362,7 @@ class EagleDrafter(Drafter):
         tables = torch.tensor([sh.block_table + [0] * (width - len(sh.block_table))
                                for sh in shadows], dtype=torch.int32)
         params = [s.params for s in live_seqs]
-        count, cum, depth, token, parent, logprob = mod.eagle_draft(
+        nodes, token, parent, logprob = mod.eagle_draft(
             prefix.ids, prefix.feats.contiguous(), prefix.pos, prefix.qseq, prefix.last,
             [t.embed_tokens, fc.packed, m.fc_bias, lay.input_norm, qkv.packed, o.packed,
              lay.post_attn_norm, gate_up.packed, down.packed, t.norm, head.packed, m.rope],
@@ -372,10 +373,9 @@ class EagleDrafter(Drafter):
                          dtype=torch.float32),
             torch.tensor([0 if p.greedy else s.noise.key for s, p in zip(live_seqs, params)],
                          dtype=torch.int64),
-            n_out, m.vocab_map, d, k)
-        cols = [x.tolist() for x in (cum, depth, token, parent, logprob)]
-        return [[Candidate(*(col[b][c] for col in cols)) for c in range(n)]
-                for b, n in enumerate(count.tolist())]
+            n_out, m.vocab_map, strategy.depth, strategy.topk, strategy.budget)
+        return [DraftTree(ts[:n], ps[:n], lps[:n], ["eagle"] * n) for n, ts, ps, lps in
+                zip(nodes.tolist(), token.tolist(), parent.tolist(), logprob.tolist())]
 
     @staticmethod
     def _tree(cands: list[Candidate], budget: int) -> DraftTree:
