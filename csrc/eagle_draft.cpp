@@ -1,7 +1,7 @@
 // The EAGLE-2 draft step (arXiv 2406.16858) of speculative/drafters/eagle/drafter.py in one call:
 // the drafter forward over each sequence's real rows not cached yet, the depth-1 children of its
-// last row (the root's feature), then per depth one drafter forward over the
-// frontier nodes of every sequence (tree attention over the drafter's paged KV), their coupled
+// last row (the root's feature), then per depth one drafter forward over the frontier nodes of
+// every sequence (tree attention over the drafter's paged KV), their coupled
 // top-k children (coupled_topk_kernel), and the next frontier (the k best new nodes by
 // cumulative log-probability); then each sequence's tree of the `budget` best candidates. The
 // same kernels in the same order as the Python loop, so the trees are the same bit for bit; what
@@ -51,9 +51,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> eagle_draft(
     const std::vector<int64_t>& prefix_pos, const std::vector<int64_t>& prefix_seq,
     const std::vector<int64_t>& last, const std::vector<at::Tensor>& weights,
     const std::vector<int64_t>& sizes, int64_t kind, bool glu, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, double scale, double eps, at::Tensor k_cache, at::Tensor v_cache,
-    const at::Tensor& block_tables, const std::vector<int64_t>& lengths, int64_t block_size,
-    const at::Tensor& temperature, const at::Tensor& keys, const std::vector<int64_t>& n_out,
+    int64_t num_kv_heads, int64_t head_dim, double scale, double eps, at::Tensor k_cache,
+    at::Tensor v_cache, const at::Tensor& block_tables, const std::vector<int64_t>& lengths,
+    int64_t block_size, const at::Tensor& temperature, const at::Tensor& keys,
+    const std::vector<int64_t>& n_out,
     const std::optional<at::Tensor>& vocab_map, int64_t depth, int64_t topk, int64_t budget) {
   TORCH_CHECK_VALUE(weights.size() == 12 && sizes.size() == 6,
                     "eagle_draft: 12 weights and 6 sizes expected, got ", weights.size(), " and ",

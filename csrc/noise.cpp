@@ -45,9 +45,10 @@ SE_INLINE u64x8 vmix64(u64x8 z) {
   return z ^ (z >> 31);
 }
 
-// -log(u) for u in (0, 1], on 8 or 16 lanes (F float and I int32 vectors of one length): natural
-// log by exponent / mantissa split and the Cephes logf polynomial (~1 ulp), written with portable
-// vectors so every ISA clone computes it alike.
+// -log(u) for normal u > 0 (the noise needs (0, 1]; coupled_topk also takes log E), on 8 or 16
+// lanes (F float and I int32 vectors of one length): natural log by exponent / mantissa split
+// and the Cephes logf polynomial (~1 ulp), written with portable vectors so every ISA clone
+// computes it alike.
 template <typename F, typename I>
 SE_INLINE F neg_log_t(F x) {
   I bits;
@@ -169,9 +170,8 @@ SE_CLONES void race_chunk(uint64_t row, const float* p, int64_t n, float* best_o
   *index_out = bi;
 }
 
-
 // log E_i for i in [0, Vd): the noise of stream `row` at token map[i] (i without a map), 16
-// tokens at a time (the same values exp_noise gives, through the 16-lane twins of its steps).
+// tokens at a time (exp_noise's steps on 16 lanes).
 SE_CLONES void log_noise_row(uint64_t row, const int64_t* map, int64_t Vd, float* out) {
   const u64x8 lane = {1, 2, 3, 4, 5, 6, 7, 8};
   for (int64_t i = 0; i < Vd; i += 16) {
@@ -243,7 +243,9 @@ SE_CLONES void coupled_topk_row(const float* logits, int64_t Vd, float t, const 
       const float v = z[i + l];
       if (!(v > values[k - 1])) continue;
       int64_t j = k - 1;
-      for (; j > 0 && v > values[j - 1]; --j) values[j] = values[j - 1], indices[j] = indices[j - 1];
+      for (; j > 0 && v > values[j - 1]; --j) {
+        values[j] = values[j - 1], indices[j] = indices[j - 1];
+      }
       values[j] = v, indices[j] = i + l;
     }
   }

@@ -117,7 +117,8 @@ def coupled_topk(logits: torch.Tensor, k: int, seqs: list[Sequence], positions: 
         torch.tensor([positions[r] for r in plain], dtype=torch.int64), vocab_map)
     if len(plain) == R:
         return values, indices
-    rest = [r for r in range(R) if r not in set(plain)]
+    kernel_rows = set(plain)
+    rest = [r for r in range(R) if r not in kernel_rows]
     lp = coupled_logprobs(logits[rest], [seqs[r] for r in rest], [positions[r] for r in rest],
                           vocab, vocab_map, None if paths is None else [paths[r] for r in rest])
     top = torch.topk(lp, k, dim=-1)
