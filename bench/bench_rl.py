@@ -175,7 +175,8 @@ def run(backend: str, a, model_dir, rows, steps: int, greedy: bool, log) -> dict
         model_dir, rows, a.output_dir, steps=steps, prompts_per_step=a.prompts,
         generations=a.generations, max_completion_length=a.max_completion_length,
         learning_rate=a.learning_rate, seed=a.seed, rollout_func=recorder,
-        generation_kwargs=gen_kwargs, callbacks=[online] if online else None)
+        generation_kwargs=gen_kwargs, callbacks=[online] if online else None,
+        micro_batch=a.train_micro_batch)
     rollout_seconds, hf_generate_seconds = [], []
     timed_method(trainer, "_generate", rollout_seconds)
     if backend == "trl":
@@ -273,6 +274,9 @@ def main(argv=None) -> int:
     ap.add_argument("--train-lr", type=float, default=5e-4)
     ap.add_argument("--learning-rate", type=float, default=1e-6)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--train-micro-batch", type=int, default=None,
+                    help="samples per loss forward/backward (gradient accumulation; one "
+                         "generation and optimizer step per batch still); default: the batch")
     ap.add_argument("--engine-dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch.set_num_threads for everything (0: torch's default); on a "

@@ -37,11 +37,19 @@ MODEL = "smollm2-135m-instruct"
 def build_trainer(model_dir, rows: list[dict], output_dir: str, *, steps: int,
                   prompts_per_step: int, generations: int, max_completion_length: int,
                   temperature: float = 1.0, learning_rate: float = 1e-6, seed: int = 0,
-                  rollout_func=None, generation_kwargs: dict | None = None, callbacks=None):
+                  rollout_func=None, generation_kwargs: dict | None = None, callbacks=None,
+                  micro_batch: int | None = None):
     """A ``GRPOTrainer`` on CPU for the model in ``model_dir`` (float32): one optimizer step per
     generation batch of ``prompts_per_step`` prompts x ``generations`` samples, no reference
     model (``beta=0``), no gradient checkpointing, logging every step, nothing saved.
-    ``rollout_func=None`` keeps TRL's own transformers generation."""
+    ``rollout_func=None`` keeps TRL's own transformers generation. ``micro_batch``: samples per
+    forward/backward of the loss (the batch is then accumulated over several, still one
+    generation and one optimizer step per batch; the whole batch in one pass needs about
+    24 GB at 8 x 8 x 256 tokens); None: the whole batch at once.
+
+    Raises:
+        ValueError: too few rows, or a micro batch that does not divide the batch.
+    """
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -51,12 +59,17 @@ def build_trainer(model_dir, rows: list[dict], output_dir: str, *, steps: int,
 
     if len(rows) < steps * prompts_per_step:
         raise ValueError(f"{len(rows)} rows for {steps} steps x {prompts_per_step} prompts")
+    batch = prompts_per_step * generations
+    micro = micro_batch or batch
+    if micro < 1 or batch % micro:
+        raise ValueError(f"micro_batch={micro_batch} must divide the batch of {batch} samples")
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     args = GRPOConfig(
         output_dir=output_dir, use_cpu=True, bf16=False, report_to=[], save_strategy="no",
-        max_steps=steps, per_device_train_batch_size=prompts_per_step * generations,
+        max_steps=steps, per_device_train_batch_size=micro,
+        gradient_accumulation_steps=batch // micro,
         num_generations=generations, max_completion_length=max_completion_length,
         temperature=temperature, learning_rate=learning_rate, seed=seed, data_seed=seed,
         logging_steps=1, gradient_checkpointing=False, disable_tqdm=True,
