@@ -192,7 +192,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> eagle_draft(
     feed = root;
   }
   for (int64_t d = 2; d <= depth; ++d) {
-    std::vector<int64_t> tok, pos, slot, seq, out_pos, qseq, kv_len, base, cand;
+    std::vector<int64_t> tok, pos, slot, seq, out_pos, kv_len, base, cand;
     for (int64_t b = 0; b < B; ++b) {
       const int64_t n = lengths[b];
       for (const int64_t ci : frontier[b]) {
@@ -202,7 +202,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> eagle_draft(
         pos.push_back(n + d - 2);
         slot.push_back(slot_of(b, p));
         seq.push_back(b);
-        qseq.push_back(b);
         out_pos.push_back(n_out[b] + d - 1);
         kv_len.push_back(n + g + 1);
         base.push_back(n);
@@ -224,7 +223,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> eagle_draft(
         m[r * mask_width + g] = true;
       }
     }
-    const auto f = forward(feed.index_select(0, to_tensor(feed_rows, i64)), tok, pos, slot, qseq,
+    const auto f = forward(feed.index_select(0, to_tensor(feed_rows, i64)), tok, pos, slot, seq,
                            kv_len, to_tensor(base, i32), mask);
     const int64_t k = children(f, seq, out_pos);
     std::vector<std::vector<std::pair<int64_t, int64_t>>> fresh(B);  // (candidate, row)

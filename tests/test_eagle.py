@@ -162,13 +162,14 @@ def test_paged_drafting_equals_dense_unroll(target):
 @pytest.mark.skipif(ext() is None or not hasattr(ext(), "eagle_draft"),
                     reason="needs the C++ extension")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("isa", ["native", "avx512", "avx2"])
 def test_draft_loop_in_extension_equals_the_python_loop(target_dir, dtype, isa):
     """``eagle_draft`` (a step's drafting in one extension call: the prefix feed and the loop
     over depths) gives the trees and drafter KV the Python loop gives, bit for bit: greedy,
     T = 1 and T = 0.7 sequences of different lengths in one batch, a chain and two trees, with
     the whole prefix fed first and then three rows per sequence (two committed tokens and the
-    last row again); under the CPU's own kernels and the AVX2 cap."""
+    last row again); under the CPU's own kernels and the AVX-512 and AVX2 caps (the generic
+    cap packs nothing, so the Python loop runs there)."""
     prev = kernels.ISAS[ext().isa_cap()]
     if isa != "native" and kernels.set_isa(isa) != isa:
         pytest.skip(f"this CPU cannot run the {isa} kernels")

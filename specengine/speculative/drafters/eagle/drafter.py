@@ -197,14 +197,19 @@ class EagleDrafter(Drafter):
         # shadow row j is keyed by tok_{j+1}; the last real row is always recomputed
         return st if sync_shadow(self.blocks, st.shadow, seq, 1, slots) else None
 
+    @staticmethod
+    def _block_tables(shadows: list[Sequence]) -> torch.Tensor:
+        """``[b, W]`` int32: the shadows' block tables, zero-padded to the longest."""
+        width = max(len(sh.block_table) for sh in shadows)
+        return torch.tensor([sh.block_table + [0] * (width - len(sh.block_table))
+                             for sh in shadows], dtype=torch.int32)
+
     def _meta(self, shadows, qseq, slot_pos, kv_lens, base=None, mask=None):
         bs = self.blocks.block_size
-        width = max(len(sh.block_table) for sh in shadows)
-        tables = [sh.block_table + [0] * (width - len(sh.block_table)) for sh in shadows]
         slots = [shadows[q].block_table[p // bs] * bs + p % bs for q, p in zip(qseq, slot_pos)]
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=torch.tensor(tables, dtype=torch.int32),
+            block_tables=self._block_tables(shadows),
             query_seq=torch.tensor(qseq, dtype=torch.int32),
             kv_lens=torch.tensor(kv_lens, dtype=torch.int32), max_kv_len=max(kv_lens))
         if base is not None:
@@ -357,10 +362,6 @@ class EagleDrafter(Drafter):
                 or any(pw.weight.dtype != prefix.feats.dtype for pw in packs)):
             return None
         fc, qkv, o, gate_up, down, head = packs
-        bs = self.blocks.block_size
-        width = max(len(sh.block_table) for sh in shadows)
-        tables = torch.tensor([sh.block_table + [0] * (width - len(sh.block_table))
-                               for sh in shadows], dtype=torch.int32)
         params = [s.params for s in live_seqs]
         nodes, token, parent, logprob = mod.eagle_draft(
             prefix.ids, prefix.feats.contiguous(), prefix.pos, prefix.qseq, prefix.last,
@@ -368,7 +369,8 @@ class EagleDrafter(Drafter):
              lay.post_attn_norm, gate_up.packed, down.packed, t.norm, head.packed, m.rope],
             [pw.weight.shape[0] for pw in packs], ("amx", "avx512", "avx2").index(kinds.pop()),
             gate_up.glu, lay.num_heads, lay.num_kv_heads, lay.head_dim, lay.scale, lay.eps,
-            self.kv[0], self.kv[1], tables, [len(s) - 1 for s in live_seqs], bs,
+            self.kv[0], self.kv[1], self._block_tables(shadows), [len(s) - 1 for s in live_seqs],
+            self.blocks.block_size,
             torch.tensor([0.0 if p.greedy else p.temperature for p in params],
                          dtype=torch.float32),
             torch.tensor([0 if p.greedy else s.noise.key for s, p in zip(live_seqs, params)],
