@@ -24,6 +24,7 @@ batch 1 after a 200-token context: T=1 is a decode step, T=9 a 1+8 token verify 
     python bench/bench_kernels.py [--dtype bfloat16|float32] [--ms 1,4,8,16,32] [--threads N]
                                   [--isa generic|avx2|avx512] [--forward [--ts 1,9,17]]
                                   [--attention] [--draft [--shapes 32x4x1,...] [--out F]]
+                                  [--peak]
 
 ``--isa avx2`` caps both sides at AVX2 + FMA, as on a CPU without AVX-512: specengine's dispatch
 (``SPECENGINE_ISA``) and torch's (``ATEN_CPU_CAPABILITY``, oneDNN's ``ONEDNN_MAX_CPU_ISA``, MKL's
@@ -104,6 +105,9 @@ def main() -> None:
     ap.add_argument("--draft", action="store_true",
                     help="time the EAGLE draft loop; --shapes BxDxK (batch x depth x top-k)")
     ap.add_argument("--out", default=None, help="--draft: also write the rows to this JSON")
+    ap.add_argument("--peak", action="store_true",
+                    help="what the AMX tile unit computes per second by operand data "
+                         "(bench/amx_peak.cpp, built with g++) beside the packed AMX linear")
     ap.add_argument("--cold", action="store_true",
                     help="--attention: one cache per layer (30), as an engine step reads them, "
                          "instead of one cache read 30 times (kept in the CPU caches)")
@@ -118,6 +122,8 @@ def main() -> None:
     print(f"dtype={args.dtype} threads={torch.get_num_threads()} cpu={mod.cpu_isa()} "
           f"active_isa={kernels.active_isa()} amx={kernels.amx_available()} "
           f"torch_capability={torch.backends.cpu.get_cpu_capability()}")
+    if args.peak:
+        return bench_peak()
     if args.forward:
         return bench_forward(dtype, [int(t) for t in args.ts.split(",")])
     if args.draft:
@@ -155,6 +161,39 @@ def main() -> None:
     print("\nlinear layers per decode step (30 layers + LM head):")
     for m in ms:
         print(f"  M={m:>2}: torch {step[m][0] * 1e3:6.2f} ms   ours {step[m][1] * 1e3:6.2f} ms")
+
+
+def bench_peak(m: int = 512, n: int = 1536, k: int = 576) -> None:
+    """TFLOP/s of the tile unit on L1-resident operands (``bench/amx_peak.cpp``, per thread,
+    1 and all threads) and of the packed AMX linear on an L2-resident ``[n, k]`` weight at ``m``
+    rows (all threads), for zero, constant (1.0) and random normal operands."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    if not kernels.amx_available():
+        raise SystemExit("no AMX on this CPU (or capped by SPECENGINE_ISA)")
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "amx_peak.cpp")
+    if shutil.which("g++"):
+        with tempfile.TemporaryDirectory() as tmp:
+            exe = os.path.join(tmp, "amx_peak")
+            subprocess.run(["g++", "-O2", "-pthread", src, "-o", exe], check=True)
+            for threads in sorted({1, torch.get_num_threads()}):
+                print(subprocess.run([exe, str(threads)], check=True, capture_output=True,
+                                     text=True).stdout, end="")
+    else:
+        print("g++ not found: skipping the tile-unit loop (bench/amx_peak.cpp)")
+    g = torch.Generator().manual_seed(0)
+    data = {"zeros": (torch.zeros(m, k), torch.zeros(n, k)),
+            "ones": (torch.ones(m, k), torch.ones(n, k)),
+            "random normal": (torch.randn(m, k, generator=g), torch.randn(n, k, generator=g))}
+    print(f"packed AMX linear, {m} x {k} @ [{n}, {k}] bfloat16, "
+          f"{torch.get_num_threads()} threads:")
+    with kernels.kernel_threads(True):
+        for name, (x, w) in data.items():
+            x, pw = x.to(torch.bfloat16), kernels.prepack(w.to(torch.bfloat16))
+            sec = time_call(lambda x=x, pw=pw: kernels.linear(x, pw), min_time=0.5)
+            print(f"  {name:<14} {sec * 1e6:7.0f} us  {2 * m * n * k / sec / 1e12:.2f} TFLOP/s")
 
 
 def bench_forward(dtype: torch.dtype, ts: list[int], context: int = 200) -> None:

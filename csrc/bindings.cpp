@@ -49,9 +49,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_weight_amx", &specengine::amx_pack_weight, py::arg("weight"),
         py::arg("glu") = false, "[N, K] bf16 weight -> AMX tile layout for linear_amx.");
   m.def("linear_amx", &specengine::amx_linear, py::arg("x"), py::arg("packed"), py::arg("n"),
-        py::arg("bias") = py::none(), py::arg("glu") = false,
-        "x [M, K] bf16 @ packed weight -> [M, N] bf16 (glu: silu(gate) * up, [M, N/2]); "
-        "rows are batch-invariant.");
+        py::arg("bias") = py::none(), py::arg("glu") = false, py::arg("out_f32") = false,
+        "x [M, K] bf16 @ packed weight -> [M, N] bf16, or float32 with out_f32 (glu: "
+        "silu(gate) * up, [M, N/2] bf16); rows are batch-invariant.");
   m.def("avx512_linear_available", &specengine::avx512_linear_available, py::arg("bf16"),
         "True when the CPU has the AVX-512 (and, for bf16, AVX-512 BF16) the kernel needs.");
   m.def("pack_weight_avx512", &specengine::avx512_pack_weight, py::arg("weight"),

@@ -59,21 +59,22 @@ const char* cpu_isa();
 
 // ---- AMX-BF16 linear (linear_amx.cpp) -------------------------------------------------------
 struct AmxArgs {
-  const uint16_t* x;      // [M, xs] bf16 bits, K padded to Kb*32 (zeros) unless K % 32 == 0
+  const uint16_t* x;      // [M, xs] bf16 bits; K % 32 == 0 or (M <= 16) K padded with zeros
   int64_t xs;             // row stride of x in elements
   const uint16_t* w;      // packed [P, Kb, 2, 16, 32]
   const float* bias;      // [N] or nullptr (not in glu mode)
-  uint16_t* y;            // [M, ldy] bf16 bits
+  void* y;                // [M, ldy]: bf16 bits, or float32 with out_f32
   int64_t ldy, M, N, Kb;  // N: valid output features (glu: I)
-  bool glu;
+  bool glu, out_f32;      // out_f32: not in glu mode
+  uint16_t* xt;           // M > 16: scratch for x in tile order, [ceil(M/16), Kb, 16, 32]
 };
 
 bool amx_available();  // the CPU has AMX-BF16 (amx_supported) and the cap allows it
 bool amx_supported();  // AMX-BF16 tiles usable on this CPU and OS, whatever the cap
 // [N, K] bf16 bits -> dst [P, Kb, 2, 16, 32] (zero-filled by the caller).
 void amx_pack(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, bool glu);
-// The P packed feature pairs of a.w; only when amx_available().
-void amx_linear_kernel(const AmxArgs& a, int64_t P);
+// The P packed feature pairs of a.w over K input features; only when amx_available().
+void amx_linear_kernel(const AmxArgs& a, int64_t P, int64_t K);
 
 // ---- AVX-512 linear (linear_avx512.cpp) -----------------------------------------------------
 struct Avx512LinearArgs {

@@ -74,7 +74,7 @@ SE_AMX_TARGET inline void epilogue(const AmxArgs& a, int64_t p, int64_t r0, int 
       u32x16 bits;
       std::memcpy(&bits, &out, sizeof(bits));
       const u16x16 h = __builtin_convertvector(bits >> 16, u16x16);
-      std::memcpy(a.y + (r0 + r) * a.ldy + col, &h, sizeof(h));
+      std::memcpy(static_cast<uint16_t*>(a.y) + (r0 + r) * a.ldy + col, &h, sizeof(h));
     }
     return;
   }
@@ -86,22 +86,36 @@ SE_AMX_TARGET inline void epilogue(const AmxArgs& a, int64_t p, int64_t r0, int 
     const __m512 b = a.bias ? _mm512_maskz_loadu_ps(mk, a.bias + col) : _mm512_setzero_ps();
     for (int r = 0; r < rows; ++r) {
       const __m512 v = _mm512_add_ps(_mm512_loadu_ps(&c[r][h * 16]), b);
-      const __m256i o = (__m256i)_mm512_cvtneps_pbh(v);
-      _mm256_mask_storeu_epi16(a.y + (r0 + r) * a.ldy + col, mk, o);
+      const int64_t at = (r0 + r) * a.ldy + col;
+      if (a.out_f32) {
+        _mm512_mask_storeu_ps(static_cast<float*>(a.y) + at, mk, v);
+      } else {
+        const __m256i o = (__m256i)_mm512_cvtneps_pbh(v);
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(a.y) + at, mk, o);
+      }
     }
   }
 }
 
-// One pair for rows [r0, r0 + m0 + m1). Each K step also prefetches `pf_lines` cache lines
-// from `*pf` (advanced, up to `pf_end`) into L2: the next pair's weights arrive from memory
-// while this pair computes.
+// Where the A tiles of rows [r0, r0 + 16) start, and their stride in bytes: x itself, or its
+// copy in tile order (`xt`, 1 KiB per 16 rows x 32 K).
+struct RowTiles {
+  const uint16_t* p;
+  int64_t step, stride;  // elements from one K step to the next; bytes between rows
+};
+inline RowTiles row_tiles(const AmxArgs& a, const uint16_t* xt, int64_t r0) {
+  if (xt) return {xt + (r0 / 16) * a.Kb * 512, 512, 64};
+  return {a.x + r0 * a.xs, 32, a.xs * 2};
+}
+
+// The C tiles of pair p over rows [r0, r0 + m0 + m1) into c (rows x 32 floats). Each K step
+// also prefetches `pf_lines` cache lines from `*pf` (advanced, up to `pf_end`) into L2: the
+// next pairs' weights arrive from memory while this pair computes.
 template <bool kTwo>
-SE_AMX_TARGET void amx_block(const AmxArgs& a, int64_t p, int64_t r0, int m0, int m1,
-                             const char*& pf, const char* pf_end, int pf_lines) {
-  alignas(64) float c[32][32];
-  const int64_t xs_bytes = a.xs * 2;
-  const uint16_t* x0 = a.x + r0 * a.xs;
-  const uint16_t* x1 = x0 + 16 * a.xs;
+SE_AMX_TARGET void amx_block(const AmxArgs& a, const uint16_t* xt, int64_t p, int64_t r0,
+                             float (*c)[32], const char*& pf, const char* pf_end,
+                             int pf_lines) {
+  const RowTiles t0 = row_tiles(a, xt, r0), t1 = row_tiles(a, xt, r0 + 16);
   const uint16_t* wp = a.w + p * a.Kb * kPairElems;
   _tile_zero(0);
   _tile_zero(1);
@@ -112,50 +126,91 @@ SE_AMX_TARGET void amx_block(const AmxArgs& a, int64_t p, int64_t r0, int m0, in
   for (int64_t kb = 0; kb < a.Kb; ++kb) {
     const uint16_t* wk = wp + kb * kPairElems;
     for (int i = 0; i < pf_lines && pf < pf_end; ++i, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
-    _tile_loadd(4, x0 + kb * 32, xs_bytes);
+    _tile_loadd(4, t0.p + kb * t0.step, t0.stride);
     _tile_loadd(6, wk, 64);
     _tile_loadd(7, wk + 512, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if (kTwo) {
-      _tile_loadd(5, x1 + kb * 32, xs_bytes);
+      _tile_loadd(5, t1.p + kb * t1.step, t1.stride);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
   }
+}
+
+SE_AMX_TARGET inline void store_block(bool two, float (*c)[32]) {
   _tile_stored(0, &c[0][0], 128);
   _tile_stored(1, &c[0][16], 128);
-  if (kTwo) {
+  if (two) {
     _tile_stored(2, &c[16][0], 128);
     _tile_stored(3, &c[16][16], 128);
   }
-  epilogue(a, p, r0, m0 + m1, c);
 }
 
-// Pairs [p0, p1) of the P pairs for every row of x: per pair, every 32-row block of x, so a
-// pair's weights are read from memory once whatever M is (they stay in L1/L2 across the row
-// blocks) and the next pair's are prefetched while this one computes, overlapping the memory
-// reads with the tile unit (over 32 rows a forward would otherwise pay both in turn).
-SE_AMX_TARGET void amx_pairs(const AmxArgs& a, int64_t p0, int64_t p1, int64_t P) {
+// Pairs [p0, p1) of the P pairs for every row of x, in groups of `group` pairs: per group,
+// every 32-row block of x, and per block the group's pairs. So a block's A tiles are read from
+// L1 for all pairs of the group, a pair's weights are read from memory once whatever M is
+// (they stay in L2 across the row blocks), and the output is written in runs of the group's
+// columns per row. The next group's weights are prefetched into L2 while this one computes.
+// A block's epilogue (vector work) runs after the next block's tile work was issued, so the
+// two overlap.
+SE_AMX_TARGET void amx_pairs(const AmxArgs& a, const uint16_t* xt, int64_t p0, int64_t p1,
+                             int64_t P) {
+  alignas(64) float c[2][32][32];
   const int64_t pair_bytes = a.Kb * kPairElems * 2;
   const int64_t blocks = (a.M + 31) / 32;
-  const int pf_lines = static_cast<int>((pair_bytes / 64 + blocks * a.Kb - 1) / (blocks * a.Kb));
+  const int64_t group = blocks > 1 ? 8 : 1;
   const char* base = reinterpret_cast<const char*>(a.w);
-  int cm0 = -1, cm1 = -1;
-  for (int64_t p = p0; p < p1; ++p) {
-    const char* pf = p + 1 < P ? base + (p + 1) * pair_bytes : nullptr;
-    const char* pf_end = pf ? pf + pair_bytes : nullptr;
+  int cm0 = -1, cm1 = -1, cur = 0;
+  int64_t last_p = -1, last_r0 = 0;
+  int last_rows = 0;
+  for (int64_t g0 = p0; g0 < p1; g0 += group) {
+    const int64_t g1 = std::min(p1, g0 + group);
+    // the next group of this range, or past its end only the next pair (as another range's
+    // first pair it would otherwise be read cold)
+    const int64_t n1 = std::min(P, g1 < p1 ? std::min(p1, g1 + group) : g1 + 1);
+    const char* pf = base + g1 * pair_bytes;
+    const char* pf_end = base + n1 * pair_bytes;
+    const int64_t steps = (g1 - g0) * blocks * a.Kb;
+    const int pf_lines = static_cast<int>(((n1 - g1) * pair_bytes / 64 + steps - 1) / steps);
     for (int64_t r0 = 0; r0 < a.M; r0 += 32) {
       const int rows = static_cast<int>(std::min<int64_t>(32, a.M - r0));
       const int m0 = std::min(rows, 16), m1 = rows - m0;
-      if (m0 != cm0 || m1 != cm1) configure(m0, m1), cm0 = m0, cm1 = m1;
-      if (m1)
-        amx_block<true>(a, p, r0, m0, m1, pf, pf_end, pf_lines);
-      else
-        amx_block<false>(a, p, r0, m0, 0, pf, pf_end, pf_lines);
+      for (int64_t p = g0; p < g1; ++p) {
+        if (m0 != cm0 || m1 != cm1) {
+          if (last_p >= 0) {  // the configuration zeroes the tiles: the pending block first
+            epilogue(a, last_p, last_r0, last_rows, c[cur ^ 1]);
+            last_p = -1;
+          }
+          configure(m0, m1), cm0 = m0, cm1 = m1;
+        }
+        if (m1)
+          amx_block<true>(a, xt, p, r0, c[cur], pf, pf_end, pf_lines);
+        else
+          amx_block<false>(a, xt, p, r0, c[cur], pf, pf_end, pf_lines);
+        if (last_p >= 0) epilogue(a, last_p, last_r0, last_rows, c[cur ^ 1]);
+        store_block(m1 != 0, c[cur]);
+        last_p = p, last_r0 = r0, last_rows = rows, cur ^= 1;
+      }
     }
   }
+  if (last_p >= 0) epilogue(a, last_p, last_r0, last_rows, c[cur ^ 1]);
   _tile_release();
+}
+
+// Rows [16 t, 16 t + 16) of x into tile order: xt[(t * Kb + kb) * 512 + r * 32 + k] =
+// x[16 t + r][32 kb + k], zeros past K (rows past M are never loaded).
+SE_AMX_TARGET void pack_row_tile(const AmxArgs& a, int64_t K, int64_t t, uint16_t* xt) {
+  const int64_t r1 = std::min<int64_t>(16, a.M - t * 16);
+  for (int64_t kb = 0; kb < a.Kb; ++kb) {
+    uint16_t* dst = xt + (t * a.Kb + kb) * 512;
+    const int64_t k0 = kb * 32, valid = std::min<int64_t>(32, K - k0);
+    const __mmask32 mk = valid >= 32 ? ~__mmask32{0} : ((__mmask32{1} << valid) - 1);
+    for (int64_t r = 0; r < r1; ++r)
+      _mm512_storeu_si512(dst + r * 32,
+                          _mm512_maskz_loadu_epi16(mk, a.x + (t * 16 + r) * a.xs + k0));
+  }
 }
 #endif
 
@@ -204,14 +259,23 @@ void amx_pack(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, bool glu
       }
 }
 
-void amx_linear_kernel(const AmxArgs& a, int64_t P) {
+void amx_linear_kernel(const AmxArgs& a, int64_t P, int64_t K) {
 #if defined(__x86_64__) && defined(__GNUC__)
   const int64_t pair_bytes = a.Kb * kPairElems * 2;
+  // Over 16 rows the A tiles are read once per pair: from a copy in tile order (1 KiB
+  // contiguous per tile) they load faster than from x's rows.
+  const uint16_t* xt = nullptr;
+  if (a.M > 16) {
+    uint16_t* dst = a.xt;
+    parallel_chunks((a.M + 15) / 16, [&](int64_t t) { pack_row_tile(a, K, t, dst); });
+    xt = dst;
+  }
   parallel_ranges(P, std::max<int64_t>(1, (48 << 10) / pair_bytes), 4,
-                  [&](int64_t p0, int64_t p1) { amx_pairs(a, p0, p1, P); });
+                  [&](int64_t p0, int64_t p1) { amx_pairs(a, xt, p0, p1, P); });
 #else
   (void)a;
   (void)P;
+  (void)K;
 #endif
 }
 

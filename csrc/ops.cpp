@@ -280,7 +280,7 @@ at::Tensor amx_pack_weight(const at::Tensor& w, bool glu) {
 }
 
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                      const std::optional<at::Tensor>& bias, bool glu) {
+                      const std::optional<at::Tensor>& bias, bool glu, bool out_f32) {
   TORCH_CHECK_VALUE(amx_available(), "AMX-BF16 is not available on this machine");
   TORCH_CHECK_TYPE(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
                    "x and packed weight must be bfloat16");
@@ -291,6 +291,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0), Kb = packed.size(1);
   TORCH_CHECK_VALUE((K + 31) / 32 == Kb, "x has K=", K, " but the packed weight has ", Kb * 32,
                     " (padded) input features");
+  TORCH_CHECK_VALUE(!(glu && out_f32), "glu mode writes bfloat16 (out_f32 must be false)");
   const int64_t out_n = glu ? N / 2 : N;
   TORCH_CHECK_VALUE(glu ? (N % 32 == 0 && P == N / 32) : (P == (N + 31) / 32),
                     "N=", N, " does not match the packed weight (", P, " pairs)");
@@ -302,12 +303,17 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
             ? *bias
             : bias->to(at::kFloat).contiguous();
   }
-  auto y = at::empty({M, out_n}, x.options());
+  auto y = at::empty({M, out_n}, x.options().dtype(out_f32 ? at::kFloat : at::kBFloat16));
   if (M == 0 || out_n == 0) return y;
-  at::Tensor xp;
+  at::Tensor xp, xt;
   const uint16_t* xptr;
   int64_t xs;
-  if (K % 32 == 0 && x.stride(1) == 1 && x.stride(0) >= K) {
+  if (M > 16) {  // the kernel copies x into tile order (xt), zero-padding K itself
+    xt = at::empty({(M + 15) / 16 * Kb * 512}, x.options());
+    xp = x.stride(1) == 1 ? x : x.contiguous();
+    xptr = reinterpret_cast<const uint16_t*>(xp.data_ptr());
+    xs = xp.stride(0);
+  } else if (K % 32 == 0 && x.stride(1) == 1 && x.stride(0) >= K) {
     xptr = reinterpret_cast<const uint16_t*>(x.data_ptr());
     xs = x.stride(0);
   } else {
@@ -318,8 +324,9 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   }
   AmxArgs a{xptr, xs, reinterpret_cast<const uint16_t*>(packed.data_ptr()),
             b.defined() ? b.data_ptr<float>() : nullptr,
-            reinterpret_cast<uint16_t*>(y.data_ptr()), out_n, M, out_n, Kb, glu};
-  amx_linear_kernel(a, P);
+            y.data_ptr(), out_n, M, out_n, Kb, glu, out_f32,
+            xt.defined() ? reinterpret_cast<uint16_t*>(xt.data_ptr()) : nullptr};
+  amx_linear_kernel(a, P, K);
   return y;
 }
 

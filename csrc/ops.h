@@ -37,7 +37,7 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& w, const std::optio
 // fused gate_up [2I, K] whose linear_amx output is silu(gate) * up [M, I]).
 at::Tensor amx_pack_weight(const at::Tensor& w, bool glu);
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                      const std::optional<at::Tensor>& bias, bool glu);
+                      const std::optional<at::Tensor>& bias, bool glu, bool out_f32);
 
 // Linear on AVX-512 CPUs over weights packed once by avx512_pack_weight ([N, K] bf16 or f32;
 // glu: fused gate_up [2I, K] whose avx512_linear output is silu(gate) * up [M, I]); out_f32

@@ -318,6 +318,27 @@ def test_packed_linear_matches_fp64_math(isa, dtype, N, K, bias):
         torch.testing.assert_close(f.double(), ref, atol=1e-4, rtol=2 ** -8)
 
 
+@pytest.mark.skipif(not kernels.amx_available(), reason="no AMX tiles on this CPU (or capped)")
+@pytest.mark.parametrize("N,K", [(200, 576), (45, 33)])
+def test_amx_linear_strided_input_and_float32_output(N, K):
+    """Over 16 rows the AMX kernel copies x into tile order itself: a row-strided view gives
+    the same bits as a contiguous copy, and the float32 output (logits) is the accumulator the
+    bf16 output rounds (one rounding, to nearest even, as torch's cast)."""
+    g = torch.Generator().manual_seed(K)
+    wide = torch.randn(40, K + 7, generator=g).to(torch.bfloat16)
+    x = wide[:, 3:3 + K]  # stride(0) = K + 7
+    pw = kernels.prepack(torch.randn(N, K, generator=g).to(torch.bfloat16))
+    b = torch.randn(N, generator=g)
+    for M in (1, 5, 16, 17, 40):
+        y = ext().linear_amx(x[:M], pw.packed, N, b)
+        assert torch.equal(y, ext().linear_amx(x[:M].contiguous(), pw.packed, N, b)), M
+        f = ext().linear_amx(x[:M], pw.packed, N, b, False, True)
+        assert f.dtype == torch.float32 and torch.equal(f.to(torch.bfloat16), y), M
+    with pytest.raises(ValueError, match="glu"):
+        ext().linear_amx(x, kernels.prepack(torch.randn(64, K).to(torch.bfloat16), glu=True)
+                         .packed, 64, None, True, True)
+
+
 @needs_packed
 @packed_dtype
 @pytest.mark.parametrize("N,K", [(200, 576), (45, 33)])

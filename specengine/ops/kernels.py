@@ -333,8 +333,7 @@ def _packed_linear(x: torch.Tensor, pw: PackedWeight, rows: int, bias, glu: bool
     n = pw.weight.shape[0]
     x2 = x.reshape(rows, x.shape[-1])
     if pw.kind == "amx":
-        y = ext().linear_amx(x2, pw.packed, n, bias, glu)
-        y = y.float() if out_f32 else y
+        y = ext().linear_amx(x2, pw.packed, n, bias, glu, out_f32)
     elif pw.kind == "avx2":
         y = ext().linear_avx2(x2, pw.packed, n, bias, glu, out_f32)
     else:
