@@ -104,6 +104,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "EagleDrafter.propose's drafting in one call (prefix feed, the loop over depths, the "
         "trees): (nodes [B], token [B, budget], parent [B, budget], draft logprob [B, budget] "
         "f64), each sequence's tree in its first nodes[b] columns.");
+  m.def("decoder_forward", &specengine::decoder_forward, py::arg("hidden"), py::arg("cos"),
+        py::arg("sin"), py::arg("layers"), py::arg("biases"), py::arg("sizes"), py::arg("kind"),
+        py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"),
+        py::arg("eps"), py::arg("k_caches"), py::arg("v_caches"), py::arg("slot_mapping"),
+        py::arg("block_tables"), py::arg("query_seq"), py::arg("kv_lens"), py::arg("tree_base"),
+        py::arg("tree_mask"), py::arg("final_norm"),
+        "LlamaForCausalLM's decoder layers and final norm in one call (the Python layer loop's "
+        "kernels in its order): hidden [T, H] -> final-norm hidden [T, H]; writes the K/V.");
   m.def("set_pool_threads", &specengine::set_pool_threads, py::arg("n"),
         "Threads of the kernels' pool (0: follow torch.get_num_threads()).");
   m.def("pool_threads", &specengine::pool_threads, "Threads the kernels' pool uses now.");

@@ -74,6 +74,22 @@ std::tuple<at::Tensor, at::Tensor> coupled_topk(const at::Tensor& logits, int64_
                                                 const at::Tensor& positions,
                                                 const std::optional<at::Tensor>& vocab_map);
 
+// models/llama.py's decoder layers and final norm over hidden [T, hidden_size] in one call
+// (decoder_forward.cpp): per layer `layers` holds input_norm, qkv, o, post_norm, gate_up (glu)
+// and down (the last four packed for `kind`) and `biases` the qkv and o biases (or None);
+// sizes: qkv, o, gate_up and down output features. Returns the final-norm hidden states.
+at::Tensor decoder_forward(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& sin,
+                           const std::vector<at::Tensor>& layers,
+                           const std::vector<std::optional<at::Tensor>>& biases,
+                           const std::vector<int64_t>& sizes, int64_t kind, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, double scale, double eps,
+                           std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+                           const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                           const at::Tensor& query_seq, const at::Tensor& kv_lens,
+                           const std::optional<at::Tensor>& tree_base,
+                           const std::optional<at::Tensor>& tree_mask,
+                           const at::Tensor& final_norm);
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> eagle_draft(
     const std::vector<int64_t>& prefix_ids, const at::Tensor& prefix_feats,
     const std::vector<int64_t>& prefix_pos, const std::vector<int64_t>& prefix_seq,

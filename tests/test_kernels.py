@@ -644,3 +644,64 @@ def test_attention_rows_equal_the_row_alone(group, D, isa):
         alone = ext().paged_attention(q[t:t + 1], *args, meta.query_seq[t:t + 1],
                                       meta.kv_lens[t:t + 1], D ** -0.5)
         assert torch.equal(out[t], alone[0]), t
+
+
+@needs_packed
+@packed_dtype
+@pytest.mark.parametrize("bias", [False, True])
+def test_decoder_layers_in_one_call_equal_the_layer_loop(isa, dtype, bias, monkeypatch):
+    """``LlamaForCausalLM``'s layers as one extension call (``csrc/decoder_forward.cpp``) give
+    the Python layer loop's hidden states and KV caches bit for bit: a packed prefill of two
+    sequences, then a decode token beside a draft tree (root and two siblings, tree mask)."""
+    from specengine.models.config import ModelConfig
+    from specengine.models.llama import LlamaForCausalLM
+    from specengine.models.loader import random_hf_state_dict
+
+    config = ModelConfig.from_hf({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 128,
+        "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "attention_bias": bias})
+    model = LlamaForCausalLM(config, dtype)
+    model.load_weights(random_hf_state_dict(config, seed=3).items())
+    bs, width = 4, 6
+    shape = (12, bs, 2, 32)
+    tables = torch.randperm(12, generator=torch.Generator().manual_seed(1)).int().view(2, width)
+
+    def meta_for(seq, pos, tree=None):
+        seq_t, pos_t = torch.tensor(seq, dtype=torch.int32), torch.tensor(pos)
+        slots = tables[seq_t.long(), pos_t // bs].long() * bs + pos_t % bs
+        base, mask = (None, None) if tree is None else tree
+        return AttentionMetadata(slot_mapping=slots, block_tables=tables, query_seq=seq_t,
+                                 kv_lens=(pos_t + 1).int(), max_kv_len=int(pos_t.max()) + 1,
+                                 tree_base=base, tree_mask=mask)
+
+    # step 1: prefill 9 + 5 tokens; step 2: seq 0 decodes at 9, seq 1 verifies a root at 5 and
+    # two siblings at 6 (slots 6 and 7: each sees the prefix and the root, not the other)
+    steps = [([0] * 9 + [1] * 5, list(range(9)) + list(range(5)), None),
+             ([0, 1, 1, 1], [9, 5, 6, 7],
+              (torch.tensor([10, 5, 5, 5], dtype=torch.int32),
+               torch.tensor([[1, 0, 0], [1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)))]
+    runs = {}
+    calls = []
+    fused = LlamaForCausalLM._layers_in_extension
+    for name in ("python", "extension"):
+        if name == "python":
+            monkeypatch.setattr(model, "_layers_in_extension", lambda *a: None)
+        else:
+            monkeypatch.setattr(model, "_layers_in_extension",
+                                lambda *a: calls.append(fused(model, *a)) or calls[-1])
+        kv = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+              for _ in range(2)]
+        outs = []
+        for i, (seq, pos, tree) in enumerate(steps):
+            meta = meta_for(seq, pos, tree)
+            if tree is not None:  # positions: the siblings both sit at depth 1 (position 6)
+                pos = [9, 5, 6, 6]
+            ids = torch.randint(64, (len(seq),), generator=torch.Generator().manual_seed(i))
+            outs.append(model(ids, torch.tensor(pos), kv, meta, CpuAttention()))
+        runs[name] = (outs, kv)
+    assert len(calls) == 2 and all(out is not None for out in calls)  # it ran in one call
+    for a, b in zip(runs["python"][0], runs["extension"][0]):
+        assert a.dtype == dtype and torch.equal(a, b)
+    for (k1, v1), (k2, v2) in zip(runs["python"][1], runs["extension"][1]):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)

@@ -27,8 +27,10 @@ import torch
 from torch import nn
 
 from specengine.attention.base import AttentionBackend, AttentionMetadata
+from specengine.attention.cpu import CpuAttention
 from specengine.models.config import ModelConfig
 from specengine.ops import kernels
+from specengine.ops.extension import ext
 from specengine.ops.kernels import add_rms_norm
 
 
@@ -199,10 +201,48 @@ class LlamaForCausalLM(nn.Module):
         cs = self.rope_cache[positions].unsqueeze(1)  # [T, 1, 2D]
         cos, sin = cs.chunk(2, dim=-1)
         hidden, residual = self.embed_tokens[input_ids], None
+        out = self._layers_in_extension(hidden, cos, sin, kv_caches, meta, backend)
+        if out is not None:
+            return out
         for layer, kv in zip(self.layers, kv_caches):
             hidden, residual = layer.forward(hidden, residual, cos, sin, kv, meta, backend)
         hidden, _ = add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)
         return hidden
+
+    def _layers_in_extension(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                             kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                             meta: AttentionMetadata, backend: AttentionBackend
+                             ) -> torch.Tensor | None:
+        """The layer loop and final norm as one extension call (``csrc/decoder_forward.cpp``:
+        the same kernels in the same order, so the same bits) when every op of it would run in
+        the extension's CPU kernels anyway; None otherwise (the caller runs the loop)."""
+        mod = ext()
+        if (mod is None or not hasattr(mod, "decoder_forward") or type(backend) is not CpuAttention
+                or hidden.device.type != "cpu" or hidden.dtype not in (torch.float32,
+                                                                       torch.bfloat16)
+                or not self.layers or cos.dtype != torch.float32):
+            return None
+        rows, tensors, biases, kind = hidden.shape[0], [], [], None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            packs = [layer.packed(n) for n in ("qkv_proj", "o_proj", "gate_up_proj",
+                                               "down_proj")]
+            if (any(pw.rows_for(hidden) != rows or pw.kind != packs[0].kind for pw in packs)
+                    or not packs[2].glu or k_cache.dtype != hidden.dtype
+                    or not k_cache.is_contiguous() or not v_cache.is_contiguous()):
+                return None
+            kind = packs[0].kind
+            tensors += [layer.input_norm, packs[0].packed, packs[1].packed, layer.post_attn_norm,
+                        packs[2].packed, packs[3].packed]
+            biases += [layer.qkv_bias, layer.o_bias]
+        first = self.layers[0]
+        sizes = [first.qkv_proj.shape[0], first.o_proj.shape[0], first.gate_up_proj.shape[0],
+                 first.down_proj.shape[0]]
+        return mod.decoder_forward(
+            hidden, cos, sin, tensors, biases, sizes, kernels.PACKED_KINDS.index(kind),
+            first.num_heads, first.num_kv_heads, first.head_dim, first.scale, first.eps,
+            [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping,
+            meta.block_tables, meta.query_seq, meta.kv_lens, meta.tree_base, meta.tree_mask,
+            self.norm)
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -185,6 +185,11 @@ def _packed_kind(dtype: torch.dtype) -> str | None:
     return None
 
 
+# PackedWeight.kind values in the extension's order: the ``kind`` index its one-call forwards
+# take (``decoder_forward``, ``eagle_draft``).
+PACKED_KINDS = ("amx", "avx512", "avx2")
+
+
 @dataclass(eq=False)
 class PackedWeight:
     """A linear weight ``[N, K]`` plus its copy in a kernel's layout.

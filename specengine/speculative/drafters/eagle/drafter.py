@@ -367,7 +367,7 @@ class EagleDrafter(Drafter):
             prefix.ids, prefix.feats.contiguous(), prefix.pos, prefix.qseq, prefix.last,
             [t.embed_tokens, fc.packed, m.fc_bias, lay.input_norm, qkv.packed, o.packed,
              lay.post_attn_norm, gate_up.packed, down.packed, t.norm, head.packed, m.rope],
-            [pw.weight.shape[0] for pw in packs], ("amx", "avx512", "avx2").index(kinds.pop()),
+            [pw.weight.shape[0] for pw in packs], kernels.PACKED_KINDS.index(kinds.pop()),
             gate_up.glu, lay.num_heads, lay.num_kv_heads, lay.head_dim, lay.scale, lay.eps,
             self.kv[0], self.kv[1], self._block_tables(shadows), [len(s) - 1 for s in live_seqs],
             self.blocks.block_size,
