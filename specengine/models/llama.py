@@ -220,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
         if (mod is None or not hasattr(mod, "decoder_forward") or type(backend) is not CpuAttention
                 or hidden.device.type != "cpu" or hidden.dtype not in (torch.float32,
                                                                        torch.bfloat16)
-                or not self.layers or cos.dtype != torch.float32):
+                or not self.layers or not hidden.shape[0] or cos.dtype != torch.float32):
             return None
         rows, tensors, biases, kind = hidden.shape[0], [], [], None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
