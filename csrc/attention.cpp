@@ -48,14 +48,19 @@ SE_INLINE void scale_row(float* acc, float a, int64_t D) {
   for (; i < D; ++i) acc[i] *= a;
 }
 
-// Items [begin, end) of the (t, g) grid; scratch holds group*(D + BS + 16 + 2) floats.
+// Keys per online-softmax step of the generic path: fixed, so the result does not depend on
+// the cache's block size either (16: what it was with the default 16-token blocks).
+constexpr int64_t kGenericStep = 16;
+
+// Items [begin, end) of the (t, g) grid; scratch holds group*(D + kGenericStep + 16 + 2)
+// floats.
 template <class KT>
 SE_INLINE void attend(const AttnArgs& a, int64_t begin, int64_t end, float* scratch) {
   const int64_t group = a.H / a.KVH, D = a.D, BS = a.BS;
   const KT* kc = static_cast<const KT*>(a.k_cache);
   const KT* vc = static_cast<const KT*>(a.v_cache);
   float* acc = scratch;                 // [group, D]
-  const int64_t SW = BS + 16;           // score row width (vector reads past len)
+  const int64_t SW = kGenericStep + 16;  // score row width (vector reads past len)
   float* s = acc + group * D;           // [group, SW]
   float* m = s + group * SW;            // [group]
   float* l = m + group;                 // [group]
@@ -67,8 +72,9 @@ SE_INLINE void attend(const AttnArgs& a, int64_t begin, int64_t end, float* scra
     const int32_t* table = a.block_tables + static_cast<int64_t>(a.query_seq[t]) * a.MB;
     const int64_t base = a.tree_mask ? std::min<int64_t>(a.tree_base[t], n) : n;
     const bool* mask = a.tree_mask ? a.tree_mask + t * a.W : nullptr;
-    // the context [0, base), then the visible tree positions: chunks of BS keys follow this
-    // sequence, not slots, so where the keys sit in the cache cannot change the result
+    // the context [0, base), then the visible tree positions: steps of kGenericStep keys
+    // follow this sequence, not slots, so where the keys sit in the cache cannot change the
+    // result
     keys.clear();
     for (int64_t p = 0; p < base; ++p) keys.push_back(p);
     for (int64_t p = base; p < n; ++p)
@@ -78,8 +84,8 @@ SE_INLINE void attend(const AttnArgs& a, int64_t begin, int64_t end, float* scra
     std::fill(acc, acc + group * D, 0.f);
     std::fill(m, m + group, ninf);
     std::fill(l, l + group, 0.f);
-    for (int64_t c0 = 0; c0 < count; c0 += BS) {
-      const int64_t len = std::min(BS, count - c0);
+    for (int64_t c0 = 0; c0 < count; c0 += kGenericStep) {
+      const int64_t len = std::min(kGenericStep, count - c0);
       for (int64_t o = 0; o < len; ++o) {
         const int64_t p = keys[c0 + o];
         const int64_t row = ((static_cast<int64_t>(table[p / BS]) * BS + p % BS) * a.KVH + g) * D;
@@ -95,7 +101,7 @@ SE_INLINE void attend(const AttnArgs& a, int64_t begin, int64_t end, float* scra
           l[h] *= alpha;
         }
         m[h] = mnew;
-        for (int64_t o = 0; o < len; o += 16) {  // s has BS + 16 floats per head: no overrun
+        for (int64_t o = 0; o < len; o += 16) {  // s has SW floats per head: no overrun
           f32x16 sv;
           std::memcpy(&sv, sh + o, sizeof(sv));
           const f32x16 pv = vexp(sv - mnew);
@@ -477,7 +483,7 @@ void paged_attention_bf16_fast(const AttnArgs& a, const uint16_t* q_bf16, float 
 void paged_attention_generic(const AttnArgs& a, bool bf16_cache) {
   const int64_t group = a.H / a.KVH;
   parallel_ranges(a.T * a.KVH, 1, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(group * (a.D + a.BS + 16 + 2));
+    std::vector<float> scratch(group * (a.D + kGenericStep + 16 + 2));
     if (!bf16_cache)
       attend_f32(a, begin, end, scratch.data());
     else

@@ -2,8 +2,9 @@
 
 One kernel serves prefill, decode and tree-verify tokens: work is split over (query token,
 KV head), the query heads of a GQA group share each K/V row read, and the softmax is computed
-online block by block in float32 (FlashAttention-style). Falls back to the torch reference when
-the extension is missing or the tensors are not CPU float32/bfloat16.
+online in float32 in fixed steps of keys, whatever the block size (FlashAttention-style). Falls
+back to the torch reference when the extension is missing or the tensors are not CPU
+float32/bfloat16.
 """
 
 from __future__ import annotations
