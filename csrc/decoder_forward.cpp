@@ -13,17 +13,6 @@
 #include "ops.h"
 
 namespace specengine {
-namespace {
-
-// kind: 0 AMX tiles, 1 AVX-512, 2 AVX2 (as kernels._packed_linear and eagle_draft.cpp).
-at::Tensor packed(int64_t kind, const at::Tensor& x, const at::Tensor& w, int64_t n,
-                  const std::optional<at::Tensor>& bias, bool glu) {
-  if (kind == 0) return amx_linear(x, w, n, bias, glu, false);
-  if (kind == 1) return avx512_linear(x, w, n, bias, glu, false);
-  return avx2_linear(x, w, n, bias, glu, false);
-}
-
-}  // namespace
 
 at::Tensor decoder_forward(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& sin,
                            const std::vector<at::Tensor>& layers,
@@ -62,7 +51,7 @@ at::Tensor decoder_forward(at::Tensor hidden, const at::Tensor& cos, const at::T
     } else {
       std::tie(hidden, residual) = add_rms_norm_cpu(hidden, residual, w[0], eps);
     }
-    const auto qkv = packed(kind, hidden, w[1], n_qkv, biases[2 * l], false)
+    const auto qkv = packed_linear(kind, hidden, w[1], n_qkv, biases[2 * l], false, false)
                          .view({T, nq + 2 * nkv, D});
     auto qk = qkv.narrow(1, 0, nq + nkv);
     rope_inplace_cpu(qk, c, s);
@@ -71,10 +60,11 @@ at::Tensor decoder_forward(at::Tensor hidden, const at::Tensor& cos, const at::T
     const auto attn = paged_attention_cpu(qkv.narrow(1, 0, nq), k_caches[l], v_caches[l],
                                           block_tables, query_seq, kv_lens, scale, tree_base,
                                           tree_mask);
-    hidden = packed(kind, attn.reshape({T, nq * D}), w[2], n_o, biases[2 * l + 1], false);
+    hidden = packed_linear(kind, attn.reshape({T, nq * D}), w[2], n_o, biases[2 * l + 1], false,
+                           false);
     std::tie(hidden, residual) = add_rms_norm_cpu(hidden, residual, w[3], eps);
-    hidden = packed(kind, packed(kind, hidden, w[4], n_gate_up, std::nullopt, true), w[5],
-                    n_down, std::nullopt, false);
+    const auto act = packed_linear(kind, hidden, w[4], n_gate_up, std::nullopt, true, false);
+    hidden = packed_linear(kind, act, w[5], n_down, std::nullopt, false, false);
   }
   return std::get<0>(add_rms_norm_cpu(hidden, residual, final_norm, eps));
 }

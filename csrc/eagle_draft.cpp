@@ -18,14 +18,6 @@
 namespace specengine {
 namespace {
 
-// The packed linear kernels' dispatch, as kernels._packed_linear: kind 0 AMX tiles, 1 AVX-512,
-// 2 AVX2.
-at::Tensor packed_linear(int64_t kind, const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                         const std::optional<at::Tensor>& bias, bool glu, bool out_f32) {
-  if (kind == 0) return amx_linear(x, packed, n, bias, glu, out_f32);
-  if (kind == 1) return avx512_linear(x, packed, n, bias, glu, out_f32);
-  return avx2_linear(x, packed, n, bias, glu, out_f32);
-}
 
 struct Weights {
   at::Tensor embed, fc, fc_bias, input_norm, qkv, o, post_norm, gate_up, down, final_norm, head,

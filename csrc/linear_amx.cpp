@@ -264,12 +264,8 @@ void amx_linear_kernel(const AmxArgs& a, int64_t P, int64_t K) {
   const int64_t pair_bytes = a.Kb * kPairElems * 2;
   // Over 16 rows the A tiles are read once per pair: from a copy in tile order (1 KiB
   // contiguous per tile) they load faster than from x's rows.
-  const uint16_t* xt = nullptr;
-  if (a.M > 16) {
-    uint16_t* dst = a.xt;
-    parallel_chunks((a.M + 15) / 16, [&](int64_t t) { pack_row_tile(a, K, t, dst); });
-    xt = dst;
-  }
+  const uint16_t* xt = a.M > 16 ? a.xt : nullptr;
+  if (xt) parallel_chunks((a.M + 15) / 16, [&](int64_t t) { pack_row_tile(a, K, t, a.xt); });
   parallel_ranges(P, std::max<int64_t>(1, (48 << 10) / pair_bytes), 4,
                   [&](int64_t p0, int64_t p1) { amx_pairs(a, xt, p0, p1, P); });
 #else

@@ -330,6 +330,13 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   return y;
 }
 
+at::Tensor packed_linear(int64_t kind, const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                         const std::optional<at::Tensor>& bias, bool glu, bool out_f32) {
+  if (kind == 0) return amx_linear(x, packed, n, bias, glu, out_f32);
+  if (kind == 1) return avx512_linear(x, packed, n, bias, glu, out_f32);
+  return avx2_linear(x, packed, n, bias, glu, out_f32);
+}
+
 // ---- AVX-512 linear -----------------------------------------------------------------------
 at::Tensor avx512_pack_weight(const at::Tensor& w, bool glu) {
   TORCH_CHECK_VALUE(w.dim() == 2 && w.device().is_cpu(), "weight must be a 2-D CPU tensor, got ",

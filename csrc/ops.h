@@ -49,6 +49,11 @@ at::Tensor avx512_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                        const std::optional<at::Tensor>& bias, bool glu, bool out_f32);
 
+// The packed linear kernels by kind, as kernels._packed_linear (PACKED_KINDS): 0 AMX tiles,
+// 1 AVX-512, 2 AVX2.
+at::Tensor packed_linear(int64_t kind, const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                         const std::optional<at::Tensor>& bias, bool glu, bool out_f32);
+
 // In-place rotate-half RoPE of x [T, H, D] (any T/H strides) with float32 cos/sin [T, D].
 void rope_inplace_cpu(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
