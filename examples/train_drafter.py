@@ -1,6 +1,9 @@
-"""Train the EAGLE drafter shipped for ``smollm2-135m-instruct`` on a CPU in under an hour.
+"""Train an EAGLE drafter shipped with specengine on a CPU in about an hour.
 
     python examples/train_drafter.py --out specengine/data/drafters/smollm2-135m-instruct
+    python examples/train_drafter.py --model qwen2.5-coder-0.5b-instruct \
+        --out specengine/data/drafters/qwen2.5-coder-0.5b-instruct --gen-gsm 1200 --gen-chat 400 \
+        --sharegpt 300 --steps 4000
 
 It writes the training JSONL (``--work``/train_data.jsonl, outside the repository: it holds
 ShareGPT text), runs ``specengine train-drafter`` on it (the exact command is printed and
@@ -72,7 +75,9 @@ def write_data(path: Path, n_gen_gsm: int, n_gen_chat: int, n_gsm: int, n_shareg
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="specengine/data/drafters/smollm2-135m-instruct")
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="target model")
+    ap.add_argument("--out", default=None,
+                    help="where the drafter goes (default: specengine/data/drafters/MODEL)")
     ap.add_argument("--work", default=None, help="scratch dir (default: cache_dir()/drafter-train)")
     ap.add_argument("--gen-gsm", type=int, default=1800)
     ap.add_argument("--gen-chat", type=int, default=1200)
@@ -89,14 +94,14 @@ def main() -> int:
 
     from specengine.data.fetch import cache_dir
 
-    out = Path(args.out)
+    out = Path(args.out or f"specengine/data/drafters/{args.model}")
     work = Path(args.work) if args.work else cache_dir() / "drafter-train" / out.name
     work.mkdir(parents=True, exist_ok=True)
     data = work / "train_data.jsonl"
     if not data.is_file():
         n = write_data(data, args.gen_gsm, args.gen_chat, args.gsm, args.sharegpt)
         print(f"{n} records -> {data}", flush=True)
-    cmd = ["train-drafter", "--model", "smollm2-135m-instruct", "--data", str(data),
+    cmd = ["train-drafter", "--model", args.model, "--data", str(data),
            "--out", str(work / "ckpt"), "--steps", str(args.steps),
            "--batch-tokens", str(args.batch_tokens), "--unroll", str(args.unroll),
            "--warm-unroll-frac", str(args.warm_unroll_frac),
