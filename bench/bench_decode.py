@@ -21,6 +21,10 @@ pinned by the project: see bench/README.md), on the same GGUF: ``Q4_1`` is the s
 engine runs: Q4_1 dequantized, rounded to bfloat16), ``BF16+lookup`` llama.cpp's prompt-lookup
 decoding (``LlamaPromptLookupDecoding``) on the BF16 file. Same threads as the engine, greedy,
 same prompt tokens; decode time = ``generate(N)`` - ``generate(1)`` as for HF.
+``--spec ngram,eagle`` adds the engine at batch 1 in bfloat16 with each speculative method
+(default ``auto`` policy; EAGLE: the shipped drafter), timed the same way (drafting and the
+policy count), beside the plain engine timed so, on the first prompt, with each row's ratio to
+the llama.cpp rows and whether its tokens equal the plain engine's.
 
 ``--invariance`` measures instead what batch invariance costs (``kernels.set_batch_invariant``):
 the engine alone, each batch run with invariance on and off in alternation on one engine (best
@@ -60,15 +64,19 @@ MODEL = "smollm2-135m-instruct"
 BLOCK = 16
 
 
-def engine_llm(dtype: str, prompts: list[list[int]], max_tokens: int) -> LLM:
-    """An LLM sized so the largest batch is admitted in one prefill step with no preemption."""
+def engine_llm(dtype: str, prompts: list[list[int]], max_tokens: int,
+               speculative_config: dict | None = None) -> LLM:
+    """An LLM sized so the largest batch is admitted in one prefill step with no preemption
+    (with ``speculative_config``: room for the drafts too)."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(resolve_model(MODEL))
     elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
     blocks = sum(-(-(len(p) + max_tokens + 1) // BLOCK) + 1 for p in prompts) + 16
+    blocks += 8 * len(prompts) if speculative_config else 0
     return LLM(MODEL, dtype=dtype, block_size=BLOCK, max_num_seqs=len(prompts),
+               speculative_config=speculative_config,
                kv_cache_memory_bytes=blocks * BLOCK * per_token,
                max_num_batched_tokens=sum(len(p) for p in prompts) + len(prompts) + 64,
                enable_prefix_caching=False)  # every repeat pays its prefill
@@ -192,6 +200,26 @@ def run_llamacpp(path: str, prompt: list[int], max_tokens: int, repeats: int,
             "first_output": out[max_tokens]}
 
 
+def run_engine_wall(llm: LLM, prompt: list[int], max_tokens: int, repeats: int) -> dict:
+    """The engine at batch 1 timed as llama.cpp and HF are: decode time = best wall time of
+    ``generate(max_tokens)`` - best of ``generate(1)``, so drafting and the policy count."""
+    out = {}
+
+    def gen(n: int):
+        params = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)
+        out[n] = llm.generate([{"prompt_token_ids": prompt}], params,
+                              use_tqdm=False)[0].outputs[0].token_ids
+
+    gen(8)  # warm up
+    t_n = best_time(lambda: gen(max_tokens), repeats)
+    t_1 = best_time(lambda: gen(1), repeats)
+    decode = max(t_n - t_1, 1e-9)
+    return {"decode_tok_s": (max_tokens - 1) / decode, "e2e_tok_s": max_tokens / t_n,
+            "ms_step": 1e3 * decode / (max_tokens - 1), "full_ms_step": None,
+            "prefill_s": t_1, "decode_s": decode, "wall_s": t_n,
+            "first_output": out[max_tokens]}
+
+
 def profile_decode_step(llm: LLM, prompt: list[int]) -> str:
     """torch.profiler (top ops by self CPU time) and cProfile (top functions) of one batch-1
     decode step of the engine."""
@@ -271,6 +299,9 @@ def main() -> None:
                     help="profile one batch-1 decode step (also done when slower than HF)")
     ap.add_argument("--llamacpp", action="store_true",
                     help="add llama.cpp rows at batch 1 (llama-cpp-python must be installed)")
+    ap.add_argument("--spec", default="",
+                    help="speculative methods for extra bf16 batch-1 rows (e.g. ngram,eagle), "
+                         "timed by wall clock as llama.cpp is, beside the plain engine so timed")
     ap.add_argument("--invariance", action="store_true",
                     help="batch invariance on vs off, engine only (see the docstring)")
     args = ap.parse_args()
@@ -362,6 +393,31 @@ def main() -> None:
             if eng1:
                 print(f"# specengine bf16 b=1 / llama.cpp {name}: "
                       f"{eng1['decode_tok_s'] / r['decode_tok_s']:.2f}x", file=sys.stderr)
+
+    spec = [m for m in args.spec.split(",") if m]
+    if spec:  # batch 1, bf16, wall-clock decode time: plain first, then each method
+        plain = None
+        for method in [None] + spec:
+            cfg = {"method": method} if method else None
+            llm = engine_llm("bfloat16", all_ids[:1], max_tokens, cfg)
+            r = run_engine_wall(llm, all_ids[0], max_tokens, repeats)
+            del llm
+            gc.collect()
+            name = f"specengine+{method}" if method else "specengine (wall)"
+            plain = plain or r
+            r.update(engine=name, dtype="bfloat16", batch=1, vs_hf=None,
+                     vs_floor=r["ms_step"] / floors["bfloat16"]["floor_ms"]
+                     if "bfloat16" in floors else None,
+                     same_tokens_as_plain=r["first_output"] == plain["first_output"])
+            for q4 in (x for x in results if x["engine"] == "llama.cpp"):
+                r[f"vs_llamacpp_{q4['dtype']}"] = r["decode_tok_s"] / q4["decode_tok_s"]
+            print(f"# {name} b=1 (wall): {r['decode_tok_s']:.1f} tok/s, same tokens as plain: "
+                  f"{r['same_tokens_as_plain']}, "
+                  + ", ".join(f"{k} {v:.2f}x" for k, v in r.items() if k.startswith("vs_llama")),
+                  file=sys.stderr)
+            results.append(r)
+            rows.append([name, "bfloat16", 1, r["decode_tok_s"], r["e2e_tok_s"], r["ms_step"],
+                         None, None, r["vs_floor"]])
 
     print(markdown_table(["engine", "dtype", "batch", "decode tok/s", "e2e tok/s", "ms/step",
                           "full ms/step", "vs HF", "vs floor"], rows) + "\n")
