@@ -318,3 +318,27 @@ def test_coupled_sampling_with_shared_noise_fails_the_test():
                                 verifier=lambda t, p, g: coupled(t, p, g, shared=True))
     stat, crit = chi_square(counts, exact_joint(P))
     assert stat > crit, (stat, crit)
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_joined_rows_are_the_concatenation_and_a_view_only_when_consecutive(inference):
+    from specengine.sampling.sampler import joined
+
+    torch.set_grad_enabled(True)
+    with torch.inference_mode(inference):  # the engine's logits are inference tensors
+        _check_joined(joined, torch.randn(9, 7))
+
+
+def _check_joined(joined, logits):
+    parts = [logits[0:3], logits[3:4], logits[4:9]]
+    view = joined(parts)
+    assert torch.equal(view, torch.cat(parts))
+    assert view.data_ptr() == logits.data_ptr()  # no copy
+    for case in ([logits[0:3], logits[4:9]],  # a gap
+                 [logits[3:4], logits[0:3]],  # out of order
+                 [logits[0:3], logits[3:4].clone()],  # a masked clone
+                 [logits[0:2, :5], logits[2:4, :5]],  # column slices
+                 [logits[0:1, :5], logits[1:2, :5]]):  # contiguous one-row column slices
+        out = joined(case)
+        assert torch.equal(out, torch.cat(case))
+        assert out.data_ptr() != logits.data_ptr()

@@ -108,8 +108,7 @@ class Sampler:
         best: list[list[int] | None] = [None] * len(trees)  # the target's token of each row
         sampled = [t for t, s in enumerate(seqs) if not s.params.greedy]
         if sampled:
-            rows = masked[sampled[0]] if len(sampled) == 1 else torch.cat(
-                [masked[t] for t in sampled])
+            rows = joined([masked[t] for t in sampled])
             params = [seqs[t].params for t in sampled for _ in depths[t]]
             streams = NoiseStreams(
                 [seqs[t].noise.key for t in sampled for _ in depths[t]],
@@ -250,3 +249,22 @@ class Sampler:
                 if t not in out:
                     out[t] = Logprob(v, rank, decoded(t))
         return out
+
+
+def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)`` of ``[r_i, V]`` row blocks, without the copy when they are
+    consecutive rows of one storage (the trees of a step whose logits no mask changed:
+    slices of the forward's ``[R, V]`` logits): then one view of those rows. The values are
+    the same either way; callers must not modify the result."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    storage, at = first.untyped_storage().data_ptr(), first.storage_offset()
+    for p in parts:
+        if (p.dim() != 2 or p.shape[1] != first.shape[1] or not p.is_contiguous()
+                or p.untyped_storage().data_ptr() != storage or p.storage_offset() != at
+                or p.dtype != first.dtype):
+            return torch.cat(parts)
+        at += p.numel()
+    return first.as_strided((sum(p.shape[0] for p in parts), first.shape[1]),
+                            (first.shape[1], 1), first.storage_offset())
