@@ -12,6 +12,7 @@ from specengine.engine.config import EngineConfig, parse_dtype
 from specengine.engine.engine import Engine
 from specengine.kv import kv_bytes_per_block
 from specengine.llm_args import EngineArgs
+from specengine.ops.allocator import tune_malloc
 from specengine.speculative.config import SpeculativeConfig
 from specengine.speculative.drafters import make_drafter
 from specengine.speculative.policy import make_policy
@@ -135,6 +136,8 @@ def build_engine(loaded, tokenizer, config: EngineConfig, spec: SpeculativeConfi
     policy ``spec`` asks for (none when ``spec`` is empty); the policy is warm-started.
     ``tokenizer`` None (``skip_tokenizer_init``): the loaded tokenizer's EOS still ends
     samples."""
+    if next(loaded.model.parameters()).device.type == "cpu":
+        tune_malloc()  # large per-step buffers reused, not page-faulted in each step
     drafter = make_drafter(spec, loaded, config.num_kv_blocks, config.block_size) \
         if spec else None
     policy = make_policy(spec, seed, drafter) if drafter else None
