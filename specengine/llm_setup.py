@@ -12,7 +12,7 @@ from specengine.engine.config import EngineConfig, parse_dtype
 from specengine.engine.engine import Engine
 from specengine.kv import kv_bytes_per_block
 from specengine.llm_args import EngineArgs
-from specengine.ops.allocator import tune_malloc
+from specengine.ops.heap import tune_malloc
 from specengine.speculative.config import SpeculativeConfig
 from specengine.speculative.drafters import make_drafter
 from specengine.speculative.policy import make_policy

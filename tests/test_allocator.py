@@ -1,51 +1,89 @@
-"""``ops.allocator.tune_malloc``: large buffers freed by one step are reused by the next
-without page faults; off by environment; never applied twice."""
-
-import platform
-import subprocess
-import sys
+"""Block allocator: the C++ one and the pure-Python fallback behave the same."""
 
 import pytest
 
-PROBE = r"""
-import resource, sys, torch
-from specengine.ops.allocator import tune_malloc
-on = tune_malloc()
-def faults():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(3):  # warm up: the heap grows once
-    x = torch.empty(48, 151936).fill_(1.0); y = torch.softmax(x, -1); z = y * 2; del x, y, z
-before = faults()
-for _ in range(20):
-    x = torch.empty(48, 151936).fill_(1.0); y = torch.softmax(x, -1); z = y * 2; del x, y, z
-print(on, (faults() - before) / 20)
-"""
+from specengine.kv.allocator import BlockAllocator, make_allocator
+from specengine.ops.extension import ext
+
+IMPLS = ["python", "cpp"]
 
 
-def probe(env: dict) -> tuple[bool, float]:
-    import os
-    out = subprocess.run([sys.executable, "-c", PROBE], env={**os.environ, **env},
-                         capture_output=True, text=True, check=True).stdout.split()
-    return out[0] == "True", float(out[1])
+def new(impl: str, n: int):
+    if impl == "python":
+        return BlockAllocator(n)
+    if ext() is None:
+        pytest.skip("specengine._C is not built")
+    return ext().BlockAllocator(n)
 
 
-@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
-                    reason="glibc only")
-def test_tuned_heap_reuses_step_sized_buffers_without_page_faults():
-    on, faults = probe({"SPECENGINE_TORCH_THREADS": "1"})
-    assert on
-    off, faults_off = probe({"SPECENGINE_MALLOC_TUNE": "0"})
-    assert not off
-    # the control: glibc's defaults give back and fault in part of the three 29 MB buffers
-    # of every round; the tuned heap keeps them (measured: 2,135 against 712 per round)
-    assert faults_off > 1000
-    assert faults < faults_off / 2
-    user, _ = probe({"MALLOC_TRIM_THRESHOLD_": "1000000"})
-    assert not user  # the user's own setting is left alone
+@pytest.mark.parametrize("impl", IMPLS)
+def test_allocate_all_then_out_of_blocks(impl):
+    a = new(impl, 5)
+    assert (a.num_blocks, a.num_free) == (5, 5)
+    ids = [a.allocate() for _ in range(5)]
+    assert ids == [0, 1, 2, 3, 4]
+    assert a.num_free == 0
+    with pytest.raises(RuntimeError, match="out of KV blocks"):
+        a.allocate()
 
 
-def test_tune_malloc_is_applied_once():
-    from specengine.ops import allocator
+@pytest.mark.parametrize("impl", IMPLS)
+def test_allocate_n_is_all_or_nothing(impl):
+    a = new(impl, 6)
+    assert a.allocate_n(4) == [0, 1, 2, 3]
+    with pytest.raises(RuntimeError, match="out of KV blocks"):
+        a.allocate_n(3)
+    assert a.num_free == 2
+    assert a.allocate_n(0) == []
+    assert sorted(a.allocate_n(2)) == [4, 5]
+    with pytest.raises(ValueError):
+        a.allocate_n(-1)
 
-    first = allocator.tune_malloc()
-    assert allocator.tune_malloc() is first
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_refcounts_and_reuse(impl):
+    a = new(impl, 3)
+    b = a.allocate()
+    a.incref(b)
+    a.incref(b)
+    assert a.refcount(b) == 3
+    a.free(b)
+    a.free(b)
+    assert a.refcount(b) == 1 and a.num_free == 2
+    a.free(b)
+    assert a.refcount(b) == 0 and a.num_free == 3
+    assert a.allocate() == b  # last freed is reused first
+    assert a.refcount(b) == 1
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_double_free_and_bad_ids(impl):
+    a = new(impl, 2)
+    b = a.allocate()
+    a.free(b)
+    with pytest.raises(RuntimeError, match="not allocated"):
+        a.free(b)
+    with pytest.raises(RuntimeError, match="not allocated"):
+        a.incref(1)
+    for bad in (-1, 2):
+        with pytest.raises(ValueError, match="out of range"):
+            a.free(bad)
+        with pytest.raises(ValueError, match="out of range"):
+            a.refcount(bad)
+    assert a.num_free == 2
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bad_pool_size(impl):
+    if impl == "cpp" and ext() is None:
+        pytest.skip("specengine._C is not built")
+    cls = BlockAllocator if impl == "python" else ext().BlockAllocator
+    with pytest.raises(ValueError):
+        cls(0)
+
+
+def test_make_allocator_prefers_cpp():
+    a = make_allocator(4)
+    expected = BlockAllocator if ext() is None else ext().BlockAllocator
+    assert type(a) is expected
+    assert a.num_blocks == 4
