@@ -230,3 +230,40 @@ def test_progress_counts_what_moves_the_batch_finish():
     alone = seqs([7])
     pol.weights(alone)
     assert pol._progress(rec(alone, [2])) == 3  # batch 1: the tokens committed
+
+
+class ProbedSim(Sim):
+    """``Sim`` whose kernels' thread tuner probes the new forward size that speculation
+    brings: 4 of its first 8 speculative steps run at a slower thread count (``slow`` seconds
+    more), flagged ``thread_probe`` when ``flag``."""
+
+    def __init__(self, flag: bool, slow: float = 0.03, **kw):
+        super().__init__(**kw)
+        self.flag, self.slow, self.spec_steps = flag, slow, 0
+
+    def step(self, s: Strategy | None) -> StepRecord:
+        rec = super().step(s)
+        if s is not None:
+            self.spec_steps += 1
+            if self.spec_steps <= 8 and self.spec_steps % 2:
+                rec.forward_time += self.slow
+                rec.thread_probe = self.flag
+        return rec
+
+
+def test_a_thread_probe_is_not_taken_for_speculation_losing():
+    """A thread-count probe's slow steps land on the first speculative steps (their forward
+    size is new to the tuner). Flagged ``thread_probe``, they cost what they cost but teach
+    neither the guard's underestimate nor the latency model, and the paying strategy is kept;
+    unflagged, the guard takes them for its model underestimating the loss many times over
+    and speculation stays off for most of the run."""
+    base_s, base_tok = simulate(StaticPolicy(None), Sim(), 2000)
+    rates = {}
+    for flag in (True, False):
+        pol = optimistic_policy()
+        s, tok = simulate(pol, ProbedSim(flag, accepted=0.5, extra=0.002), 2000)
+        rates[flag] = (tok / s) / (base_tok / base_s)
+        if flag:
+            assert max(pol.guard.underestimate.values(), default=1.0) < 2.0
+    assert rates[True] > 1.3
+    assert rates[False] < rates[True] - 0.1

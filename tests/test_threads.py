@@ -246,3 +246,23 @@ def test_pool_counters(two_threads):
     s = ext().pool_stats(True)
     assert s["jobs"] == 10 and 0 <= s["sleeps"] <= s["waits"] <= 10
     assert ext().pool_stats() == dict.fromkeys(s, 0)
+
+
+def test_a_new_bucket_probes_after_min_gap_steps_and_flags_its_probe_steps(monkeypatch):
+    """The first bucket probes at once; a bucket that starts from a neighbour's count runs
+    ``warmup + min_gap`` steps at that count first (a policy's first steps at a new draft size
+    are not a probe's). Inside ``step``, ``probe_step`` is True exactly on the steps run at the
+    probed count."""
+    monkeypatch.setattr(kernels, "packed_covers", lambda rows: True)
+    clock = FakeClock()
+    t = ThreadTuner(2, clock=clock, probe_every=64, samples=2, min_gap=8, warmup=2)
+    first = run_steps(t, clock, 6, quiet, rows=1)
+    assert first[2:] == [1, 2, 1, 2]  # after warm-up, the first bucket's probe at once
+    used = run_steps(t, clock, 2 + 8, quiet, rows=4)  # new bucket 4-7: no probe yet
+    assert used == [2] * 10 and t.buckets[t.bucket_of(4)].candidate is None
+    probe = []
+    for _ in range(4):
+        with t.step(4):
+            probe.append(t.probe_step)
+            clock.now += quiet(1 if t.probe_step else 2)
+    assert probe == [True, False, True, False] and t.probe_step is False

@@ -318,7 +318,7 @@ class Engine:
         if self.trace is not None:
             self.trace.begin_step(entries)
         with self.threads.step(phases.max_forward_tokens(entries, strategy)):
-            times = StepTimes()
+            times = StepTimes(thread_probe=self.threads.probe_step)
             num_proposed, catch_up = phases.draft(self.drafter, self.policy, entries, strategy,
                                                   self.config.max_model_len)
             times.mark("drafted")

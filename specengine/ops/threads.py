@@ -19,7 +19,9 @@ step time beats the current one's by ``margin`` it becomes current. A probe star
 ``probe_every`` steps of the bucket, or earlier (never within ``min_gap`` steps of the last)
 when the current count's recent median step time moved by more than ``drift`` from the one
 the last probe measured: a neighbour came or went. A new bucket starts from the count of the
-nearest bucket that has one. Cost: at most ``samples`` steps at a worse count per
+nearest bucket that has one and probes it after ``min_gap`` of its steps (the first bucket at
+once): a policy trying a new draft size at once sees its first steps at the count that is
+fastest for its neighbours, not a probe's. Cost: at most ``samples`` steps at a worse count per
 ``probe_every`` (defaults: 4 per 128 steps, about 1-3% when the other count is 1.5-2x slower).
 
 Results do not depend on the count: the kernels split work over output features, rows and
@@ -109,6 +111,7 @@ class ThreadTuner:
         self.buckets: dict[int, _Bucket] = {}
         self.probes = 0
         self.switches = 0
+        self.probe_step = False  # the step in ``step`` runs at a count being probed
 
     @staticmethod
     def bucket_of(rows: int) -> int:
@@ -122,7 +125,8 @@ class ThreadTuner:
         if b is None:
             near = min(self.buckets, key=lambda k: (abs(k - key), k), default=None)
             start = self.buckets[near].current if near is not None else self.max_threads
-            b = self.buckets[key] = _Bucket(current=start, since_probe=self.probe_every)
+            due = self.probe_every if near is None else self.probe_every - self.min_gap
+            b = self.buckets[key] = _Bucket(current=start, since_probe=due)
         return b
 
     def choose(self, rows: int) -> int:
@@ -193,14 +197,21 @@ class ThreadTuner:
         """Run the block as an engine step of at most ``rows`` forward tokens: when every layer
         runs in the extension's kernels (``kernels.packed_covers``), inside
         ``kernels.kernel_threads`` at the count ``choose`` gives, timed and ``record``-ed;
-        otherwise inside ``kernels.kernel_threads(False)`` (torch's threads), untimed."""
+        otherwise inside ``kernels.kernel_threads(False)`` (torch's threads), untimed.
+        Inside it ``probe_step`` says whether that count is a probe's rather than the bucket's
+        current one (the step's time then says little about the steps that follow; the
+        policy does not learn from it)."""
         if not kernels.packed_covers(rows):
             with kernels.kernel_threads(False):
                 yield
             return
         threads = self.choose(rows)
-        with kernels.kernel_threads(True, threads), self.timed(rows, threads):
-            yield
+        self.probe_step = threads != self._bucket(rows).current
+        try:
+            with kernels.kernel_threads(True, threads), self.timed(rows, threads):
+                yield
+        finally:
+            self.probe_step = False
 
     def stats(self) -> dict:
         """``kernel_threads`` (bucket's token range ``"lo-hi"`` -> the count its steps use,

@@ -357,13 +357,16 @@ class AutoPolicy(Policy):
         plain steps run at it, which a thread-count probe or a stall does not move; else
         ``B / r_off``, ``r_off`` no speculation's score); a plain step saved 0 and is
         measured. The policy's own seconds (``decision_time``) since the last account count
-        as loss."""
+        as loss. A step the thread tuner ran at a probed count (``rec.thread_probe``) counts
+        what it saved or lost, but neither measures a plain step nor teaches the guard how
+        far its model underestimates a speculative one: that loss is the tuner's."""
         own, self._decided = self.decision_time - self._decided, self.decision_time
         if self.guard is None or not rec.is_decode_only:
             return
         b, saved = rec.num_decode, 0.0
         if rec.strategy is None:  # what a plain step costs, measured
-            self._plain_seconds.setdefault(b, deque(maxlen=9)).append(rec.step_time)
+            if not rec.thread_probe:
+                self._plain_seconds.setdefault(b, deque(maxlen=9)).append(rec.step_time)
         else:
             off_rate = self.last_scores.get(None, 0.0)
             plain = self._plain_seconds.get(b)
@@ -371,8 +374,9 @@ class AutoPolicy(Policy):
                 (b / off_rate if off_rate > 0 else 0.0)
             if t_off:
                 saved = self._progress(rec) * t_off - rec.step_time
+        modelled = rec.strategy is not None and not rec.thread_probe  # a probe's loss: not ours
         self.guard.observe(rec.num_decode, rec.step_time + own, saved - own,
-                           self._worst if rec.strategy is not None else None)
+                           self._worst if modelled else None)
 
     def _progress(self, rec: StepRecord) -> float:
         """How many plain steps' worth the speculative step ``rec`` moved the batch's finish:
@@ -405,7 +409,7 @@ class AutoPolicy(Policy):
         self.cutter.learn([rec for rec, *_ in pending])
         for rec, probing, offered, raw in pending:
             self._learn(rec, probing, offered, raw)
-        self.latency.learn([rec for rec, *_ in pending])
+        self.latency.learn([rec for rec, *_ in pending if not rec.thread_probe])
 
     def _learn(self, rec: StepRecord, probing: bool, offered: int | None,
                raw: float | None) -> None:
@@ -422,7 +426,7 @@ class AutoPolicy(Policy):
                     0.9 * self.accept_ratio + 0.1 * ratio
         elif rec.num_decode and not self.probes.every:
             self.acceptance.age()
-        if not rec.is_decode_only:
+        if not rec.is_decode_only or rec.thread_probe:
             return
         # the rate of a run of such steps: the catch-up is the switch's price, not the step's
         seconds = rec.step_time - self.latency.catch_up_time(rec.num_catch_up)

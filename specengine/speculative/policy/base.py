@@ -42,6 +42,9 @@ class StepRecord:
         draft_time, forward_time, other_time: seconds spent drafting, in the target forward,
             and sampling/verifying/bookkeeping.
         verified: per verified tree ``(sequence, tree, accepted node indices)``.
+        thread_probe: the kernels ran at a thread count being probed
+            (``specengine.ops.threads.ThreadTuner``), not the one such steps use: its times
+            are not this strategy's.
     """
 
     strategy: Strategy | None
@@ -58,6 +61,7 @@ class StepRecord:
     verified: list = field(default_factory=list)
     num_proposed: int | None = None
     num_catch_up: int = 0
+    thread_probe: bool = False
 
     @property
     def step_time(self) -> float:
