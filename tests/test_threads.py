@@ -43,7 +43,7 @@ def busy(threads):  # a neighbour on the second core: 2 threads wait for desched
 
 def test_quiet_keeps_all_threads_and_busy_switches_to_one():
     clock = FakeClock()
-    t = ThreadTuner(2, clock=clock, probe_every=64, samples=4, min_gap=16)
+    t = ThreadTuner(2, clock=clock, probe_every=64, samples=4, min_gap=16, max_backoff=1)
     used = run_steps(t, clock, 300, quiet)
     assert t.buckets[1].current == 2 and t.switches == 0
     assert t.probes >= 3  # it did try 1 thread, and kept 2
@@ -83,7 +83,8 @@ def test_no_switch_within_margin():
 
 def test_probes_at_a_bounded_rate():
     clock = FakeClock()
-    t = ThreadTuner(2, clock=clock, probe_every=100, samples=4, min_gap=30, warmup=2)
+    t = ThreadTuner(2, clock=clock, probe_every=100, samples=4, min_gap=30, warmup=2,
+                    max_backoff=1)
     run_steps(t, clock, 1002, quiet)  # steady: one probe per 100 steps at the current count
     assert 8 <= t.probes <= 10
     # step times that jump around every step: early probes, but never closer than min_gap
@@ -139,6 +140,8 @@ def test_bad_arguments_and_env(monkeypatch):
         ThreadTuner(2, probe_every=8, min_gap=16)
     with pytest.raises(ValueError, match="samples"):
         ThreadTuner(2, samples=0)
+    with pytest.raises(ValueError, match="max_backoff"):
+        ThreadTuner(2, max_backoff=0)
     monkeypatch.setenv("SPECENGINE_ADAPTIVE_THREADS", "0")
     assert adaptive_from_env() is False
     monkeypatch.setenv("SPECENGINE_ADAPTIVE_THREADS", "")
@@ -266,3 +269,21 @@ def test_a_new_bucket_probes_after_min_gap_steps_and_flags_its_probe_steps(monke
             probe.append(t.probe_step)
             clock.now += quiet(1 if t.probe_step else 2)
     assert probe == [True, False, True, False] and t.probe_step is False
+
+
+def test_probes_that_lose_big_back_off_and_a_change_still_starts_one():
+    """1 thread 1.67x slower (beyond ``drift``): the periodic probe's interval doubles after
+    each, up to ``max_backoff`` x ``probe_every`` (probes after 0, 100, 200, 400, 800, 800
+    steps); a neighbour arriving still starts one within ``min_gap`` steps and the switch
+    resets the interval; a close call keeps it at ``probe_every``."""
+    clock = FakeClock()
+    t = ThreadTuner(2, clock=clock, probe_every=100, samples=4, min_gap=30, warmup=2,
+                    max_backoff=8)
+    used = run_steps(t, clock, 2 + 8 + 100 + 8 + 200 + 8 + 400 + 8 + 800 + 8 + 700, quiet)
+    assert t.probes == 5 and t.buckets[1].backoff == 8 and used.count(1) == 4 * 5
+    used = run_steps(t, clock, 60, busy)  # 6 -> 30 ms at 2 threads: beyond drift
+    assert t.buckets[1].current == 1 and t.switches == 1 and t.buckets[1].backoff == 1
+    assert used[-10:] == [1] * 10
+    close = ThreadTuner(2, clock=clock, probe_every=50, samples=2, min_gap=10, max_backoff=8)
+    run_steps(close, clock, 600, lambda n: {1: 10.3e-3, 2: 10e-3}[n])  # 3% apart
+    assert close.buckets[1].backoff == 1 and close.probes >= 10

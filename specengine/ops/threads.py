@@ -23,6 +23,9 @@ nearest bucket that has one and probes it after ``min_gap`` of its steps (the fi
 once): a policy trying a new draft size at once sees its first steps at the count that is
 fastest for its neighbours, not a probe's. Cost: at most ``samples`` steps at a worse count per
 ``probe_every`` (defaults: 4 per 128 steps, about 1-3% when the other count is 1.5-2x slower).
+A probe whose candidate lost by more than ``drift`` doubles the bucket's interval, up to
+``max_backoff`` times ``probe_every`` (4 per 1024 steps by default, 0.2-0.4%): a change that
+large starts a probe early anyway; a switch or a close call resets it.
 
 Results do not depend on the count: the kernels split work over output features, rows and
 heads only (``csrc/pool.h``: disjoint outputs), so the engine applies the tuner only to steps
@@ -62,6 +65,8 @@ def adaptive_from_env() -> bool:
 class _Bucket:
     current: int
     since_probe: int  # steps at ``current`` since the last probe ended
+    backoff: int = 1  # periodic probes every ``backoff * probe_every`` steps (grows while
+    # probes lose big)
     warm: int = 0  # samples skipped so far (first steps pay for packing, page faults)
     candidate: int | None = None  # the count being probed
     cur: list[float] = field(default_factory=list)  # probe samples at current
@@ -85,6 +90,8 @@ class ThreadTuner:
         drift: relative change of the current count's recent median (vs the last probe's)
             that starts a probe early; ``min_gap``: steps of a bucket at least between probes.
         warmup: first steps of each bucket not timed.
+        max_backoff: most times ``probe_every`` the interval grows to while probes lose by
+            more than ``drift`` (1: never grows).
 
     Raises:
         ValueError: ``max_threads`` < 1, ``samples`` < 1, ``probe_every`` < ``min_gap`` or a
@@ -93,13 +100,16 @@ class ThreadTuner:
 
     def __init__(self, max_threads: int, clock=time.perf_counter, enabled: bool = True,
                  probe_every: int = 128, samples: int = 4, margin: float = 0.05,
-                 drift: float = 0.3, min_gap: int = 32, warmup: int = 2):
+                 drift: float = 0.3, min_gap: int = 32, warmup: int = 2,
+                 max_backoff: int = 8):
         if max_threads < 1:
             raise ValueError(f"max_threads={max_threads} must be >= 1")
         if samples < 1:
             raise ValueError(f"samples={samples} must be >= 1")
         if not 1 <= min_gap <= probe_every:
             raise ValueError(f"need 1 <= min_gap ({min_gap}) <= probe_every ({probe_every})")
+        if max_backoff < 1:
+            raise ValueError(f"max_backoff={max_backoff} must be >= 1")
         if margin < 0 or drift < 0 or warmup < 0:
             raise ValueError(f"margin ({margin}), drift ({drift}) and warmup ({warmup}) must "
                              "be >= 0")
@@ -108,6 +118,7 @@ class ThreadTuner:
         self.enabled = enabled
         self.probe_every, self.samples, self.margin = probe_every, samples, margin
         self.drift, self.min_gap, self.warmup = drift, min_gap, warmup
+        self.max_backoff = max_backoff
         self.buckets: dict[int, _Bucket] = {}
         self.probes = 0
         self.switches = 0
@@ -144,7 +155,7 @@ class ThreadTuner:
         return b.current
 
     def _probe_due(self, b: _Bucket) -> bool:
-        if b.since_probe >= self.probe_every:
+        if b.since_probe >= self.probe_every * b.backoff:
             return True
         if b.since_probe < self.min_gap or b.ref is None or len(b.recent) < self.samples:
             return False
@@ -182,6 +193,11 @@ class ThreadTuner:
             if cand < cur * (1.0 - self.margin):
                 b.current, cur = b.candidate, cand
                 self.switches += 1
+                b.backoff = 1
+            elif cand > cur * (1.0 + self.drift):  # lost big: probe this less often
+                b.backoff = min(2 * b.backoff, self.max_backoff)
+            else:
+                b.backoff = 1
             b.candidate, b.since_probe, b.ref, b.recent = None, 0, cur, []
 
     @contextlib.contextmanager
