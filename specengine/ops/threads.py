@@ -65,8 +65,7 @@ def adaptive_from_env() -> bool:
 class _Bucket:
     current: int
     since_probe: int  # steps at ``current`` since the last probe ended
-    backoff: int = 1  # periodic probes every ``backoff * probe_every`` steps (grows while
-    # probes lose big)
+    backoff: int = 1  # periodic probes every ``backoff * probe_every`` steps
     warm: int = 0  # samples skipped so far (first steps pay for packing, page faults)
     candidate: int | None = None  # the count being probed
     cur: list[float] = field(default_factory=list)  # probe samples at current
