@@ -188,3 +188,53 @@ def test_smollm2_logits_equal_transformers(default_model_dir):
     ref = hf_logits(default_model_dir, toks)
     torch.testing.assert_close(ours, ref, atol=5e-4, rtol=0)
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_kept_decoder_weights_follow_every_kind_of_weight_change(tiny_qwen2_dir, dtype):
+    """``LlamaForCausalLM._decoder_weights`` keeps ``decoder_forward``'s argument list between
+    steps and must rebuild it whenever a weight changes: in place (a packed weight and a
+    bias), by replacing a parameter, and after ``drop_packed`` (sleep). After each change the
+    engine's greedy tokens and logprobs equal, bit for bit, those of an engine that applied
+    the same change before its first forward (packing fresh)."""
+    from specengine import LLM, SamplingParams
+    from specengine.ops.extension import ext
+
+    if ext() is None or not hasattr(ext(), "decoder_forward"):
+        pytest.skip("the C++ extension is not built")
+    prompts = [{"prompt_token_ids": [5, 9, 13, 2, 7, 30, 11]}]
+    params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6, logprobs=3)
+    changes = [
+        lambda m: m.layers[0].o_proj.mul_(-1),  # in place, a packed weight
+        lambda m: m.layers[1].qkv_bias.add_(0.5),  # in place, a bias
+        lambda m: setattr(m.layers[1], "down_proj",  # replaced
+                          torch.nn.Parameter(m.layers[1].down_proj.detach().flip(0),
+                                             requires_grad=False)),
+        lambda m: m.drop_packed(),
+    ]
+
+    def run(llm):
+        out = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
+        return out.token_ids, [{k: v.logprob for k, v in lp.items()} for lp in out.logprobs]
+
+    def engine():
+        return LLM(str(tiny_qwen2_dir), dtype=dtype, kv_cache_memory_bytes=8 << 20,
+                   block_size=8, enable_prefix_caching=False)
+
+    kept = engine()
+    model = kept.engine.model
+    seen = [run(kept)]
+    args = model._decoder_kept
+    assert args is not None  # the extension path ran and kept its arguments
+    run(kept)
+    assert model._decoder_kept[3] is args[3]  # reused while nothing changed
+    for i, change in enumerate(changes):
+        change(model)
+        got = run(kept)
+        fresh = engine()
+        for c in changes[:i + 1]:
+            c(fresh.engine.model)
+        assert got == run(fresh), i
+        seen.append(got)
+        del fresh
+    assert len({str(s) for s in seen}) >= 4  # the changes did change the outputs
