@@ -24,6 +24,7 @@ from specengine.speculative.drafters.eagle import (
     load_drafter,
     save_drafter,
 )
+from specengine.speculative.policy.base import StaticPolicy
 from specengine.speculative.strategy import Strategy
 
 
@@ -74,6 +75,49 @@ def test_greedy_equals_plain_and_kv_returns(target_dir, plain, d, k, m):
     assert met["kv_blocks_free"] == met["kv_blocks_total"]
     drafter = llm.engine.drafter
     assert drafter.blocks.num_free == drafter.blocks.num_blocks and not drafter.states
+
+
+class EveryThird(StaticPolicy):
+    """The drafter's strategy on every third step, plain decoding on the others."""
+
+    def __init__(self, strategy: Strategy):
+        super().__init__(strategy)
+        self.calls = 0
+
+    def choose(self, num_running: int) -> Strategy | None:
+        self.calls += 1
+        return self.strategy if self.calls % 3 == 0 else None
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_features_reach_the_drafter_when_it_drafts(target_dir, plain, caching):
+    """The engine keeps the target's features per KV slot and hands EAGLE a sequence's missing
+    ones when it drafts for it, so plain steps call nothing on the drafter: drafting on every
+    third step, the drafts (drafted and accepted tokens) equal those of a drafter that
+    observed every step, and every sample equals plain decoding's."""
+    prompts = rand_prompts(3, seed=11)
+    params = [SamplingParams(n=2, temperature=1.0, seed=3 + i, max_tokens=20, ignore_eos=True)
+              for i in range(3)]
+    want = [[c.token_ids for c in o.outputs] for o in plain.generate(prompts, params,
+                                                                     use_tqdm=False)]
+    runs = {}
+    for at_draft in (True, False):
+        llm = make(target_dir, eagle(3, 2, 5), enable_prefix_caching=caching)
+        drafter = llm.engine.drafter
+        llm.engine.policy = EveryThird(drafter.strategy)
+        drafter.observes_at_draft = at_draft
+        calls = []
+        observe = drafter.observe
+        drafter.observe = lambda s, start, h, calls=calls, observe=observe: (
+            calls.append(start), observe(s, start, h))
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        met = llm.get_metrics()
+        runs[at_draft] = ([[c.token_ids for c in o.outputs] for o in outs],
+                          met["drafted_tokens"], met["accepted_tokens"], len(calls))
+        assert met["kv_blocks_free"] == met["kv_blocks_total"] and not drafter.states
+    assert runs[True][0] == runs[False][0] == want
+    assert runs[True][1:3] == runs[False][1:3] and runs[True][2] > 0
+    assert runs[True][3] < runs[False][3]
 
 
 def test_sampling_seeds_reproduce(target_dir):

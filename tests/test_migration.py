@@ -355,8 +355,9 @@ def test_kv_chunk_shape_must_fit(target_dir, tmp_path):
 
 @pytest.mark.parametrize("caching", [True, False])
 def test_eagle_features_move_with_the_kv(target_dir, plain, caching):
-    """The target features the EAGLE drafter read arrive at the destination's drafter (and its
-    per-block features, with prefix caching), from the block features or the drafter's own."""
+    """The target features an EAGLE engine keeps per KV slot (with or without prefix caching:
+    its drafter reads them there when it drafts) arrive at the destination's drafter and its
+    per-slot features."""
     prompts, params = workload()
     want = expected(plain, prompts, params)
     src = make(target_dir, "eagle", enable_prefix_caching=caching)
@@ -366,20 +367,19 @@ def test_eagle_features_move_with_the_kv(target_dir, plain, caching):
     for _ in range(3):
         src.step()
     seq = src.engine.requests["r3"].seqs[1]
-    feats = src.engine.drafter.features(seq).clone()
-    assert feats.shape[0] == seq.num_cached
+    blocks = src.engine.blocks
+    feats = blocks.features.read(blocks.slots(seq, 0, seq.num_cached))
     prefix = roundtrip(src.export_prefix("r3", 1))
     src.step()
-    feats = torch.cat([feats, src.engine.drafter.features(seq)[feats.shape[0]:]])
+    feats = torch.cat([feats, blocks.features.read(blocks.slots(seq, feats.shape[0],
+                                                                seq.num_cached))])
     state = roundtrip(src.export_sequence("r3", 1))
     assert state.tail.features is not None and prefix.features is not None
     assert dst.import_sequence(state, prefix) == "kv"
     moved = dst.engine.requests["r3"].seqs[0]
     assert torch.equal(dst.engine.drafter.features(moved), feats)
     bf = dst.engine.blocks.features
-    assert (bf is not None) == caching
-    if caching:
-        assert torch.equal(bf.read(dst.engine.blocks.slots(moved, 0, moved.num_cached)), feats)
+    assert torch.equal(bf.read(dst.engine.blocks.slots(moved, 0, moved.num_cached)), feats)
     got = {}
     while src.has_unfinished_requests() or dst.has_unfinished_requests():
         for out in src.step() + dst.step():

@@ -319,8 +319,8 @@ class Engine:
             self.trace.begin_step(entries)
         with self.threads.step(phases.max_forward_tokens(entries, strategy)):
             times = StepTimes(thread_probe=self.threads.probe_step)
-            num_proposed, catch_up = phases.draft(self.drafter, self.policy, entries, strategy,
-                                                  self.config.max_model_len)
+            num_proposed, catch_up = phases.draft(self.drafter, self.policy, self.blocks,
+                                                  entries, strategy, self.config.max_model_len)
             times.mark("drafted")
             layout = ForwardLayout.of(entries)
             logits, hidden = self.runner.run(entries, self.blocks)

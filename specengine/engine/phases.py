@@ -40,8 +40,8 @@ def max_forward_tokens(entries: list[BatchEntry], strategy: Strategy | None) -> 
     return sum(e.num_new + (lookahead if not e.is_prefill else 0) for e in entries)
 
 
-def draft(drafter: Drafter, policy, entries: list[BatchEntry], strategy: Strategy | None,
-          max_model_len: int) -> tuple[int | None, int]:
+def draft(drafter: Drafter, policy, blocks: BlockManager, entries: list[BatchEntry],
+          strategy: Strategy | None, max_model_len: int) -> tuple[int | None, int]:
     """Attach a draft tree to each decode entry, pruned to what the sequence may still
     commit (``max_tokens``, ``max_model_len``), then cut by the policy's ``refine``.
     Returns the draft nodes built (before the policy's cuts; None without a strategy) and the
@@ -56,6 +56,8 @@ def draft(drafter: Drafter, policy, entries: list[BatchEntry], strategy: Strateg
     catch_up = sum(e.seq.catch_up for e in decodes)
     for e in decodes:
         e.drafted = True
+    if decodes and at_draft(drafter, blocks):
+        hand_features(drafter, blocks, [e.seq for e in decodes])
     trees = drafter.propose([e.seq for e in decodes], strategy) if decodes else []
     for e, tree in zip(decodes, trees):
         s = e.seq
@@ -119,11 +121,38 @@ def commit_kv(runner: ModelRunner, blocks: BlockManager, layout: ForwardLayout,
         seq.num_cached = ctx + len(c.accepted)
 
 
+def at_draft(drafter: Drafter, blocks: BlockManager) -> bool:
+    """Whether ``drafter`` gets a sequence's target features when it drafts for it
+    (``Drafter.observes_at_draft``, from the KV blocks' feature store) instead of every
+    step."""
+    return drafter.observes_at_draft and blocks.features is not None
+
+
+def hand_features(drafter: Drafter, blocks: BlockManager, seqs: list[Sequence]) -> None:
+    """Before drafting for ``seqs``: hand ``drafter`` the target features of each one's
+    cached positions it does not hold yet (``Drafter.observed`` .. ``num_cached``), read
+    from the KV blocks' feature store in one gather. A sequence whose features are not all
+    in the store (none here for it) gets none and is not drafted for."""
+    spans = [(s, drafter.observed(s), s.num_cached) for s in seqs]
+    spans = [(s, a, b, blocks.slots(s, a, b)) for s, a, b in spans if a < b]
+    store = blocks.features
+    spans = [sp for sp in spans if store.all_valid(sp[3])]
+    if not spans:
+        return
+    feats = store.read([slot for *_, slots in spans for slot in slots])
+    row = 0
+    for s, a, b, _ in spans:
+        drafter.observe(s, a, feats[row:row + b - a])
+        row += b - a
+
+
 def observe(drafter: Drafter | None, blocks: BlockManager, layout: ForwardLayout,
             hidden: torch.Tensor, commits: list[Commit]) -> None:
-    """Hand a drafter that reads the target's features (EAGLE) the hidden states
-    (``hidden`` ``[T, H]``) of the positions committed this step: a prefill's tokens, a
-    decode's root, and the accepted tree nodes after it."""
+    """Store the hidden states (``hidden`` ``[T, H]``) of the positions committed this step
+    (a prefill's tokens, a decode's root and the accepted tree nodes after it) in the KV
+    blocks' feature store, and hand them to a drafter that reads the target's features
+    (EAGLE): every sequence's, or, for one that takes them at draft time (``at_draft``),
+    only those of the sequences drafted for this step whose earlier features it holds."""
     if drafter is None or not drafter.wants_hidden:
         return
     accepted = {id(c.entry): c.accepted for c in commits if c.is_verified}
@@ -134,9 +163,13 @@ def observe(drafter: Drafter | None, blocks: BlockManager, layout: ForwardLayout
         spans.append((e.seq, e.seq.num_cached - len(r), len(r)))
     observed = blocks.observe_features(  # + the cached prefix after a hit
         spans, hidden[rows], [e.is_prefill for e in layout.entries])
+    lazy = at_draft(drafter, blocks)
     for e, (start, feats) in zip(layout.entries, observed):
+        if lazy and not e.drafted:
+            continue
         for s in e.samplers or [e.seq]:
-            drafter.observe(s, start, feats)
+            if not lazy or drafter.observed(s) >= start:
+                drafter.observe(s, start, feats)
 
 
 def append(requests: dict[str, Request], output: OutputProcessor, blocks: BlockManager,

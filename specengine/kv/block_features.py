@@ -52,8 +52,8 @@ class BlockFeatures:
         if not slots:
             return
         idx = torch.tensor(slots, dtype=torch.int64)
-        self.data[idx.to(self.data.device)] = feats.to(self.data.dtype)
-        self.valid[idx] = True
+        self.data.index_copy_(0, idx.to(self.data.device), feats.to(self.data.dtype))
+        self.valid.index_fill_(0, idx, True)
 
     def read(self, slots: list[int]) -> torch.Tensor:
         """Features ``[len(slots), hidden_size]`` at ``slots`` (a copy).
@@ -65,6 +65,10 @@ class BlockFeatures:
         if not bool(self.valid[idx].all()):
             raise RuntimeError("BlockFeatures.read: a slot holds no valid feature")
         return self.data[idx.to(self.data.device)]
+
+    def all_valid(self, slots: list[int]) -> bool:
+        """Whether every one of ``slots`` holds a valid feature."""
+        return bool(self.valid[torch.tensor(slots, dtype=torch.int64)].all())
 
     def covers(self, block: int, num_slots: int | None = None) -> bool:
         """Whether the first ``num_slots`` slots of ``block`` (default: all) hold valid

@@ -252,10 +252,13 @@ class BlockManager(BlockPool):
     # ---- features for drafters that read target hidden states (EAGLE) --------------------------
     def track_features(self, hidden_size: int, dtype: torch.dtype,
                        device: torch.device | str = "cpu") -> None:
-        """Keep target features per slot from now on (idempotent). Blocks cached before
-        have none: the cache is emptied when tracking starts (call it between requests)."""
-        if self.features is None and self.cache is not None:
-            self.reset_prefix_cache()
+        """Keep target features per slot from now on (idempotent): for prefix-cache hits and
+        for a drafter that reads them only when it drafts (``Drafter.observes_at_draft``).
+        Blocks cached before have none: the cache is emptied when tracking starts (call it
+        between requests)."""
+        if self.features is None:
+            if self.cache is not None:
+                self.reset_prefix_cache()
             self.features = BlockFeatures(self.num_blocks, self.block_size, hidden_size, dtype,
                                           device)
 

@@ -32,10 +32,18 @@ class Drafter:
     Attributes:
         name: the source name its tree nodes carry.
         wants_hidden: True: the engine calls ``observe`` with target hidden states.
+        observes_at_draft: True (with ``wants_hidden``): the drafter needs a sequence's
+            features only when it drafts for it, so an engine that keeps the target's features
+            per KV slot (``BlockFeatures``) hands them over then, the missing ones in one read
+            (``phases.hand_features``, from ``observed``), and after a step only to the
+            sequences drafted for; a step that drafts for none does no per-sequence work for
+            it. False: ``observe`` gets every committed position every step (the training
+            ``Harvester`` keeps every sequence's features).
     """
 
     name = "base"
     wants_hidden = False
+    observes_at_draft = False
 
     def __init__(self, strategy: Strategy):
         self.strategy = strategy
@@ -55,6 +63,11 @@ class Drafter:
         ``start .. start+r-1`` of ``seq``, which became committed in this step: the prompt at
         prefill (``start`` 0; also when a preempted sequence is recomputed), then the root and
         the accepted draft nodes of each verify step."""
+
+    def observed(self, seq: Sequence) -> int:
+        """``n``: the drafter holds the target features of positions ``0 .. n-1`` of ``seq``
+        (0 here: it keeps none)."""
+        return 0
 
     def release(self, seq: Sequence) -> None:
         """``seq`` finished (``seq.finish_reason`` says why: ``"stop"``, ``"length"``,

@@ -279,6 +279,7 @@ class MergedDrafter(Drafter):
         self.parts = list(parts)
         self.name = "+".join(names)
         self.wants_hidden = any(p.wants_hidden for p in parts)
+        self.observes_at_draft = all(p.observes_at_draft for p in parts if p.wants_hidden)
         self.scorer = scorer or SourceCalibrators()
         self.explore_every = explore_every
         self.calls = 0
@@ -363,6 +364,10 @@ class MergedDrafter(Drafter):
         for p in self.parts:
             if p.wants_hidden:
                 p.observe(seq, start, hidden)
+
+    def observed(self, seq: Sequence) -> int:
+        """The fewest positions any feature-reading part holds for ``seq`` (0 without one)."""
+        return min((p.observed(seq) for p in self.parts if p.wants_hidden), default=0)
 
     def release(self, seq: Sequence) -> None:
         self._forget(seq)

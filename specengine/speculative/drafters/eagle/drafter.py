@@ -102,6 +102,7 @@ class EagleDrafter(Drafter):
 
     name = "eagle"
     wants_hidden = True
+    observes_at_draft = True
 
     def __init__(self, strategy: Strategy, model: EagleModel, num_blocks: int, block_size: int):
         super().__init__(strategy)
@@ -134,6 +135,10 @@ class EagleDrafter(Drafter):
             c = self.per_version.setdefault(v, [0, 0])
             c[0] += 1
             c[1] += hidden.shape[0]
+
+    def observed(self, seq: Sequence) -> int:
+        st = self.states.get(seq.seq_id)
+        return st.num_feats if st is not None else 0
 
     def stats(self) -> dict:
         """``drafter_version`` and, per version, tau = tokens committed per verify step."""
