@@ -61,3 +61,34 @@ def test_tune_malloc_is_applied_once():
 
     first = heap.tune_malloc()
     assert heap.tune_malloc() is first
+
+
+def test_huge_page_copies_equal_the_tensor_and_leave_small_ones(monkeypatch):
+    """``in_huge_pages`` copies a packed-weight-sized tensor bit for bit (into memory of its
+    own), leaves one under 2 MiB as it is, and leaves everything alone when turned off."""
+    import torch
+
+    from specengine.ops import heap
+
+    monkeypatch.setattr(heap, "_huge", True)
+    big = torch.randn(1536, 576).to(torch.bfloat16)  # 1.7 MiB
+    bigger = torch.randn(4096, 576).to(torch.bfloat16)  # 4.5 MiB
+    copy = heap.in_huge_pages(bigger)
+    assert copy is not bigger and copy.data_ptr() != bigger.data_ptr()
+    assert torch.equal(copy.view(torch.int16), bigger.view(torch.int16))
+    assert copy.shape == bigger.shape and copy.dtype == bigger.dtype
+    assert heap.in_huge_pages(big) is big
+    view = bigger.t()  # not contiguous: left as it is
+    assert heap.in_huge_pages(view) is view
+    monkeypatch.setattr(heap, "_huge", False)
+    assert heap.in_huge_pages(bigger) is bigger
+    assert not heap.advise_huge_pages(torch.empty(8 << 20, dtype=torch.uint8))
+
+
+def test_huge_pages_off_by_environment():
+    out = subprocess.run(
+        [sys.executable, "-c", "from specengine.ops.heap import huge_pages_available as h; "
+                               "print(h())"],
+        env={**os.environ, "SPECENGINE_HUGE_PAGES": "0"}, capture_output=True, text=True,
+        check=True)
+    assert out.stdout.strip() == "False"

@@ -9,6 +9,7 @@ from specengine.attention import AttentionBackend, AttentionMetadata, make_backe
 from specengine.engine.batch import BatchEntry
 from specengine.kv.block_manager import BlockManager
 from specengine.ops import kernels
+from specengine.ops.heap import advise_huge_pages
 
 
 class ModelRunner:
@@ -27,9 +28,11 @@ class ModelRunner:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.block_size = block_size
-        self.kv_cache = torch.zeros(cfg.num_hidden_layers, 2, num_blocks, block_size,
+        self.kv_cache = torch.empty(cfg.num_hidden_layers, 2, num_blocks, block_size,
                                     cfg.num_key_value_heads, cfg.head_dim,
                                     dtype=self.dtype, device=self.device)
+        advise_huge_pages(self.kv_cache)  # read every step: 2 MiB pages (ops.heap)
+        self.kv_cache.zero_()  # padding slots are read (masked)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.backend = backend or make_backend("auto", self.device)
 

@@ -26,6 +26,8 @@ import tempfile
 
 import torch
 
+from specengine.ops.heap import advise_huge_pages
+
 TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
@@ -176,6 +178,7 @@ class MemoryManager:
         if "kv_cache" in tags and not self.kv_resident:
             for t, n in self._kv_sizes:
                 t.untyped_storage().resize_(n)
+                advise_huge_pages(t)
                 t.zero_()  # as allocated at start (padding slots are read, masked)
             self._kv_sizes = []
             self.kv_resident = True

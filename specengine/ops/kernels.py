@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from specengine.ops.extension import ext
+from specengine.ops.heap import in_huge_pages
 
 # Batch invariance (on by default; ``set_batch_invariant`` / SPECENGINE_BATCH_INVARIANT=0 turn
 # it off): every linear layer runs the extension's kernel for its weight whatever the number of
@@ -329,6 +330,7 @@ def prepack(weight: torch.Tensor, glu: bool = False,
             packed, kind = ext().pack_weight_amx(w, glu), "amx"
         else:  # avx512 and avx2 share the layout
             packed, kind = ext().pack_weight_avx512(w, glu), want
+        packed = in_huge_pages(packed)  # streamed every step: 2 MiB pages (ops.heap)
     return PackedWeight(weight, packed, glu and packed is not None, _version(weight),
                         weight.data_ptr(), kind, _isa_epoch)
 
