@@ -44,6 +44,37 @@ def test_guard_learns_how_far_the_models_underestimate_a_loss():
     assert g.underestimate[4] == pytest.approx(9.1)
 
 
+def test_guard_backs_off_where_speculation_keeps_losing():
+    """Each modelled speculative step that lost halves the rate at which the bucket earns
+    allowance (down to 1/max_backoff of alpha); one that saved restores it. Allowance already
+    earned is kept, and other buckets are not touched."""
+    g = LossGuard(alpha=0.02, horizon=10**9, max_backoff=4)
+    for _ in range(100):
+        g.observe(8, 0.01, 0.0)  # 20 ms allowed
+    assert g.slack(8) == pytest.approx(0.02, rel=1e-6)
+    g.observe(8, 0.01, -0.005, worst_loss=0.01)  # lost 5 ms
+    assert g.backoff == {4: 2} and g.slack(8) == pytest.approx(0.0152, rel=1e-6)
+    for _ in range(100):
+        g.observe(8, 0.01, 0.0)  # earns alpha / 2 now: 10 ms
+    assert g.slack(8) == pytest.approx(0.0252, rel=1e-6)
+    for _ in range(3):
+        g.observe(8, 0.01, -0.001, worst_loss=0.01)
+    assert g.backoff == {4: 4}  # capped
+    before = g.slack(8)
+    for _ in range(100):
+        g.observe(8, 0.01, 0.0)
+    assert g.slack(8) - before == pytest.approx(0.02 / 4, rel=1e-6)
+    g.observe(1, 0.01, -0.001, worst_loss=0.01)
+    assert g.backoff == {4: 4, 1: 2}
+    g.observe(8, 0.01, 0.004, worst_loss=0.01)  # saved: back to alpha
+    assert g.backoff == {1: 2} and g.stats()["buckets"]["8-15"]["backoff"] == 1
+    before = g.slack(8)
+    g.observe(8, 0.01, 0.0)
+    assert g.slack(8) - before == pytest.approx(0.02 * 0.01, rel=1e-6)
+    g.observe(8, 0.01, -0.5)  # a step the policy did not model (a thread probe's): no change
+    assert 4 not in g.backoff
+
+
 def test_guard_forgets_old_savings():
     g = LossGuard(alpha=0.0, horizon=100)
     g.observe(1, 0.01, 1.0)  # a big saving long ago
@@ -52,7 +83,8 @@ def test_guard_forgets_old_savings():
     assert g.slack(1) < 1e-3
 
 
-@pytest.mark.parametrize("kw", [{"alpha": 1.0}, {"alpha": -0.1}, {"horizon": 0}])
+@pytest.mark.parametrize("kw", [{"alpha": 1.0}, {"alpha": -0.1}, {"horizon": 0},
+                                {"max_backoff": 0}])
 def test_guard_rejects_bad_arguments(kw):
     with pytest.raises(ValueError):
         LossGuard(**kw)

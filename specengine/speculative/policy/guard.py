@@ -1,6 +1,7 @@
 """``LossGuard``: the budget that keeps ``AutoPolicy`` at least ``1 - alpha`` as fast as no
 speculation in every batch-size bucket: exploration (and any speculation) is paid for out of
-the time speculation has saved there plus ``alpha`` of the time spent there.
+the time speculation has saved there plus ``alpha`` of the time spent there (less, after
+speculation there kept losing: ``backoff``).
 
 The rule is the conservative bandit's (Wu, Shariff, Lattimore and Szepesvari, "Conservative
 Bandits", ICML 2016): the learner may play an arm other than the baseline only while its
@@ -17,8 +18,9 @@ from specengine.speculative.policy.base import batch_bucket, bucket_label
 
 class LossGuard:
     """Per batch-size bucket (``batch_bucket``), the seconds speculation saved (``saved``,
-    negative when it lost) and the seconds of decode steps run (``spent``); a speculative step
-    whose worst case would take ``saved + alpha * spent`` below zero is refused (``affords``).
+    negative when it lost) and the seconds of loss it is allowed (``allowance``: ``alpha``
+    of each decode step's seconds); a speculative step whose worst case would take
+    ``saved + allowance`` below zero is refused (``affords``).
 
     Both sums fade by ``1 / horizon`` per step of their bucket, so the promise holds over the
     last ~``horizon`` steps of each bucket, not only since the engine started: savings from an
@@ -30,26 +32,38 @@ class LossGuard:
     ratio seen, fading 10% towards 1 with each step that lost less), and asks for that many
     times the modelled worst case in slack.
 
+    Where speculation keeps losing, exploring costs ``alpha`` for nothing; so per bucket each
+    modelled speculative step that lost doubles ``backoff`` (up to ``max_backoff``) and one
+    that saved resets it to 1, and the allowance grows by ``alpha / backoff`` of a step's
+    seconds: after a run of losses the bucket tries again ``backoff`` times less often, and
+    loses that much less (as the kernels' thread tuner backs off its probes, ``ops.threads``).
+
     Args:
         alpha: the share of no speculation's speed that may be lost (0.02: at least 0.98x).
         horizon: steps per bucket the sums remember (their fading time constant).
+        max_backoff: the largest divisor of ``alpha`` (>= 1; 1: no backing off).
     """
 
-    def __init__(self, alpha: float = 0.02, horizon: int = 2000):
+    def __init__(self, alpha: float = 0.02, horizon: int = 2000, max_backoff: int = 8):
         if not 0.0 <= alpha < 1.0:
             raise ValueError(f"LossGuard alpha={alpha}: must be in [0, 1)")
         if horizon < 1:
             raise ValueError(f"LossGuard horizon={horizon}: must be >= 1")
+        if max_backoff < 1:
+            raise ValueError(f"LossGuard max_backoff={max_backoff}: must be >= 1")
         self.alpha, self.fade = alpha, 1.0 - 1.0 / horizon
+        self.max_backoff = max_backoff
         self.saved: dict[int, float] = {}  # bucket -> seconds saved by speculation (faded)
         self.spent: dict[int, float] = {}  # bucket -> seconds of decode steps (faded)
+        self.allowance: dict[int, float] = {}  # bucket -> seconds it may lose (faded)
+        self.backoff: dict[int, int] = {}  # bucket -> divisor of alpha (absent: 1)
         self.refused = 0  # speculative steps refused
         self.underestimate: dict[int, float] = {}  # bucket -> real / modelled worst loss
 
     def slack(self, batch: int) -> float:
-        """Seconds a step of ``batch`` sequences may still lose: ``saved + alpha * spent``."""
+        """Seconds a step of ``batch`` sequences may still lose: ``saved + allowance``."""
         b = batch_bucket(batch)
-        return self.saved.get(b, 0.0) + self.alpha * self.spent.get(b, 0.0)
+        return self.saved.get(b, 0.0) + self.allowance.get(b, 0.0)
 
     def covers(self, batch: int, worst_loss: float) -> bool:
         """True when a step of ``batch`` sequences that may lose ``worst_loss`` seconds against
@@ -69,20 +83,31 @@ class LossGuard:
                 worst_loss: float | None = None) -> None:
         """A decode step of ``batch`` sequences took ``step_seconds`` and saved
         ``saved_seconds`` against no speculation (0 for a step without it); a speculative
-        step also gives the ``worst_loss`` it was allowed on (seconds, as modelled)."""
+        step the policy modelled also gives the ``worst_loss`` it was allowed on (seconds, as
+        modelled)."""
         b = batch_bucket(batch)
         self.saved[b] = self.saved.get(b, 0.0) * self.fade + saved_seconds
         self.spent[b] = self.spent.get(b, 0.0) * self.fade + step_seconds
-        if worst_loss is not None and worst_loss > 0:
+        self.allowance[b] = (self.allowance.get(b, 0.0) * self.fade
+                             + self.alpha / self.backoff.get(b, 1) * step_seconds)
+        if worst_loss is None:
+            return
+        if saved_seconds < 0:
+            self.backoff[b] = min(self.max_backoff, 2 * self.backoff.get(b, 1))
+        elif saved_seconds > 0:
+            self.backoff.pop(b, None)
+        if worst_loss > 0:
             u = 1.0 + 0.9 * (self.underestimate.get(b, 1.0) - 1.0)
             self.underestimate[b] = max(u, -saved_seconds / worst_loss)
 
     def stats(self) -> dict:
-        """``refused`` steps and, per bucket label, ``saved_s``, ``spent_s`` and
-        ``underestimate``."""
+        """``refused`` steps and, per bucket label, ``saved_s``, ``spent_s``,
+        ``allowance_s``, ``backoff`` and ``underestimate``."""
         return {"refused": self.refused,
                 "buckets": {bucket_label(b): {"saved_s": round(self.saved[b], 4),
                                               "spent_s": round(self.spent[b], 4),
+                                              "allowance_s": round(self.allowance[b], 4),
+                                              "backoff": self.backoff.get(b, 1),
                                               "underestimate": round(
                                                   self.underestimate.get(b, 1.0), 2)}
                             for b in sorted(self.saved)}}
