@@ -16,7 +16,10 @@ verified in every row and step, so tau compares at the same verify budget), run 
 each round steps every row's engine once, in turn, so all rows see the machine at the same
 moments, and each row's wall time counts only its own steps:
 ``off`` (no speculation), ``suffix`` (rollout memory: siblings + history + own text),
-``eagle`` (the shipped drafter, frozen), ``suffix+eagle`` (one merged tree). Each engine sees
+``eagle`` (the shipped drafter, frozen), ``suffix+eagle`` (one merged tree), and on request
+``ngram`` and ``off-control`` (a second engine without speculation: engines in one process
+differ by where their memory landed, so its ratio to ``off``, ideally 1.00, is the run's noise
+floor for the other rows' ratios). Each engine sees
 the same prompts, seeds and weights, so every row samples the same tokens (checked: ``mismatch``
 counts samples that differ from ``off``; bfloat16 near-ties can flip one).
 
@@ -33,6 +36,7 @@ the row's most used strategy run statically. ``--trace DIR`` keeps the traces.
 from __future__ import annotations
 
 import argparse
+import random
 import time
 from pathlib import Path
 
@@ -59,6 +63,7 @@ def rows(spec_depth: int, policy: str = "auto", topk: int | None = None,
     if budget is not None:
         common["num_verify_tokens"] = budget
     return {"off": None,
+            "off-control": None,  # a second engine without speculation: the run's noise floor
             "ngram": {"method": "ngram", **common},
             "suffix": {"method": "suffix", **common},
             "eagle": {"method": "eagle", **common},
@@ -97,17 +102,19 @@ class Drift:
 def rollout(llms: dict[str, LLM], prompts: list[list[int]],
             params: list[SamplingParams]) -> dict[str, dict]:
     """Run one rollout on every engine in lockstep: each round steps every engine that still
-    has work once, in turn, so the rows see the same machine at the same moments (a slow
-    minute of the machine slows them all alike; ratios come from one run). Each row's clock
-    counts only its own steps. Returns per row:
+    has work once, in an order shuffled every round (seeded), so the rows see the same machine
+    at the same moments (a slow minute of the machine slows them all alike; ratios come from
+    one run) and no row always runs right after the same other one. Each row's clock counts
+    only its own steps. Returns per row:
     outputs (per request, per sample token ids), wall seconds and per-step ``(end second on
     the row's clock, running, tokens committed)``."""
     state = {}
     for name, llm in llms.items():
         state[name] = {"ids": [llm.add_request(p, sp) for p, sp in zip(prompts, params)],
                        "done": {}, "steps": [], "clock": 0.0}
-    busy = list(llms)
+    busy, order = list(llms), random.Random(0)
     while busy:
+        order.shuffle(busy)
         for name in busy:
             llm, st = llms[name], state[name]
             eng = llm.engine
@@ -230,8 +237,9 @@ def main(argv=None) -> int:
     ap.add_argument("--drift-lr", type=float, default=1e-5)
     ap.add_argument("--tail-batch", type=int, default=8)
     ap.add_argument("--rows", default="off,suffix,eagle,suffix+eagle",
-                    help="comma-separated: off, ngram, suffix, eagle, suffix+eagle (eagle rows "
-                         "need the model's EAGLE drafter: the shipped one is SmolLM2's)")
+                    help="comma-separated: off, off-control, ngram, suffix, eagle, suffix+eagle "
+                         "(eagle rows need the model's EAGLE drafter; off-control is a second "
+                         "engine without speculation, whose ratio to off is the run's noise floor)")
     ap.add_argument("--model", default=MODEL,
                     help="target model alias or directory (e.g. qwen2.5-coder-0.5b-instruct)")
     ap.add_argument("--quick", action="store_true", help="4 prompts x 4 samples, 256 tokens")
