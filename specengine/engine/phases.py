@@ -125,7 +125,7 @@ def at_draft(drafter: Drafter, blocks: BlockManager) -> bool:
     """Whether ``drafter`` gets a sequence's target features when it drafts for it
     (``Drafter.observes_at_draft``, from the KV blocks' feature store) instead of every
     step."""
-    return drafter.observes_at_draft and blocks.features is not None
+    return drafter.wants_hidden and drafter.observes_at_draft and blocks.features is not None
 
 
 def hand_features(drafter: Drafter, blocks: BlockManager, seqs: list[Sequence]) -> None:
