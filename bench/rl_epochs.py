@@ -243,6 +243,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=MODEL,
                     help="target model alias or directory (e.g. qwen2.5-coder-0.5b-instruct)")
     ap.add_argument("--quick", action="store_true", help="4 prompts x 4 samples, 256 tokens")
+    ap.add_argument("--kv-cache-gib", type=float, default=None,
+                    help="KV cache per engine, GiB (default: the engine's, 1 GiB); less lets "
+                         "more engines of a larger model share the machine's memory")
     ap.add_argument("--trace", help="directory for per-epoch rollout traces (replay input)")
     ap.add_argument("--gpu-table", default=str(Path(__file__).parent / "cost_tables" /
                                                "h200_roofline.json"),
@@ -274,7 +277,11 @@ def main(argv=None) -> int:
                    add_special_tokens=False).input_ids
                for q in gsm_questions(a.prompts, seed=EVAL_GSM_SEED)]
     specs = {k: known[k] for k in names}
-    llms = {k: LLM(a.model, dtype="bfloat16", speculative_config=v, seed=0)
+    kv = None if a.kv_cache_gib is None else int(a.kv_cache_gib * 2**30)
+    if kv is not None and kv <= 0:
+        ap.error(f"--kv-cache-gib {a.kv_cache_gib}: must be > 0")
+    llms = {k: LLM(a.model, dtype="bfloat16", speculative_config=v, seed=0,
+                   kv_cache_memory_bytes=kv)
             for k, v in specs.items()}
     drift = Drift(model_dir, tok, a.drift_lr) if a.epochs > 1 and a.drift_steps else None
     results = []
