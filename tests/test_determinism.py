@@ -317,7 +317,22 @@ def test_negative_control(wide_dir, dtype, monkeypatch):
         llm = make(wide_dir, dtype)
         alone = run(llm, NEEDLES, params())
         among = run(llm, batch, params())[-len(alone):]
+    if among == alone and torch_gemm_is_row_invariant(getattr(torch, dtype)):
+        pytest.skip("torch's own GEMM gives a row the same bits alone and among 64 rows on "
+                    "this CPU and cap, so nothing here can differ")
     assert among != alone
+
+
+def torch_gemm_is_row_invariant(dtype: torch.dtype) -> bool:
+    """Whether ``F.linear`` of the model's widths gives each row the same bits whatever the
+    other rows (then the negative control cannot fail: seen on an AMD EPYC Zen 4 under
+    ``SPECENGINE_ISA=generic``)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1536, 512, generator=g).to(dtype)
+    x = torch.randn(64, 512, generator=g).to(dtype)
+    full = torch.nn.functional.linear(x, w)
+    return all(torch.equal(torch.nn.functional.linear(x[i:i + 1], w)[0], full[i])
+               for i in range(0, 64, 7))
 
 
 def test_server_answers_the_same_chat_twice_in_bfloat16(tiny_llama_tok_dir):
