@@ -101,8 +101,11 @@ def in_huge_pages(t: torch.Tensor) -> torch.Tensor:
     if (nbytes < HUGE_PAGE_BYTES or t.device.type != "cpu" or not t.is_contiguous()
             or not huge_pages_available()):
         return t
-    buf = mmap.mmap(-1, nbytes)  # anonymous; Linux aligns a mapping this large to 2 MiB
-    buf.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        buf = mmap.mmap(-1, nbytes)  # anonymous; Linux aligns a mapping this large to 2 MiB
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # refused (a sandbox, an old kernel): the tensor where it is
+        return t
     out = torch.frombuffer(buf, dtype=t.dtype, count=t.numel()).view(t.shape)  # keeps buf
     out.copy_(t)
     return out
