@@ -136,10 +136,13 @@ def hand_features(drafter: Drafter, blocks: BlockManager, seqs: list[Sequence]) 
     spans = [(s, drafter.observed(s), s.num_cached) for s in seqs]
     spans = [(s, a, b, blocks.slots(s, a, b)) for s, a, b in spans if a < b]
     store = blocks.features
-    spans = [sp for sp in spans if store.all_valid(sp[3])]
-    if not spans:
+    slots = [slot for *_, span_slots in spans for slot in span_slots]
+    if slots and not store.all_valid(slots):  # rare: find the spans that lack some
+        spans = [sp for sp in spans if store.all_valid(sp[3])]
+        slots = [slot for *_, span_slots in spans for slot in span_slots]
+    if not slots:
         return
-    feats = store.read([slot for *_, slots in spans for slot in slots])
+    feats = store.read(slots)
     row = 0
     for s, a, b, _ in spans:
         drafter.observe(s, a, feats[row:row + b - a])
