@@ -39,6 +39,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Paged attention on CPU tensors -> [T, H, D] in query's dtype.");
   m.def("write_kv", &specengine::write_kv_cpu, py::arg("k_cache"), py::arg("v_cache"),
         py::arg("key"), py::arg("value"), py::arg("slot_mapping"));
+  m.def("store_rows", &specengine::store_rows_cpu, py::arg("data"), py::arg("valid"),
+        py::arg("slots"), py::arg("rows"),
+        "data[slots] = rows; valid[slots] = True (rows: [len(slots), H]).");
   m.def("linear", &specengine::linear_cpu, py::arg("x"), py::arg("weight"),
         py::arg("bias") = py::none(), "x @ weight.T + bias with batch-invariant rows.");
   m.def("amx_available", &specengine::amx_available,

@@ -136,6 +136,30 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
   return out.scalar_type() == query.scalar_type() ? out : out.to(query.scalar_type());
 }
 
+void store_rows_cpu(at::Tensor& data, at::Tensor& valid, const std::vector<int64_t>& slots,
+                    const at::Tensor& rows) {
+  TORCH_CHECK_VALUE(data.dim() == 2 && data.is_contiguous() && data.device().is_cpu(),
+                    "data must be a contiguous [N, H] CPU tensor");
+  TORCH_CHECK_VALUE(valid.dim() == 1 && valid.size(0) == data.size(0) &&
+                        valid.scalar_type() == at::kBool && valid.is_contiguous(),
+                    "valid must be a contiguous bool [N] tensor");
+  const int64_t S = static_cast<int64_t>(slots.size()), N = data.size(0), H = data.size(1);
+  TORCH_CHECK_VALUE(rows.dim() == 2 && rows.size(0) == S && rows.size(1) == H,
+                    "rows must be [", S, ", ", H, "], got ", rows.sizes());
+  for (int64_t i = 0; i < S; ++i)
+    TORCH_CHECK_VALUE(slots[i] >= 0 && slots[i] < N, "slots[", i, "]=", slots[i],
+                      " out of range [0, ", N, ")");
+  auto src = rows.to(data.scalar_type()).contiguous();
+  const int64_t bytes = H * data.element_size();
+  auto* dst = static_cast<char*>(data.data_ptr());
+  const auto* from = static_cast<const char*>(src.data_ptr());
+  bool* ok = valid.data_ptr<bool>();
+  for (int64_t i = 0; i < S; ++i) {
+    std::memcpy(dst + slots[i] * bytes, from + i * bytes, bytes);
+    ok[slots[i]] = true;
+  }
+}
+
 void write_kv_cpu(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& key,
                   const at::Tensor& value, const at::Tensor& slot_mapping) {
   TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),

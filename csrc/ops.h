@@ -30,6 +30,10 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
 void write_kv_cpu(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& key,
                   const at::Tensor& value, const at::Tensor& slot_mapping);
 
+// Copies rows [S, H] into data [N, H] at slots (S indices < N) and marks valid [N] (bool) there.
+void store_rows_cpu(at::Tensor& data, at::Tensor& valid, const std::vector<int64_t>& slots,
+                    const at::Tensor& rows);
+
 // x [M, K] @ w[N, K]^T + b; bf16 (AVX-512 BF16) or fp32; batch-invariant rows.
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b);
 

@@ -418,3 +418,27 @@ def test_eagle_and_harvested_features_after_hits_equal_recomputed(tiny_dir):
     for a, b in zip(on, off_):
         assert a.token_ids == b.token_ids and a.hidden.shape == b.hidden.shape
         torch.testing.assert_close(a.hidden, b.hidden, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_feature_store_write_in_one_call_equals_torch_indexing(dtype, monkeypatch):
+    """``BlockFeatures.write`` through the extension (``store_rows``) stores the same rows
+    and validity as torch's indexing (the path without it), converting the rows' dtype, and
+    names a slot out of range."""
+    import specengine.kv.block_features as bf
+    assert hasattr(bf.ext(), "store_rows")  # the extension is built: its path is the one tested
+    feats = torch.randn(5, 8).to(dtype)
+    slots = [3, 17, 0, 31, 9]
+    stores = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(bf, "ext", lambda: None)
+        store = bf.BlockFeatures(2, 16, 8, torch.bfloat16)
+        store.write(slots, feats)
+        stores.append(store)
+    a, b = stores
+    assert torch.equal(a.data, b.data) and torch.equal(a.valid, b.valid)
+    assert a.valid.sum() == 5 and torch.equal(a.data[slots], feats.to(torch.bfloat16))
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="out of range"):
+        bf.BlockFeatures(2, 16, 8, torch.bfloat16).write([32], feats[:1])

@@ -164,15 +164,23 @@ def observe(drafter: Drafter | None, blocks: BlockManager, layout: ForwardLayout
         r = layout.committed_token_rows(i, accepted.get(id(e)))
         rows += r
         spans.append((e.seq, e.seq.num_cached - len(r), len(r)))
-    observed = blocks.observe_features(  # + the cached prefix after a hit
-        spans, hidden[rows], [e.is_prefill for e in layout.entries])
-    lazy = at_draft(drafter, blocks)
-    for e, (start, feats) in zip(layout.entries, observed):
-        if lazy and not e.drafted:
-            continue
-        for s in e.samplers or [e.seq]:
-            if not lazy or drafter.observed(s) >= start:
-                drafter.observe(s, start, feats)
+    # without trees every row is committed, in order: no gather
+    feats = hidden if not layout.trees() and len(rows) == hidden.shape[0] else hidden[rows]
+    if not at_draft(drafter, blocks):
+        observed = blocks.observe_features(  # + the cached prefix after a hit
+            spans, feats, [e.is_prefill for e in layout.entries])
+        for e, (start, f) in zip(layout.entries, observed):
+            for s in e.samplers or [e.seq]:
+                drafter.observe(s, start, f)
+        return
+    blocks.store_features(spans, feats)  # the drafter reads it there when it drafts
+    row = 0
+    for e, (_, start, r) in zip(layout.entries, spans):
+        if e.drafted:  # a decode: no cached prefix to prepend
+            for s in e.samplers or [e.seq]:
+                if drafter.observed(s) >= start:
+                    drafter.observe(s, start, feats[row:row + r])
+        row += r
 
 
 def append(requests: dict[str, Request], output: OutputProcessor, blocks: BlockManager,

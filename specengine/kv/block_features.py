@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from specengine.ops.extension import ext
+
 
 class BlockFeatures:
     """Features ``[num_blocks * block_size, hidden_size]`` and their validity per slot.
@@ -50,6 +52,10 @@ class BlockFeatures:
         if feats.shape[0] != len(slots):
             raise ValueError(f"BlockFeatures.write: {feats.shape[0]} rows for {len(slots)} slots")
         if not slots:
+            return
+        mod = ext()
+        if mod is not None and self.data.device.type == "cpu" and hasattr(mod, "store_rows"):
+            mod.store_rows(self.data, self.valid, slots, feats)  # one call, every step
             return
         idx = torch.tensor(slots, dtype=torch.int64)
         self.data.index_copy_(0, idx.to(self.data.device), feats.to(self.data.dtype))

@@ -129,12 +129,8 @@ class BlockPool:
         Returns per span what a drafter should observe: for a prefill after a prefix-cache
         hit (``start`` > 0, ``prefills[i]``), the cached features of positions ``0 .. start-1``
         prepended and start 0; else ``(start, its rows of feats)``."""
-        if self.features is not None:  # all writes first: a prefill may hit a prefix
-            slots = []  # another entry of this step computed
-            for seq, start, r in spans:
-                slots += self.slots(seq, start, start + r)
-            self.features.write(slots, feats)
-        out, row = [], 0
+        self.store_features(spans, feats)  # all writes first: a prefill may hit a prefix
+        out, row = [], 0  # another entry of this step computed
         for (seq, start, r), prefill in zip(spans, prefills):
             rows = feats[row:row + r]
             row += r
@@ -144,6 +140,16 @@ class BlockPool:
             else:
                 out.append((start, rows))
         return out
+
+    def store_features(self, spans: list[tuple[Sequence, int, int]], feats: torch.Tensor) -> None:
+        """Store the target features ``feats`` ``[sum r, H]`` of one step in one write when
+        tracked (``spans`` as ``observe_features`` takes them); nothing when not."""
+        if self.features is None:
+            return
+        slots = []
+        for seq, start, r in spans:
+            slots += self.slots(seq, start, start + r)
+        self.features.write(slots, feats)
 
     # ---- sequences ---------------------------------------------------------------------------
     def blocks_to_grow(self, seq: Sequence, num_new: int) -> int:
