@@ -222,12 +222,14 @@ class AutoPolicy(Policy):
 
     def _idle(self, batch: int) -> bool:
         """True when the guard's slack for ``batch`` sequences covers not even the cheapest
-        candidate's extra seconds at the last scoring of this batch size (a probe's share of
-        them included): no step could speculate, so none is scored, and ``record`` learns in
-        bigger batches (the policy's own time is the guard's loss too)."""
+        candidate's worst case at the last scoring of this batch size (its extra seconds plus
+        the drafter's catch-up, as ``choose`` prices them; a probe's share of them): no step
+        could speculate, so none is scored, and ``record`` learns in bigger batches (the
+        policy's own time is the guard's loss too)."""
         if self.guard is None or not self._extra or self.rescore.scored_for[0] != batch:
             return False
         cheapest = min(v for s, v in self._extra.items() if s is not None)
+        cheapest += self.latency.catch_up_time(self._pending_catch_up())
         return not self.guard.covers(batch, cheapest * min(1.0, self.probes.seqs / batch))
 
     def _pending_catch_up(self) -> int:
