@@ -179,6 +179,35 @@ def test_a_policy_misled_into_speculating_loses_at_most_its_budget():
         assert low <= (tok / s) / rate_off <= high, max_loss
 
 
+class ObservingSim(Sim):
+    """``Sim`` with a drafter attached that costs every step ``observe`` seconds (storing the
+    target's features for it), which no speculation without a drafter does not pay; the
+    step record says so in ``observe_time`` when ``told``."""
+
+    def __init__(self, observe: float, told: bool, **kw):
+        super().__init__(**kw)
+        self.observe, self.told = observe, told
+
+    def step(self, s: Strategy | None) -> StepRecord:
+        rec = super().step(s)
+        rec.other_time += self.observe
+        rec.observe_time = self.observe if self.told else 0.0
+        return rec
+
+
+def test_the_cost_of_an_attached_drafter_counts_against_the_budget():
+    """A drafter attached costs every step 1.5% (its features stored), speculation accepts
+    nothing: told the cost (``StepRecord.observe_time``), the guard keeps the run within its
+    2% budget of no speculation without a drafter, spending what is left on probes; not told,
+    the probes come on top of the 1.5% and the run loses more than the budget."""
+    base_s, base_tok = simulate(StaticPolicy(None), Sim(), 2000)
+    rates = {}
+    for told in (True, False):
+        s, tok = simulate(optimistic_policy(max_loss=0.02), ObservingSim(3e-4, told), 2000)
+        rates[told] = (tok / s) / (base_tok / base_s)
+    assert rates[False] < 0.98 <= rates[True], rates  # 0.978 / 0.985 when written
+
+
 def test_a_paying_strategy_is_found_and_kept_within_the_budget():
     """Speculation pays (half the draft accepted): the guard lets the first steps run out of
     the time budget, the savings then pay for the rest, and the run ends well ahead of no

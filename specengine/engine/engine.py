@@ -329,7 +329,9 @@ class Engine:
             times.mark("forwarded")
             commits = phases.sample(self.sampler, layout, logits)
             phases.commit_kv(self.runner, self.blocks, layout, commits)
+            t_observe = time.perf_counter()
             phases.observe(self.drafter, self.blocks, layout, hidden, commits)
+            times.observe_time = time.perf_counter() - t_observe
             times.mark("sampled")
             num_appended, finished = phases.append(
                 self.requests, self.output, self.blocks, self.finish_sample,

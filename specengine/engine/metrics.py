@@ -23,6 +23,7 @@ class StepTimes:
     forwarded: float = 0.0
     sampled: float = 0.0  # sampled / verified, KV committed: the tokens' time
     thread_probe: bool = False  # the kernels ran at a count being probed (``ThreadTuner``)
+    observe_time: float = 0.0  # seconds of the sampled phase spent in ``phases.observe``
 
     def mark(self, phase: str) -> None:
         """Stamp the end of ``phase`` (``"drafted"``, ``"forwarded"`` or ``"sampled"``)."""
@@ -162,4 +163,5 @@ def step_record(layout: ForwardLayout, commits: list[Commit], strategy: Strategy
         draft_time=times.draft_time, forward_time=times.forward_time,
         other_time=time.perf_counter() - times.forwarded,
         verified=[(c.seq, c.entry.tree, c.accepted) for c in verified],
-        num_proposed=num_proposed, num_catch_up=catch_up, thread_probe=times.thread_probe)
+        num_proposed=num_proposed, num_catch_up=catch_up, thread_probe=times.thread_probe,
+        observe_time=times.observe_time)

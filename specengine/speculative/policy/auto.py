@@ -358,10 +358,12 @@ class AutoPolicy(Policy):
         and ``t_off`` a plain step's seconds at this batch size (the median of the last 9
         plain steps run at it, which a thread-count probe or a stall does not move; else
         ``B / r_off``, ``r_off`` no speculation's score); a plain step saved 0 and is
-        measured. The policy's own seconds (``decision_time``) since the last account count
-        as loss. A step the thread tuner ran at a probed count (``rec.thread_probe``) counts
-        what it saved or lost, but neither measures a plain step nor teaches the guard how
-        far its model underestimates a speculative one: that loss is the tuner's."""
+        measured. The policy's own seconds (``decision_time``) since the last account and
+        the step's ``observe_time`` (storing features for the drafter, which a plain step
+        pays only because a drafter is attached) count as loss. A step the thread tuner ran
+        at a probed count (``rec.thread_probe``) counts what it saved or lost, but neither
+        measures a plain step nor teaches the guard how far its model underestimates a
+        speculative one: that loss is the tuner's."""
         own, self._decided = self.decision_time - self._decided, self.decision_time
         if self.guard is None or not rec.is_decode_only:
             return
@@ -377,7 +379,7 @@ class AutoPolicy(Policy):
             if t_off:
                 saved = self._progress(rec) * t_off - rec.step_time
         modelled = rec.strategy is not None and not rec.thread_probe  # a probe's loss: not ours
-        self.guard.observe(rec.num_decode, rec.step_time + own, saved - own,
+        self.guard.observe(rec.num_decode, rec.step_time + own, saved - own - rec.observe_time,
                            self._worst if modelled else None)
 
     def _progress(self, rec: StepRecord) -> float:

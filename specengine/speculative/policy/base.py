@@ -45,6 +45,9 @@ class StepRecord:
         thread_probe: the kernels ran at a thread count being probed
             (``specengine.ops.threads.ThreadTuner``), not the one such steps use: its times
             are not this strategy's.
+        observe_time: seconds of ``other_time`` spent storing the target's features and
+            handing them to the drafter (``phases.observe``): what an attached drafter costs
+            a step that does not speculate.
     """
 
     strategy: Strategy | None
@@ -62,6 +65,7 @@ class StepRecord:
     num_proposed: int | None = None
     num_catch_up: int = 0
     thread_probe: bool = False
+    observe_time: float = 0.0
 
     @property
     def step_time(self) -> float:
