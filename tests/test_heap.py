@@ -63,25 +63,41 @@ def test_tune_malloc_is_applied_once():
     assert heap.tune_malloc() is first
 
 
-def test_huge_page_copies_equal_the_tensor_and_leave_small_ones(monkeypatch):
-    """``in_huge_pages`` copies a packed-weight-sized tensor bit for bit (into memory of its
-    own), leaves one under 2 MiB as it is, and leaves everything alone when turned off."""
+def test_huge_page_copies_equal_the_tensor_and_share_aligned_chunks(monkeypatch):
+    """``in_huge_pages`` copies packed weights bit for bit into memory of their own, small and
+    large ones alike, packed one after another (64-byte aligned) into chunks aligned to 2 MiB
+    (``ops.heap._arena_take``); a chunk is unmapped with the last copy in it; a non-contiguous
+    tensor, or any with huge pages turned off, is left as it is."""
+    import gc
+
     import torch
 
     from specengine.ops import heap
 
     monkeypatch.setattr(heap, "_huge", True)
+    monkeypatch.setattr(heap, "_arena", None)  # a fresh chunk for this test
+    small = torch.randn(7, 576).to(torch.bfloat16)  # 8 KiB
     big = torch.randn(1536, 576).to(torch.bfloat16)  # 1.7 MiB
-    bigger = torch.randn(4096, 576).to(torch.bfloat16)  # 4.5 MiB
-    copy = heap.in_huge_pages(bigger)
-    assert copy is not bigger and copy.data_ptr() != bigger.data_ptr()
-    assert torch.equal(copy.view(torch.int16), bigger.view(torch.int16))
-    assert copy.shape == bigger.shape and copy.dtype == bigger.dtype
-    assert heap.in_huge_pages(big) is big
+    bigger = torch.randn(40000, 576).to(torch.bfloat16)  # 44 MiB: over a chunk
+    copies = [heap.in_huge_pages(t) for t in (small, big, bigger)]
+    for t, c in zip((small, big, bigger), copies):
+        assert c is not t and c.data_ptr() != t.data_ptr()
+        assert torch.equal(c.view(torch.int16), t.view(torch.int16))
+        assert c.shape == t.shape and c.dtype == t.dtype
+        assert c.untyped_storage().nbytes() == t.numel() * t.element_size()  # its own storage
+    first = copies[0].data_ptr()
+    assert first % heap.HUGE_PAGE_BYTES == 0  # a fresh chunk starts on a 2 MiB boundary
+    assert copies[1].data_ptr() == first + 8064  # the next 64-byte boundary in that chunk
+    assert copies[2].data_ptr() % heap.HUGE_PAGE_BYTES == 0  # its own, larger chunk
+    chunk = heap._arena[0]
+    assert chunk() is not None
+    del copies, c
+    gc.collect()
+    assert chunk() is None  # unmapped with its last copy
     view = bigger.t()  # not contiguous: left as it is
     assert heap.in_huge_pages(view) is view
     monkeypatch.setattr(heap, "_huge", False)
-    assert heap.in_huge_pages(bigger) is bigger
+    assert heap.in_huge_pages(big) is big
     assert not heap.advise_huge_pages(torch.empty(8 << 20, dtype=torch.uint8))
 
 

@@ -25,9 +25,10 @@ lockstep, those whose packed weights sat in 2 MiB pages decoded 3.5-5% faster th
 4 KiB pages, and engines of the 4 KiB kind differed by up to 4% among themselves by the order
 they were built in. Linux gives 2 MiB pages only to memory advised for them (``madvise``
 ``MADV_HUGEPAGE``; THP mode ``madvise``, the usual default) before it is first touched:
-``in_huge_pages`` copies a packed weight into such a mapping, ``advise_huge_pages`` advises a
-fresh buffer (the KV cache) before it is zeroed. Off when ``SPECENGINE_HUGE_PAGES=0``, off
-Linux or with THP ``never``; tensors under 2 MiB are left alone. Results never depend on it.
+``in_huge_pages`` copies a packed weight into such memory (chunks of 32 MiB aligned to 2 MiB
+that the packed weights share), ``advise_huge_pages`` advises a fresh buffer (the KV cache)
+before it is zeroed. Off when ``SPECENGINE_HUGE_PAGES=0``, off Linux or with THP ``never``.
+Results never depend on it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
+import weakref
 
 import torch
 
@@ -92,21 +95,51 @@ def huge_pages_available() -> bool:
     return _huge
 
 
+ARENA_CHUNK_BYTES = 32 << 20
+_arena: tuple[weakref.ref, int] | None = None  # (the current chunk's mapping, its next byte)
+_arena_lock = threading.Lock()
+
+
+def _arena_take(nbytes: int) -> torch.Tensor | None:
+    """``nbytes`` bytes (a ``uint8`` tensor of its own storage, 64-byte aligned) of a chunk of
+    anonymous private memory advised for transparent huge pages and aligned to 2 MiB: the
+    packed weights share chunks, so small ones sit in 2 MiB pages too (a mapping of its own
+    each would not be aligned: Linux aligns only mappings whose length is a multiple of 2 MiB).
+    A chunk is ``ARENA_CHUNK_BYTES`` (more for a larger tensor) and is unmapped when the last
+    tensor in it is freed (the arena holds it weakly). None when the mapping or advice is
+    refused."""
+    global _arena
+    with _arena_lock:
+        buf = _arena[0]() if _arena is not None else None
+        at = _arena[1] if buf is not None else 0
+        if buf is None or at + nbytes > len(buf):
+            chunk = max(ARENA_CHUNK_BYTES, -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES)
+            try:  # private: a shared anonymous mapping is shmem, whose THP setting differs
+                buf = mmap.mmap(-1, chunk + HUGE_PAGE_BYTES,  # room to align the start
+                                flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                buf.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:  # refused (a sandbox, an old kernel)
+                return None
+            at = -torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE_BYTES
+        out = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=at)  # keeps buf
+        _arena = (weakref.ref(buf), at + -(-nbytes // 64) * 64)
+        return out
+
+
 def in_huge_pages(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` (a contiguous CPU tensor, not changed) in an anonymous mapping advised
-    for transparent huge pages, freed with the copy; ``t`` itself when it is under 2 MiB, not
-    a contiguous CPU tensor, or huge pages are not available (``huge_pages_available``). The
-    copy's storage cannot be resized."""
+    """A copy of ``t`` (a contiguous CPU tensor, not changed) in transparent huge pages (a
+    chunk shared with other such copies, ``_arena_take``), freed with the copy; ``t`` itself
+    when it is empty, not a contiguous CPU tensor, or huge pages are not available
+    (``huge_pages_available``) or refused. The copy's storage is its chunk's (shared, not
+    resizable)."""
     nbytes = t.numel() * t.element_size()
-    if (nbytes < HUGE_PAGE_BYTES or t.device.type != "cpu" or not t.is_contiguous()
+    if (not nbytes or t.device.type != "cpu" or not t.is_contiguous()
             or not huge_pages_available()):
         return t
-    try:
-        buf = mmap.mmap(-1, nbytes)  # anonymous; Linux aligns a mapping this large to 2 MiB
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # refused (a sandbox, an old kernel): the tensor where it is
+    raw = _arena_take(nbytes)
+    if raw is None:
         return t
-    out = torch.frombuffer(buf, dtype=t.dtype, count=t.numel()).view(t.shape)  # keeps buf
+    out = raw.view(t.dtype).view(t.shape)
     out.copy_(t)
     return out
 
