@@ -23,9 +23,10 @@ needs its own TLB entry, and the speed depends on where the pages happened to la
 2-core AMD EPYC (Zen 4), SmolLM2-135M, 16 samples at T = 1, 256 tokens, engines in one process
 run in lockstep, those with all their packed weights in 2 MiB pages decoded 7-11% faster than
 those with them in 4 KiB pages (``python bench/bench_huge_pages.py``: two engines of each kind,
-three rounds), and engines of the 4 KiB kind differed by up to 4% among themselves by the order they were
-built in. Linux gives 2 MiB pages only to memory advised for them (``madvise``
-``MADV_HUGEPAGE``; THP mode ``madvise``, the usual default) before it is first touched:
+three rounds), and engines of the 4 KiB kind differed by up to 4% among themselves by the
+order they were built in. Linux gives 2 MiB pages only to memory advised for them
+(``madvise`` ``MADV_HUGEPAGE``; THP mode ``madvise``, the usual default) before it is first
+touched:
 ``in_huge_pages`` copies a packed weight into such memory (chunks of 32 MiB aligned to 2 MiB
 that the packed weights share), ``advise_huge_pages`` advises a fresh buffer (the KV cache)
 before it is zeroed. Off when ``SPECENGINE_HUGE_PAGES=0``, off Linux or with THP ``never``.
