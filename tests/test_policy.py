@@ -495,18 +495,22 @@ def test_untried_tree_is_predicted_from_the_chain_then_judged_on_its_own_counts(
     assert am.expected_committed(tree) == pytest.approx(chain, rel=0.15)
 
 
-def test_probe_drafts_for_a_few_sequences_and_rotates():
-    """While off, a probe runs the best chain for ``probe_seqs`` sequences, different ones each
-    probe; the acceptance statistics count only those."""
+def test_probe_drafts_for_the_few_sequences_with_the_least_catch_up():
+    """While off, a probe runs the best chain for ``probe_seqs`` sequences: those the drafter
+    has the least to catch up on (so after the first probe, the same few, fed only the tokens
+    since), the next few along among equals; the acceptance statistics count only those."""
     rng = np.random.default_rng(5)
     lm = fit_latency(lambda n, c: 0.001 * n, rng)  # compute-bound: off is best at batch 16
     pol = unguarded(CHAINS, latency=lm, acceptance=AcceptanceModel(8), probe_every=5,
                     probe_seqs=3)
-    seqs = [SimpleNamespace(num_accepted=0, num_drafted=0) for _ in range(16)]
+    seqs = [SimpleNamespace(num_accepted=0, num_drafted=0, catch_up=200 + i % 2)
+            for i in range(16)]
     kept = []
     for _ in range(10):
         s = pol.choose(16)
         keep = pol.select(seqs, s) if s is not None else None
+        for i, q in enumerate(seqs):  # a drafted sequence has caught up; the others fall behind
+            q.catch_up = 0 if keep is not None and keep[i] else q.catch_up + 1
         if s is not None:
             assert sum(keep) == 3
             kept.append(tuple(i for i, k in enumerate(keep) if k))
@@ -515,7 +519,13 @@ def test_probe_drafts_for_a_few_sequences_and_rotates():
                                   num_drafted=3 * s.depth, num_committed=16 + 3 * s.depth,
                                   accepted_per_seq=[s.depth] * 3, draft_time=1e-5,
                                   forward_time=0.001 * (16 + 3 * s.depth), other_time=1e-4))
-    assert len(kept) == 2 and kept[0] != kept[1]
+    assert kept == [(4, 6, 8), (4, 6, 8)]  # the least behind (200), then the same three again
+    # among equals, the next few along at each probe
+    probes = pol.probes
+    assert probes.drafted([7] * 8) == [i in (6, 7, 0) for i in range(8)]  # count = 2: from 6
+    probes.count += 1
+    assert probes.drafted([7] * 8) == [i in (1, 2, 3) for i in range(8)]
+    assert probes.least([5, 1, 9, 2, 3]) == 6
     # every probed sequence accepted everything: the chain rate rises towards 1 (3 of 3, not
     # 3 of 16)
     assert pol.acceptance.rates(Strategy(1))[0] > 0.7

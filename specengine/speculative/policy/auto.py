@@ -196,7 +196,8 @@ class AutoPolicy(Policy):
         worst: dict[Strategy | None, float] = {}
         if self.guard is not None:
             # the worst case: nothing accepted; the extra seconds and the catch-up are lost
-            catch_up = self.latency.catch_up_time(self._pending_catch_up())
+            catch_ups = self._pending_catch_up()
+            catch_up = self.latency.catch_up_time(sum(catch_ups))
             worst = {c: self._extra.get(c, 0.0) + catch_up for c in scores if c is not None}
             pool = {c: v for c, v in scores.items()
                     if c is None or self.guard.covers(batch, worst[c])}
@@ -210,8 +211,10 @@ class AutoPolicy(Policy):
             current = None  # turning speculation off costs nothing: no margin needed
         choice = self.probes.pick(self.current, current, scores)
         if choice is not None and worst:
-            share = min(1.0, self.probes.seqs / batch) if self.probes.active else 1.0
-            self._worst = share * worst[choice]
+            self._worst = worst[choice]
+            if self.probes.active:  # a few sequences, those with the least to catch up on
+                self._worst = (min(1.0, self.probes.seqs / batch) * self._extra.get(choice, 0.0)
+                               + self.latency.catch_up_time(self.probes.least(catch_ups)))
             if not self.guard.affords(batch, self._worst):  # a probe it does not cover
                 choice, self.probes.active = None, False
         self.current = current
@@ -229,15 +232,16 @@ class AutoPolicy(Policy):
         if self.guard is None or not self._extra or self.rescore.scored_for[0] != batch:
             return False
         cheapest = min(v for s, v in self._extra.items() if s is not None)
-        cheapest += self.latency.catch_up_time(self._pending_catch_up())
-        return not self.guard.covers(batch, cheapest * min(1.0, self.probes.seqs / batch))
+        catch_up = self.latency.catch_up_time(self.probes.least(self._pending_catch_up()))
+        return not self.guard.covers(batch,
+                                     cheapest * min(1.0, self.probes.seqs / batch) + catch_up)
 
-    def _pending_catch_up(self) -> int:
-        """Tokens the drafter would catch up on if every decoding sequence were drafted for
-        now (``Sequence.catch_up``; 0 before ``warm_start`` connected the engine)."""
+    def _pending_catch_up(self) -> list[int]:
+        """Per decoding sequence, the tokens the drafter would catch up on if it were drafted
+        for now (``Sequence.catch_up``; none before ``warm_start`` connected the engine)."""
         if self._running is None:
-            return 0
-        return sum(s.catch_up for s in self._running() if s.num_cached >= len(s) - 1)
+            return []
+        return [s.catch_up for s in self._running() if s.num_cached >= len(s) - 1]
 
     def weights(self, seqs: list) -> list[float]:
         """This step's weight per decoding sequence of ``seqs``: ``length_weights`` of their
@@ -264,13 +268,14 @@ class AutoPolicy(Policy):
         ``E[accepted_i]`` is the batch estimate scaled by the request's own accepted-per-drafted
         ratio against the global one (``prior_steps`` pseudo-steps of the global ratio);
         ``w_i`` is its remaining-length weight (``weights``; 1 when all are equal, the
-        unweighted choice). A probe drafts for the few sequences ``probes.drafted`` names."""
+        unweighted choice). A probe drafts for the few sequences ``probes.drafted`` names (the
+        least catch-up)."""
         t0 = self.clock()
         keep = [True] * len(seqs)
         weight = self.weights(seqs)
         rate = self._predicted
-        if self.probes.active:  # a probe drafts for a few sequences, a different few each time
-            keep = self.probes.drafted(len(seqs))
+        if self.probes.active:  # a probe drafts for the few with the least to catch up on
+            keep = self.probes.drafted([s.catch_up for s in seqs])
         elif self.per_sequence and len(seqs) > 1 and rate and self.accept_ratio > 0:
             acc, n = self.acceptance, len(seqs)
             need = rate * self.latency.sequence_seconds(

@@ -12,11 +12,12 @@ class ProbeSchedule:
 
     Probes fall 4, 8, 16, ... steps after speculation was switched on or off (not between two
     strategies), then every ``every`` steps. While speculation is off, a probe runs the best
-    chain for ``seqs`` of the sequences only (``drafted``: a different few each probe), so the
-    acceptance statistics stay current at the cost of a few forward tokens, not a speculative
-    step of the whole batch. While speculating and predicted less than ``margin`` better than
-    no speculation, a probe runs a step without it, so the latency model sees both sides of a
-    close call instead of extrapolating to the one not taken.
+    chain for ``seqs`` of the sequences only (``drafted``: those the drafter has the least to
+    catch up on), so the acceptance statistics stay current at the cost of a few forward tokens
+    and a short catch-up, not a speculative step of the whole batch. While speculating and
+    predicted less than ``margin`` better than no speculation, a probe runs a step without it,
+    so the latency model sees both sides of a close call instead of extrapolating to the one
+    not taken.
 
     Args:
         candidates: the policy's candidates; an off probe runs the best chain among them.
@@ -55,9 +56,22 @@ class ProbeSchedule:
             return None
         return current
 
-    def drafted(self, n: int) -> list[bool]:
-        """Which of ``n`` decoding sequences (``n >= 1``) an off probe drafts for: ``seqs`` of
-        them, the next few along at each probe."""
+    def drafted(self, catch_up: list[int]) -> list[bool]:
+        """Which decoding sequences (``catch_up``: per sequence, the tokens a stateful
+        drafter would catch up on before drafting for it, ``Sequence.catch_up``; at least
+        one) an off probe drafts for: the ``seqs`` with the least catch-up, so after the first
+        probe the next ones feed the drafter only the tokens since the last (not each
+        sequence's whole history); among equals, the next few along at each probe."""
+        n = len(catch_up)
         k = min(self.seqs, n)
         first = self.count * k % n
-        return [(i - first) % n < k for i in range(n)]
+        order = sorted(range(n), key=lambda i: (catch_up[i], (i - first) % n))
+        keep = [False] * n
+        for i in order[:k]:
+            keep[i] = True
+        return keep
+
+    def least(self, catch_up: list[int]) -> int:
+        """Tokens an off probe catches the drafter up on: the ``seqs`` smallest of
+        ``catch_up`` (as ``drafted`` picks them)."""
+        return sum(sorted(catch_up)[:self.seqs])
