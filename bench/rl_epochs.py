@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -326,10 +327,40 @@ def main(argv=None) -> int:
     print(markdown_table(["epoch", "row", "wall s", "tau", "accepted/step by source",
                           "speedup", "tail speedup", "slowest bucket", "mismatch",
                           "memory MiB", "GPU projection (as logged)"], table))
+    summary = over_epochs(results)
+    if summary:
+        print(markdown_table(
+            ["row", "epochs", "speedup mean +- sd", "speedup min", "slowest bucket min",
+             "spec steps"],
+            [[name, v["epochs"], f"{v['speedup_mean']:.3f} +- {v['speedup_sd']:.3f}",
+              f"{v['speedup_min']:.3f}", f"{v['slowest_bucket_min']:.3f}", v["spec_steps"]]
+             for name, v in summary.items()]))
     if a.out:
         write_json(a.out, {"bench": "rl_epochs", "machine": machine_info(), "args": vars(a),
-                           "epochs": results})
+                           "epochs": results, "over_epochs": summary})
     return 0
+
+
+def over_epochs(results: list[dict]) -> dict[str, dict]:
+    """Per row but ``off``, across the epochs: the mean, standard deviation and least of its
+    speedup over ``off``, the least of its slowest bucket, and its speculative steps in all.
+    The ``off-control`` row's spread is the run's noise: a row within it of 1.0 is as fast
+    as no speculation as far as this machine can tell."""
+    rows: dict[str, list[dict]] = {}
+    for r in results:
+        for row in r["rows"]:
+            if row["row"] != "off":
+                rows.setdefault(row["row"], []).append(row)
+    out = {}
+    for name, rs in rows.items():
+        sp = [x.get("speedup", 1.0) for x in rs]
+        out[name] = {"epochs": len(rs), "speedup_mean": statistics.fmean(sp),
+                     "speedup_sd": statistics.stdev(sp) if len(sp) > 1 else 0.0,
+                     "speedup_min": min(sp),
+                     "slowest_bucket_min": min(x["slowest_bucket"][1] if x.get("slowest_bucket")
+                                               else x.get("speedup", 1.0) for x in rs),
+                     "spec_steps": sum(x["spec_steps"] for x in rs)}
+    return out
 
 
 if __name__ == "__main__":

@@ -75,6 +75,25 @@ def test_guard_backs_off_where_speculation_keeps_losing():
     assert 4 not in g.backoff
 
 
+def test_steps_to_cover_is_a_lower_bound_on_the_plain_steps_a_probe_waits():
+    """``steps_to_cover``: plain steps of at most ``step_seconds`` before the slack could
+    cover a worst case; it does not cover it any earlier (so an idle policy may skip checking
+    that long), and 0 once it does."""
+    for backoff in (1, 4):
+        g = LossGuard(alpha=0.02, horizon=500)
+        g.backoff[4] = backoff
+        g.observe(8, 0.01, -0.001)  # some loss already
+        n = g.steps_to_cover(8, 0.003, step_seconds=0.01)
+        assert n > 0
+        for i in range(n):
+            assert not g.covers(8, 0.003), (backoff, i)
+            g.observe(8, 0.01, 0.0)
+        while not g.covers(8, 0.003):
+            g.observe(8, 0.01, 0.0)
+        assert g.steps_to_cover(8, 0.003, step_seconds=0.01) == 0
+    assert LossGuard(alpha=0.0).steps_to_cover(1, 0.001, 0.01) >= 1 << 30
+
+
 def test_guard_forgets_old_savings():
     g = LossGuard(alpha=0.0, horizon=100)
     g.observe(1, 0.01, 1.0)  # a big saving long ago

@@ -120,6 +120,9 @@ class AutoPolicy(Policy):
         self._decided = 0.0  # decision_time when the last step was recorded
         self._running: Callable[[], list] | None = None  # the engine's running sequences
         self.idle_steps = 0  # steps ``choose`` left off without scoring (``_idle``)
+        self._idle_skip = (0, 0)  # (batch, steps): idle that long without checking again
+        self._was_idle = False  # the step chosen last was idle
+        self._idle_worst: float | None = None  # the worst case ``_idle`` priced last
         self._worst = 0.0  # the modelled worst loss of the step chosen last (seconds)
         self._plain_seconds: dict[int, deque] = {}  # batch size -> recent plain steps' seconds
         # this step's decoding sequences (``select``): id -> (expected remaining, weight)
@@ -175,7 +178,11 @@ class AutoPolicy(Policy):
         not cover any candidate (``_idle``), nothing is scored."""
         t0 = self.clock()
         batch = max(num_running, 1)
-        if self._idle(batch):
+        skip_batch, skip = self._idle_skip
+        self._was_idle = (skip > 0 and skip_batch == batch) or self._idle(batch)
+        if self._was_idle:
+            self._idle_skip = (batch, skip - 1) if skip > 0 and skip_batch == batch else \
+                (batch, self._steps_idle(batch))
             self.idle_steps += 1
             self.probes.active = False
             self._predicted = self.last_scores.get(None)
@@ -223,18 +230,30 @@ class AutoPolicy(Policy):
         self.decision_time += self.clock() - t0
         return choice
 
+    def _steps_idle(self, batch: int) -> int:
+        """After ``_idle`` found ``batch`` idle: plain steps it stays idle for sure (the
+        guard's ``steps_to_cover`` of the worst case ``_idle`` priced, each step taken as twice
+        the median plain step at this batch size; at most ``IDLE_LEARN_EVERY``), which
+        ``choose`` then skips checking: a probe never comes earlier than the slack allows."""
+        plain = self._plain_seconds.get(batch)
+        if not plain or self._idle_worst is None:
+            return 0
+        return min(self.IDLE_LEARN_EVERY, self.guard.steps_to_cover(
+            batch, self._idle_worst, 2.0 * statistics.median(plain)))
+
     def _idle(self, batch: int) -> bool:
         """True when the guard's slack for ``batch`` sequences covers not even the cheapest
         candidate's worst case at the last scoring of this batch size (its extra seconds plus
         the drafter's catch-up, as ``choose`` prices them; a probe's share of them): no step
         could speculate, so none is scored, and ``record`` learns in bigger batches (the
         policy's own time is the guard's loss too)."""
+        self._idle_worst = None
         if self.guard is None or not self._extra or self.rescore.scored_for[0] != batch:
             return False
         cheapest = min(v for s, v in self._extra.items() if s is not None)
         catch_up = self.latency.catch_up_time(self.probes.least(self._pending_catch_up()))
-        return not self.guard.covers(batch,
-                                     cheapest * min(1.0, self.probes.seqs / batch) + catch_up)
+        self._idle_worst = cheapest * min(1.0, self.probes.seqs / batch) + catch_up
+        return not self.guard.covers(batch, self._idle_worst)
 
     def _pending_catch_up(self) -> list[int]:
         """Per decoding sequence, the tokens the drafter would catch up on if it were drafted
@@ -352,7 +371,7 @@ class AutoPolicy(Policy):
         self._step_weights, self._step_seqs = {}, []
         if rec.is_decode_only:  # the steps the re-scoring is spread over
             self.rescore.observe_step(rec.step_time)
-        idle = rec.strategy is None and self._idle(rec.num_decode or 1)  # spec: learnt soon
+        idle = rec.strategy is None and self._was_idle  # spec: learnt soon
         if len(self._pending) >= (self.IDLE_LEARN_EVERY if idle else self.rescore.every):
             self.flush()
         self.decision_time += self.clock() - t0

@@ -72,6 +72,18 @@ class LossGuard:
         worst_loss *= self.underestimate.get(batch_bucket(batch), 1.0)
         return worst_loss <= 0.0 or self.slack(batch) >= worst_loss
 
+    def steps_to_cover(self, batch: int, worst_loss: float, step_seconds: float) -> int:
+        """A lower bound on the plain steps of ``step_seconds`` (at most) each, at ``batch``
+        sequences, after which the slack could cover ``worst_loss`` (as ``covers`` asks it):
+        0 when it covers it now; the allowance grows by at most ``alpha / backoff`` of a
+        step's seconds per plain step (fading only shrinks it)."""
+        b = batch_bucket(batch)
+        need = worst_loss * self.underestimate.get(b, 1.0) - self.slack(batch)
+        rate = self.alpha / self.backoff.get(b, 1) * step_seconds
+        if need <= 0.0:
+            return 0
+        return int(need / rate) if rate > 0.0 else 1 << 30
+
     def affords(self, batch: int, worst_loss: float) -> bool:
         """``covers``, counting a refusal when it does not."""
         if self.covers(batch, worst_loss):
