@@ -22,6 +22,7 @@ from specengine.engine.sequence import Sequence
 from specengine.kv.block_manager import BlockManager
 from specengine.ops import kernels
 from specengine.ops.extension import ext
+from specengine.ops.heap import advise_huge_pages
 from specengine.speculative.drafters.base import Drafter
 from specengine.speculative.drafters.coupling import coupled_topk, plain_params
 from specengine.speculative.drafters.eagle.checkpoint import (
@@ -109,8 +110,10 @@ class EagleDrafter(Drafter):
         self.model = model.eval()
         lc = model.layer_config
         p = model.fc
-        self.kv = torch.zeros(2, num_blocks, block_size, lc.num_key_value_heads, lc.head_dim,
+        self.kv = torch.empty(2, num_blocks, block_size, lc.num_key_value_heads, lc.head_dim,
                               dtype=p.dtype, device=p.device)
+        advise_huge_pages(self.kv)  # read at every depth: 2 MiB pages (ops.heap), as the target's
+        self.kv.zero_()
         self.blocks = BlockManager(num_blocks, block_size, self._copy_block)
         self.backend = make_backend("auto", p.device)
         self.max_pos = model.rope.shape[0]
