@@ -26,8 +26,7 @@ those with them in 4 KiB pages (``python bench/bench_huge_pages.py``: two engine
 three rounds), and engines of the 4 KiB kind differed by up to 4% among themselves by the
 order they were built in. Linux gives 2 MiB pages only to memory advised for them
 (``madvise`` ``MADV_HUGEPAGE``; THP mode ``madvise``, the usual default) before it is first
-touched:
-``in_huge_pages`` copies a packed weight into such memory (chunks of 32 MiB aligned to 2 MiB
+touched: ``in_huge_pages`` copies a packed weight into such memory (chunks of 32 MiB aligned to 2 MiB
 that the packed weights share), ``advise_huge_pages`` advises a fresh buffer (the KV cache)
 before it is zeroed. Off when ``SPECENGINE_HUGE_PAGES=0``, off Linux or with THP ``never``.
 Results never depend on it.
@@ -132,8 +131,8 @@ def in_huge_pages(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t`` (a contiguous CPU tensor, not changed) in transparent huge pages (a
     chunk shared with other such copies, ``_arena_take``), freed with the copy; ``t`` itself
     when it is empty, not a contiguous CPU tensor, or huge pages are not available
-    (``huge_pages_available``) or refused. The copy's storage is its chunk's (shared, not
-    resizable)."""
+    (``huge_pages_available``) or refused. The copy has a storage of its own (exactly its
+    bytes) inside the chunk; it cannot be resized."""
     nbytes = t.numel() * t.element_size()
     if (not nbytes or t.device.type != "cpu" or not t.is_contiguous()
             or not huge_pages_available()):
