@@ -26,8 +26,8 @@ those with them in 4 KiB pages (``python bench/bench_huge_pages.py``: two engine
 three rounds), and engines of the 4 KiB kind differed by up to 4% among themselves by the
 order they were built in. Linux gives 2 MiB pages only to memory advised for them
 (``madvise`` ``MADV_HUGEPAGE``; THP mode ``madvise``, the usual default) before it is first
-touched: ``in_huge_pages`` copies a packed weight into such memory (chunks of 32 MiB aligned to 2 MiB
-that the packed weights share), ``advise_huge_pages`` advises a fresh buffer (the KV cache)
+touched: ``in_huge_pages`` copies a packed weight into such memory (chunks of 32 MiB aligned to 2
+MiB that the packed weights share), ``advise_huge_pages`` advises a fresh buffer (the KV cache)
 before it is zeroed. Off when ``SPECENGINE_HUGE_PAGES=0``, off Linux or with THP ``never``.
 Results never depend on it.
 """
