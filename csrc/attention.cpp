@@ -141,6 +141,7 @@ SE_CLONES void attend_bf16(const AttnArgs& a, int64_t begin, int64_t end, float*
 // the softmax denominator sums the same rounded values. Online softmax in float32.
 #if defined(__x86_64__) && defined(__GNUC__)
 #define SE_ATTN_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+#define SE_F32_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 
 constexpr int64_t kTileKeys = 256;  // KV positions per online-softmax step
 constexpr int kMaxD = 256;
@@ -153,7 +154,7 @@ bool has_avx512_bf16_attn() {
 }
 
 // r[i] = sum of the 16 lanes of v[i], for 16 vectors.
-SE_ATTN_TARGET inline __m512 reduce16(__m512 (&v)[16]) {
+SE_F32_TARGET inline __m512 reduce16(__m512 (&v)[16]) {
   // level 1: pairs (2j, 2j+1) -> 8 vectors, lanes [a0..7 + a8..15 | b0..7 + b8..15]
   __m512 a[8];
   for (int j = 0; j < 8; ++j) {
@@ -190,7 +191,7 @@ struct FastArgs {
 
 // reduce16 puts the sum of v[order[i]] into lane i; order is found once by reducing vectors
 // of distinct constants (lane i then holds 16 * value of the vector that landed there).
-SE_ATTN_TARGET void find_reduce16_order(int* order) {
+SE_F32_TARGET void find_reduce16_order(int* order) {
   __m512 v[16];
   for (int i = 0; i < 16; ++i) v[i] = _mm512_set1_ps(static_cast<float>(i + 1) / 16.f);
   alignas(64) float r[16];
@@ -447,9 +448,146 @@ SE_ATTN_TARGET void attend_fast(const FastArgs& f, int64_t item, float* scratch)
   }
   write_rows(a, acc, l, t0, R, group, g);
 }
+
+// ---- float32 caches, head_dim % 16 == 0 and <= 128: AVX-512F ------------------------------
+// Work item = (run of query tokens of one sequence, KV head g), as the bf16 path; each token
+// walks its visible keys (RunKeys: one compact sequence) in tiles of 16. Per tile and query
+// head: the 16 scores from 16 in-register accumulators (each key's sum over the D/16 chunks in
+// order, from the first chunk's product) added by reduce16 (no per-key horizontal sum), one
+// online-softmax step over the tile (running max, exp, sum of the tile's 16 lanes), then
+// P @ V with the head's accumulator in registers for the tile. Every step follows indices into
+// the compact sequence, so a row's result depends only on its query and its visible keys: not
+// on the rows it shares a call with, the block size, or where the keys sit in the cache.
+constexpr int kF32MaxD = 128;
+constexpr int kF32MaxGroup = 64;  // query heads per KV head (m, l on the stack)
+
+bool has_avx512f_attn() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                         __builtin_cpu_supports("fma");
+  return ok;
+}
+
+template <int DC>
+SE_F32_TARGET void attend_f32_fast(const AttnArgs& a, const int64_t* run_start, int64_t item,
+                                   float* acc) {
+  const int64_t KVH = a.KVH, D = a.D, group = a.H / KVH, g = item % KVH;
+  const int64_t t0 = run_start[item / KVH], nt = run_start[item / KVH + 1] - t0;
+  const float* kc = static_cast<const float*>(a.k_cache) + g * D;
+  const float* vc = static_cast<const float*>(a.v_cache) + g * D;
+  const int32_t* table = a.block_tables + static_cast<int64_t>(a.query_seq[t0]) * a.MB;
+  const int64_t BS = a.BS, stride = KVH * D;
+  const RunKeys keys(a, t0, nt);
+  const int* slot_key = reduce16_slot_keys();
+  const float ninf = -std::numeric_limits<float>::infinity();
+  float m[kF32MaxGroup], l[kF32MaxGroup];
+  alignas(64) float p[16];
+  int64_t offs[16];
+  for (int64_t tok = 0; tok < nt; ++tok) {
+    const int64_t t = t0 + tok, n = keys.count[tok];
+    std::fill(m, m + group, ninf);
+    std::fill(l, l + group, 0.f);
+    std::fill(acc, acc + group * D, 0.f);
+    for (int64_t k0 = 0; k0 < n; k0 += 16) {
+      const int valid = static_cast<int>(std::min<int64_t>(16, n - k0));
+      for (int o = 0; o < valid; ++o) {
+        const int64_t k = k0 + o;
+        const int64_t pos = keys.gap[tok] && k >= keys.base[tok] ? keys.tree_pos(tok, k) : k;
+        offs[o] = (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * stride;
+      }
+      const __mmask16 vis = valid == 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
+      for (int64_t h = 0; h < group; ++h) {
+        const float* q = a.q + (t * a.H + g * group + h) * D;  // scaled
+        __m512 qv[DC];
+        for (int c = 0; c < DC; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+        __m512 dots[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) {
+          const float* kr = kc + offs[std::min(slot_key[i], valid - 1)];
+          __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+          for (int c = 1; c < DC; ++c) s = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), s);
+          dots[i] = s;
+        }
+        const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(ninf), vis, reduce16(dots));
+        const float mnew = std::max(m[h], _mm512_reduce_max_ps(sv));
+        float* ar = acc + h * D;
+        __m512 av[DC];
+        for (int c = 0; c < DC; ++c) av[c] = _mm512_loadu_ps(ar + 16 * c);
+        if (m[h] != ninf && mnew != m[h]) {
+          const float alpha = std::exp(m[h] - mnew);
+          for (int c = 0; c < DC; ++c) av[c] = _mm512_mul_ps(av[c], _mm512_set1_ps(alpha));
+          l[h] *= alpha;
+        }
+        m[h] = mnew;
+        f32x16 e;
+        const __m512 shifted = _mm512_sub_ps(sv, _mm512_set1_ps(mnew));
+        std::memcpy(&e, &shifted, sizeof(e));
+        e = vexp(e);
+        __m512 pv;
+        std::memcpy(&pv, &e, sizeof(pv));
+        pv = _mm512_maskz_mov_ps(vis, pv);
+        l[h] += _mm512_reduce_add_ps(pv);
+        _mm512_store_ps(p, pv);
+        for (int o = 0; o < valid; ++o) {
+          const __m512 po = _mm512_set1_ps(p[o]);
+          const float* vr = vc + offs[o];
+          for (int c = 0; c < DC; ++c) av[c] = _mm512_fmadd_ps(po, _mm512_loadu_ps(vr + 16 * c), av[c]);
+        }
+        for (int c = 0; c < DC; ++c) _mm512_storeu_ps(ar + 16 * c, av[c]);
+      }
+    }
+    for (int64_t h = 0; h < group; ++h) {
+      float* out = a.out + (t * a.H + g * group + h) * D;
+      const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;  // no visible position: zeros
+      for (int64_t i = 0; i < D; ++i) out[i] = acc[h * D + i] * inv;
+    }
+  }
+}
+
+using F32Item = void (*)(const AttnArgs&, const int64_t*, int64_t, float*);
+
+F32Item f32_item(int64_t D) {
+  switch (D / 16) {
+    case 1: return attend_f32_fast<1>;
+    case 2: return attend_f32_fast<2>;
+    case 3: return attend_f32_fast<3>;
+    case 4: return attend_f32_fast<4>;
+    case 5: return attend_f32_fast<5>;
+    case 6: return attend_f32_fast<6>;
+    case 7: return attend_f32_fast<7>;
+    default: return attend_f32_fast<8>;  // D <= kF32MaxD = 128
+  }
+}
 #endif
 
 }  // namespace
+
+bool paged_attention_f32_fast_available(int64_t D, int64_t group) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  return D % 16 == 0 && D <= kF32MaxD && group <= kF32MaxGroup && has_avx512f_attn() &&
+         isa_cap() >= kIsaAvx512;
+#else
+  (void)D;
+  (void)group;
+  return false;
+#endif
+}
+
+void paged_attention_f32_fast(const AttnArgs& a) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  const std::vector<int64_t> runs = query_runs(a);
+  const int64_t group = a.H / a.KVH;
+  const F32Item fn = f32_item(a.D);
+  parallel_ranges((static_cast<int64_t>(runs.size()) - 1) * a.KVH, 1, 4,
+                  [&](int64_t begin, int64_t end) {
+                    std::vector<float> acc(group * a.D);
+                    for (int64_t item = begin; item < end; ++item)
+                      fn(a, runs.data(), item, acc.data());
+                  });
+#else
+  (void)a;
+#endif
+}
 
 bool paged_attention_fast_available(int64_t D) {
 #if defined(__x86_64__) && defined(__GNUC__)

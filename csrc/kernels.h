@@ -33,6 +33,10 @@ bool paged_attention_amx_available(int64_t D);
 void paged_attention_amx(const AttnArgs& a, const uint16_t* q_bf16, float scale);
 // Portable path over float32 (bf16_cache false) or bf16 caches; a.q float32, scaled.
 void paged_attention_generic(const AttnArgs& a, bool bf16_cache);
+// float32 caches on x86-64 CPUs with AVX-512F, head_dim % 16 == 0 and <= 128, at most 64 query
+// heads per KV head (attention.cpp); a.q is the scaled float32 query, as for the generic path.
+bool paged_attention_f32_fast_available(int64_t D, int64_t group);
+void paged_attention_f32_fast(const AttnArgs& a);
 
 // ---- linear, norms, RoPE, SiLU (cpu_ops.cpp) ------------------------------------------------
 struct LinearArgs {

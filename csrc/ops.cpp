@@ -130,6 +130,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
       paged_attention_amx(a, qb, static_cast<float>(scale));
     else
       paged_attention_bf16_fast(a, qb, static_cast<float>(scale));
+  } else if (kdt == at::kFloat && paged_attention_f32_fast_available(D, H / KVH)) {
+    paged_attention_f32_fast(a);
   } else {
     paged_attention_generic(a, kdt == at::kBFloat16);
   }

@@ -628,18 +628,20 @@ def test_tree_node_equals_decoding_its_path(dtype, ctx, isa, parents):
 
 @needs_ext
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
-@pytest.mark.parametrize("group,D", [(3, 64), (7, 64), (1, 128), (2, 256)])
-def test_attention_rows_equal_the_row_alone(group, D, isa):
-    """bf16: each of 40 prefill rows crossing the 256-key softmax step (context 230) and a
-    decode row of another sequence equal, bit for bit, the same row computed alone (one query
-    token, same keys), on whichever kernel the cap selects (AMX tiles, AVX-512 BF16, generic):
-    a row does not depend on the rows it shares a call with, nor on their number."""
-    q, kc, vc, meta = paged_batch([(230, 40), (17, 1)], 16, 2, group, D, torch.bfloat16,
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group,D", [(3, 64), (7, 64), (1, 128), (2, 256), (2, 16), (5, 48)])
+def test_attention_rows_equal_the_row_alone(group, D, isa, dtype):
+    """Each of 40 prefill rows crossing the 256-key softmax step (context 230) and a decode
+    row of another sequence equal, bit for bit, the same row computed alone (one query token,
+    same keys), on whichever kernel the cap and dtype select (bf16: AMX tiles, AVX-512 BF16;
+    float32: AVX-512F up to D = 128; generic): a row does not depend on the rows it shares a
+    call with, nor on their number."""
+    q, kc, vc, meta = paged_batch([(230, 40), (17, 1)], 16, 2, group, D, dtype,
                                   seed=D + group)
     args = (kc, vc, meta.block_tables)
     out = ext().paged_attention(q, *args, meta.query_seq, meta.kv_lens, D ** -0.5)
     ref = paged_attention_ref(q, kc, vc, meta, D ** -0.5)
-    torch.testing.assert_close(out, ref, **TOL[torch.bfloat16])
+    torch.testing.assert_close(out, ref, **TOL[dtype])
     for t in range(q.shape[0]):
         alone = ext().paged_attention(q[t:t + 1], *args, meta.query_seq[t:t + 1],
                                       meta.kv_lens[t:t + 1], D ** -0.5)
