@@ -182,6 +182,17 @@ SE_F32_TARGET inline __m512 reduce16(__m512 (&v)[16]) {
   return _mm512_add_ps(lo, hi);
 }
 
+// exp(s - m) per lane with the portable vexp (vec.h), for AVX-512 code.
+SE_F32_TARGET inline __m512 exp_minus(__m512 s, float m) {
+  const __m512 shifted = _mm512_sub_ps(s, _mm512_set1_ps(m));
+  f32x16 e;
+  std::memcpy(&e, &shifted, sizeof(e));
+  e = vexp(e);
+  __m512 out;
+  std::memcpy(&out, &e, sizeof(out));
+  return out;
+}
+
 struct FastArgs {
   const AttnArgs* a;         // a->q is not used: the bf16 query below is
   const uint16_t* q;         // [T, H, D] bf16, unscaled
@@ -416,12 +427,7 @@ SE_ATTN_TARGET void attend_fast(const FastArgs& f, int64_t item, float* scratch)
         __m512 lsum = _mm512_setzero_ps();
         for (int64_t j = 0; j < n16; ++j) {
           const __m512 s = _mm512_loadu_ps(sr + 16 * j);
-          f32x16 e;
-          const __m512 shifted = _mm512_sub_ps(s, _mm512_set1_ps(mnew));
-          std::memcpy(&e, &shifted, sizeof(e));
-          e = vexp(e);
-          __m512 pv;
-          std::memcpy(&pv, &e, sizeof(pv));
+          const __m512 pv = exp_minus(s, mnew);
           const __mmask16 seen = _mm512_cmp_ps_mask(s, _mm512_set1_ps(ninf), _CMP_NEQ_OQ);
           const __m256i p16 = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(seen, pv));
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + 16 * j), p16);
@@ -519,13 +525,7 @@ SE_F32_TARGET void attend_f32_fast(const AttnArgs& a, const int64_t* run_start, 
           l[h] *= alpha;
         }
         m[h] = mnew;
-        f32x16 e;
-        const __m512 shifted = _mm512_sub_ps(sv, _mm512_set1_ps(mnew));
-        std::memcpy(&e, &shifted, sizeof(e));
-        e = vexp(e);
-        __m512 pv;
-        std::memcpy(&pv, &e, sizeof(pv));
-        pv = _mm512_maskz_mov_ps(vis, pv);
+        const __m512 pv = _mm512_maskz_mov_ps(vis, exp_minus(sv, mnew));
         l[h] += _mm512_reduce_add_ps(pv);
         _mm512_store_ps(p, pv);
         for (int o = 0; o < valid; ++o) {
