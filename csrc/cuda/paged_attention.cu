@@ -58,8 +58,7 @@ paged_attention_kernel(PagedAttentionParams p) {
     acc[i] = 0.f;
   }
   float m = -INFINITY, l = 0.f;
-  for (int64_t pos = warp; pos < n; pos += kWarps) {
-    if (pos >= base && !(pos - base < p.W && mask[pos - base])) continue;  // warp-uniform
+  auto attend = [&](int64_t pos) {
     const int64_t row = ((static_cast<int64_t>(table[pos / p.BS]) * p.BS + pos % p.BS) * p.KVH
                          + g) * D;
     float s = 0.f;
@@ -79,6 +78,18 @@ paged_attention_kernel(PagedAttentionParams p) {
       if (d < D) acc[i] = acc[i] * alpha + e * to_f(vc[row + d]);
     }
     m = mnew;
+  };
+  // The visible keys as one compact sequence (committed keys, then the node's visible tree
+  // slots in order), key k to warp k % kWarps: a tree node's warps then sum the same keys in
+  // the same order as decoding its path alone, where those keys sit next to each other, and
+  // its output is bit for bit that decode's.
+  const int64_t committed = n < base ? n : base;
+  for (int64_t pos = warp; pos < committed; pos += kWarps) attend(pos);
+  int64_t k = committed;
+  for (int64_t j = 0; j < n - committed; ++j) {  // warp-uniform: the mask is per query row
+    if (!(j < p.W && mask[j])) continue;
+    if (k % kWarps == warp) attend(base + j);
+    ++k;
   }
 
   __shared__ float s_m[kWarps], s_l[kWarps];
