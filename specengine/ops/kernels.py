@@ -21,6 +21,10 @@ once at import) or ``set_isa`` (e.g. to test the AVX2 path on an AVX-512 machine
 path on an AMX one); ``active_isa`` says which applies. The cap covers the packed linear, AMX,
 the AVX-512 BF16 plain linear and the paged attention's AMX and AVX-512 paths; the
 auto-vectorised norms / RoPE / SiLU clones are chosen at load.
+
+On CUDA (no C++ kernels for these ops) ``linear`` and the norms run torch's kernels; with batch
+invariance on, in calls of exactly ``CUDA_ROWS`` rows (``_cuda_rows``), since cuBLAS and torch's
+reductions choose their kernel, and so a row's reduction order, by the call's shape.
 """
 
 from __future__ import annotations
@@ -57,6 +61,12 @@ AVX512_MAX_M = 4096
 # GEMM), so as many rows as the AVX-512 kernel; float32 1.4x at M=1, 1.0-1.2x at M=8,
 # 0.86-0.88x at M=16 on the 576-wide layers (MKL wins), so float32 stops at 8.
 AVX2_MAX_M = {torch.bfloat16: 4096, torch.float32: 8}
+# On CUDA with batch invariance on, linear layers and norms run over chunks of exactly this many
+# rows (the last zero-padded): one shape, so one cuBLAS / reduction kernel for every call, and a
+# row's bits no longer depend on how many rows share the step (Thinking Machines, 2025, fix the
+# kernels' reduction strategy instead; padding to one shape is the same guarantee with torch's
+# own kernels). A decode step of up to 128 rows reads each weight once, as one row would.
+CUDA_ROWS = 128
 
 ISAS = ("generic", "avx2", "avx512", "amx")  # instruction-set caps, lowest first
 _batch_invariant = True  # see set_batch_invariant
@@ -233,6 +243,28 @@ class PackedWeight:
         return rows if 0 < rows <= limit else 0
 
 
+def _cuda_rows(fn, x: torch.Tensor, *args) -> torch.Tensor:
+    """``fn(x, *args)`` for a CUDA ``x`` ``[..., K]`` (``fn`` maps ``[R, K]`` rows to
+    ``[R, N]`` rows independently) computed over chunks of exactly ``CUDA_ROWS`` rows, the last
+    zero-padded; result ``[..., N]``. Every call then has the same shape, so row ``i`` of the
+    result equals ``fn`` of that row in any other call, bit for bit."""
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    flat = x.reshape(rows, k)
+    pad = -rows % CUDA_ROWS or (0 if rows else CUDA_ROWS)
+    if pad:
+        flat = F.pad(flat, (0, 0, 0, pad))
+    if flat.shape[0] == CUDA_ROWS:  # decode-sized: one call
+        out = fn(flat, *args)[:rows]
+    else:
+        out = torch.cat([fn(chunk, *args) for chunk in flat.split(CUDA_ROWS)])[:rows]
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _on_cuda_invariant(x: torch.Tensor) -> bool:
+    return _batch_invariant and x.is_cuda and x.dim() > 0
+
+
 def _version(t: torch.Tensor) -> int:
     try:
         return t._version
@@ -359,13 +391,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight,
     plain CPU float32/bfloat16 weight the plain C++ kernel runs (same guarantee). With batch
     invariance off (``set_batch_invariant``), calls over ``AMX_MAX_M`` (AMX),
     ``AVX512_MAX_M`` (AVX-512), ``AVX2_MAX_M[dtype]`` (AVX2) or ``LINEAR_MAX_M[dtype]``
-    (plain) rows go to torch instead; other devices and dtypes always do.
+    (plain) rows go to torch instead; other devices and dtypes always do (on CUDA with
+    batch invariance on, in ``CUDA_ROWS``-row calls: ``_cuda_rows``).
     """
     if isinstance(weight, PackedWeight):
         rows = weight.rows_for(x)
         if rows and not weight.glu:
             return _packed_linear(x, weight, rows, bias, out_f32=out_f32)
         weight = weight.weight
+    if _on_cuda_invariant(x):
+        y = _cuda_rows(F.linear, x, weight, bias)
+        return y.float() if out_f32 else y
     mod = _cpp(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (mod is None or rows == 0 or weight.dtype != x.dtype or not weight.is_contiguous()
@@ -466,6 +502,8 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich 2019) over the last dim, computed in float32, result in
     ``x.dtype``; weight ``[D]``."""
+    if _on_cuda_invariant(x):
+        return _cuda_rows(rms_norm_torch, x, weight, eps)
     mod = _cpp(x, weight)
     if mod is None:
         return rms_norm_torch(x, weight, eps)
@@ -482,6 +520,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual), x + residual)`` in one pass; the sum is rounded to
     ``x.dtype`` before normalising (as the unfused torch code does). Shapes ``[..., D]``."""
+    if _on_cuda_invariant(x):
+        residual = x + residual
+        return rms_norm(residual, weight, eps), residual
     mod = _cpp(x, residual, weight)
     if mod is None or residual.dtype != x.dtype or residual.shape != x.shape:
         return add_rms_norm_torch(x, residual, weight, eps)
