@@ -14,6 +14,7 @@ Which kernels run depends on the CPU (AMX, AVX-512, AVX2: ``kernels.active_isa``
 test holds on each (``SPECENGINE_ISA=avx2`` runs the AVX2 kernels on a bigger CPU).
 """
 
+import os
 import random
 
 import pytest
@@ -28,10 +29,14 @@ from specengine.ops import kernels
 
 DTYPES = ["bfloat16", "float32"]
 BS = 8
+# The engine's device: "cpu", or "cuda" to run every test on a GPU (the CUDA attention kernel
+# and kernels.CUDA_ROWS-row linear layers): SPECENGINE_TEST_DEVICE=cuda python -m pytest ...
+DEVICE = os.environ.get("SPECENGINE_TEST_DEVICE", "cpu")
 
 
 def make(target_dir, dtype, spec=None, **kw):
     kw.setdefault("kv_cache_memory_bytes", 16 << 20)
+    kw.setdefault("device", DEVICE)
     if spec is not None:
         spec = {"policy": "static", **spec}
     return LLM(str(target_dir), dtype=dtype, block_size=BS, speculative_config=spec, **kw)
@@ -87,7 +92,7 @@ def _avx2_under_cap() -> bool:
         kernels.set_isa(prev)
 
 
-@pytest.fixture(params=["native", *lower_isas()])
+@pytest.fixture(params=["native", *(lower_isas() if DEVICE == "cpu" else [])])
 def isa(request):
     """The CPU's own kernels, then each lower instruction set it can run (the AVX-512 kernels
     on an AMX machine, the AVX2 kernels on an AVX-512 / AMX machine); restored after the

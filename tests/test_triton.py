@@ -6,6 +6,7 @@ CUDA device, the same tests run the compiled kernel on the GPU. One test compile
 for sm_90 (no GPU needed). Skipped without triton.
 """
 
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -99,10 +100,11 @@ def make_batch(rows, block_size, kv_heads, group, head_dim, dtype, seed=0):
 
 
 def to_device(q, kc, vc, meta):
-    for f in ("block_tables", "query_seq", "kv_lens", "tree_base", "tree_mask"):
-        if getattr(meta, f) is not None:
-            setattr(meta, f, getattr(meta, f).to(DEVICE))
-    return q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), meta
+    """Copies on ``DEVICE`` (``meta`` itself is left on the CPU, where the reference reads it)."""
+    moved = {f: getattr(meta, f).to(DEVICE) for f in
+             ("block_tables", "query_seq", "kv_lens", "tree_base", "tree_mask")
+             if getattr(meta, f) is not None}
+    return q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), dataclasses.replace(meta, **moved)
 
 
 def check(q, kc, vc, meta, scale, dtype):

@@ -93,13 +93,18 @@ def coupled_topk(logits: torch.Tensor, k: int, seqs: list[Sequence], positions: 
     sampled with a temperature only (no top-k / top-p / min-p, no penalties) take one
     extension call when the extension is built (float32 log-probabilities equal to
     ``coupled_logprobs``' within a few ulp; ties go to the lower index); the others, and all
-    rows without the extension or off the CPU, ``coupled_logprobs`` and ``torch.topk``.
+    rows without the extension, ``coupled_logprobs`` and ``torch.topk``. ``logits`` on a GPU
+    are copied to the CPU first (where the noise streams and penalty counts live); the
+    results are CPU tensors.
 
     Returns:
         ``(values, indices)``: ``[R, k]`` float32 log-probabilities, best first, and ``[R, k]``
         int64 draft-vocabulary indices (``-inf`` values past a row's tokens that survive its
         filters).
     """
+    if logits.device.type != "cpu":  # the noise streams, penalty counts and kernel are on CPU
+        logits = logits.float().cpu()
+        vocab_map = None if vocab_map is None else vocab_map.cpu()
     mod = ext()
     R = logits.shape[0]
     plain = [r for r, s in enumerate(seqs) if plain_params(s.params, vocab)]

@@ -63,8 +63,9 @@ class _State:
     """Per-sequence drafter state: observed features and a shadow sequence owning the drafter
     KV of positions 0..num_cached-1 (keys: ``token_ids[j] = tok_{j+1}``)."""
 
-    def __init__(self, seq: Sequence, hidden_size: int, dtype: torch.dtype):
-        self.feats = torch.empty(64, hidden_size, dtype=dtype)
+    def __init__(self, seq: Sequence, hidden_size: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        self.feats = torch.empty(64, hidden_size, dtype=dtype, device=device)
         self.num_feats = 0
         self.shadow = new_shadow(seq)
 
@@ -72,7 +73,7 @@ class _State:
         end = start + hidden.shape[0]
         if end > self.feats.shape[0]:
             grown = torch.empty(max(end, 2 * self.feats.shape[0]), self.feats.shape[1],
-                                dtype=self.feats.dtype)
+                                dtype=self.feats.dtype, device=self.feats.device)
             grown[:self.num_feats] = self.feats[:self.num_feats]
             self.feats = grown
         self.feats[start:end] = hidden
@@ -131,7 +132,8 @@ class EagleDrafter(Drafter):
     def observe(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
         st = self.states.get(seq.seq_id)
         if st is None:
-            st = self.states[seq.seq_id] = _State(seq, hidden.shape[1], self.model.fc.dtype)
+            st = self.states[seq.seq_id] = _State(seq, hidden.shape[1], self.model.fc.dtype,
+                                                       self.kv.device)
         st.put(start, hidden)
         v = self._drafted.pop(seq.seq_id, None)
         if v is not None and start > 0:  # rows = the root + the accepted draft nodes
@@ -215,14 +217,16 @@ class EagleDrafter(Drafter):
     def _meta(self, shadows, qseq, slot_pos, kv_lens, base=None, mask=None):
         bs = self.blocks.block_size
         slots = [shadows[q].block_table[p // bs] * bs + p % bs for q, p in zip(qseq, slot_pos)]
+        dev = self.kv.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=self._block_tables(shadows),
-            query_seq=torch.tensor(qseq, dtype=torch.int32),
-            kv_lens=torch.tensor(kv_lens, dtype=torch.int32), max_kv_len=max(kv_lens))
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=self._block_tables(shadows).to(dev),
+            query_seq=torch.tensor(qseq, dtype=torch.int32, device=dev),
+            kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=dev),
+            max_kv_len=max(kv_lens))
         if base is not None:
-            meta.tree_base = torch.tensor(base, dtype=torch.int32)
-            meta.tree_mask = mask
+            meta.tree_base = torch.tensor(base, dtype=torch.int32, device=dev)
+            meta.tree_mask = mask.to(dev)
         return meta
 
     def _topk(self, feats: torch.Tensor, k: int, seqs: list[Sequence], positions: list[int],
@@ -256,7 +260,9 @@ class EagleDrafter(Drafter):
         """Forward 1 over the ``prefix`` rows. Returns ``[b, H]``: per sequence the predicted
         feature of position n (the depth-1 distribution), n = ``len(seq) - 1``."""
         meta = self._meta(shadows, prefix.qseq, prefix.pos, [p + 1 for p in prefix.pos])
-        f = self.model(torch.tensor(prefix.ids), prefix.feats, torch.tensor(prefix.pos),
+        dev = self.kv.device
+        f = self.model(torch.tensor(prefix.ids, device=dev), prefix.feats,
+                       torch.tensor(prefix.pos, device=dev),
                        (self.kv[0], self.kv[1]), meta, self.backend)
         return f[prefix.last]
 
@@ -290,7 +296,9 @@ class EagleDrafter(Drafter):
                 mask[r, where[a]] = True
                 a = cands[b][a].parent
         meta = self._meta(shadows, qseq, slot_pos, kv_lens, base, mask)
-        f = self.model(torch.tensor(ids), torch.cat(feats), torch.tensor(pos),
+        dev = self.kv.device
+        f = self.model(torch.tensor(ids, device=dev), torch.cat(feats),
+                       torch.tensor(pos, device=dev),
                        (self.kv[0], self.kv[1]), meta, self.backend)
         return f, rows
 
@@ -430,4 +438,4 @@ def make_eagle(cfg, target, num_blocks: int, block_size: int) -> EagleDrafter:
                              f"by tokenizer, architecture and weight fingerprint; {tried}); "
                              "train one with `specengine train-drafter` and pass its directory")
         model = load_drafter(path, target, dtype)
-    return EagleDrafter(cfg.strategy, model, num_blocks, block_size)
+    return EagleDrafter(cfg.strategy, model.to(target.model.device), num_blocks, block_size)

@@ -88,7 +88,7 @@ def weight_sketch(model) -> dict[str, list[float]]:
     out = {}
     with torch.no_grad():
         for i, (name, w) in enumerate(_slices(model).items()):
-            x = w.detach().float().reshape(-1)
+            x = w.detach().float().reshape(-1).cpu()  # a few rows; the same sketch on any device
             x = x - x.mean()
             g = torch.Generator().manual_seed(SKETCH_SEED + i)
             proj = torch.randint(0, 2, (x.numel(), SKETCH_DIM), generator=g).float() * 2 - 1

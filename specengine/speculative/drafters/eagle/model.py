@@ -196,7 +196,9 @@ class EagleModel(nn.Module):
 
     def to_full_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary indices -> target token ids."""
-        return ids if self.vocab_map is None else self.vocab_map[ids]
+        if self.vocab_map is None:
+            return ids
+        return self.vocab_map[ids.to(self.vocab_map.device)].to(ids.device)
 
     # ---- training (dense, autograd) ----------------------------------------------------------
     def unroll(self, tokens: torch.Tensor, feats: torch.Tensor, steps: int,
