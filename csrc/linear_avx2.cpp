@@ -2,16 +2,19 @@
 // weights (linear_avx512.cpp: groups of 64 output features; bf16 [G, ceil(K/2), 64, 2], f32
 // [G, K, 64]), so one pack serves both and the dispatch can change at run time.
 //
-// A 64-feature group is 8 ymm vectors. A tile is 1 row x the 8 vectors (8 accumulators) or 2
+// A 64-feature group is 8 ymm vectors. A tile is 1 row x the 8 vectors (8 accumulators), 2
 // rows x 4 of them (vectors {v0, v0+1, v0+4, v0+5}, v0 in {0, 2}: in glu mode a gate vector and
-// its up vector are always in the same tile). bf16 weights are widened by shifting: in each
-// 32-bit lane (a pair of K) the even k is the low half (<< 16), the odd k the high half (mask).
+// its up vector are always in the same tile) or, for calls of 6 rows or more, 6 rows x 2
+// vectors {v, v+4} (the tall tile; 12 accumulators, each weight vector loaded once per 6 rows).
+// bf16 weights are widened by shifting: in each 32-bit lane (a pair of K) the even k is the low
+// half (<< 16), the odd k the high half (mask).
 //
 // Every output element is accumulated in k order with one FMA per product (bf16: odd k of a
 // pair, then even, as VDPBF16PS), whatever the tile or thread: rows are batch-invariant, and
 // the results equal the AVX-512 kernel's (bf16: up to its flushing of denormals).
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -151,6 +154,88 @@ SE_AVX2_TARGET __attribute__((noinline)) void accumulate_f32(const Args& a, int6
     for (int j = 0; j < NV; ++j) out[i][j] = acc[i][j];
 }
 
+// The tall tile, for calls of many rows: kTall rows x 2 vectors {v, v + 4} (in glu mode a gate
+// vector and its up vector), v in 0..3. Each weight vector is loaded once per kTall rows (the
+// 2 x 4 tile: once per 2 rows), so the K loop is bound by the FMAs rather than by loads from
+// L2; x is broadcast from float32 rows (xf: a bf16 x widened once per call), 12 accumulators.
+// Per output element the same FMAs in the same order as the other tiles (bf16: odd k of a
+// pair, then even), so the same bits.
+constexpr int kTall = 6;
+
+template <int MB>
+SE_AVX2_TARGET __attribute__((noinline)) void accumulate_f32_tall(const Args& a, const float* xf,
+                                                                  int64_t xs, int64_t g, int v,
+                                                                  __m256 (&out)[MB][2]) {
+  const int64_t K = a.K;
+  const auto* w = static_cast<const float*>(a.w) + g * K * kGroup;
+  // Two arrays of MB, not one of [MB][2]: GCC keeps each in registers, where as one 384-byte
+  // array (past its scalarisation limit) it stored every accumulator on each k.
+  __m256 acc0[MB], acc1[MB];
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i) acc0[i] = acc1[i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* wk = w + k * kGroup;
+    const __m256 w0 = _mm256_loadu_ps(wk + 8 * v), w1 = _mm256_loadu_ps(wk + 8 * (v + 4));
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) {
+      const __m256 xb = _mm256_broadcast_ss(xf + i * xs + k);
+      acc0[i] = _mm256_fmadd_ps(xb, w0, acc0[i]);
+      acc1[i] = _mm256_fmadd_ps(xb, w1, acc1[i]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i) out[i][0] = acc0[i], out[i][1] = acc1[i];
+}
+
+SE_AVX2_TARGET inline __m256 high_half(__m256i pairs) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(pairs, 16), 16));
+}
+
+template <int MB>
+SE_AVX2_TARGET __attribute__((noinline)) void accumulate_bf16_tall(const Args& a,
+                                                                   const float* xf, int64_t xs,
+                                                                   int64_t g, int v,
+                                                                   __m256 (&out)[MB][2]) {
+  const int64_t kp_n = a.K / 2;
+  const auto* w = static_cast<const uint16_t*>(a.w) + g * kp_n * 2 * kGroup;
+  __m256 acc0[MB], acc1[MB];  // two arrays: see accumulate_f32_tall
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i) acc0[i] = acc1[i] = _mm256_setzero_ps();
+  for (int64_t kp = 0; kp < kp_n; ++kp) {
+    const auto* p0 = reinterpret_cast<const __m256i*>(w + kp * 2 * kGroup + 16 * v);
+    const auto* p1 = reinterpret_cast<const __m256i*>(w + kp * 2 * kGroup + 16 * (v + 4));
+    // odd k of the pair: the high halves (no mask register: shift down and back up)
+    __m256 w0 = high_half(_mm256_loadu_si256(p0)), w1 = high_half(_mm256_loadu_si256(p1));
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) {
+      const __m256 xo = _mm256_broadcast_ss(xf + i * xs + 2 * kp + 1);
+      acc0[i] = _mm256_fmadd_ps(xo, w0, acc0[i]);
+      acc1[i] = _mm256_fmadd_ps(xo, w1, acc1[i]);
+    }
+    // Reload the pairs (from L1) rather than keep them: with them live next to the 12
+    // accumulators GCC spilled accumulators to the stack on every k.
+    asm volatile("" ::: "memory");
+    w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(p0), 16));  // even k
+    w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(p1), 16));
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) {
+      const __m256 xe = _mm256_broadcast_ss(xf + i * xs + 2 * kp);
+      acc0[i] = _mm256_fmadd_ps(xe, w0, acc0[i]);
+      acc1[i] = _mm256_fmadd_ps(xe, w1, acc1[i]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i) out[i][0] = acc0[i], out[i][1] = acc1[i];
+}
+
+SE_AVX2_TARGET void tile_tall(const Args& a, const float* xf, int64_t g, int64_t m0, int v) {
+  __m256 acc[kTall][2];
+  const float* x = xf + m0 * a.K;
+  if (a.bf16) accumulate_bf16_tall<kTall>(a, x, a.K, g, v, acc);
+  else accumulate_f32_tall<kTall>(a, x, a.K, g, v, acc);
+  epilogue<kTall, 2>(a, g, m0, v, acc);
+}
+
 template <int MB, int NV>
 SE_AVX2_TARGET void tile_bf16(const Args& a, int64_t g, int64_t m0, int v0) {
   __m256 acc[MB][NV];
@@ -165,10 +250,14 @@ SE_AVX2_TARGET void tile_f32(const Args& a, int64_t g, int64_t m0, int v0) {
   epilogue<MB, NV>(a, g, m0, v0, acc);
 }
 
+// xf: x as float32 [M, K] rows when a.M >= kTall (else unused).
 template <bool BF16>
-void run_groups(const Args& a, int64_t g0, int64_t g1) {
+void run_groups(const Args& a, const float* xf, int64_t g0, int64_t g1) {
   for (int64_t g = g0; g < g1; ++g) {
     int64_t m = 0;
+    if (a.M >= kTall)
+      for (; m + kTall <= a.M; m += kTall)
+        for (int v = 0; v < 4; ++v) tile_tall(a, xf, g, m, v);
     for (; m + 2 <= a.M; m += 2)
       for (int v0 = 0; v0 < 4; v0 += 2) {
         if (BF16) tile_bf16<2, 4>(a, g, m, v0);
@@ -197,9 +286,21 @@ void avx2_linear_kernel(const Avx512LinearArgs& a, int64_t G, int64_t element_si
 #if defined(__x86_64__) && defined(__GNUC__)
   const int64_t group_bytes = a.K * kGroup * element_size;
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / group_bytes);
+  // The tall tile reads x as float32 rows of K: a bf16 or strided x is copied once per call.
+  std::vector<float> widened;
+  const float* xf = static_cast<const float*>(a.x);
+  if (a.M >= kTall && (a.bf16 || a.xs != a.K)) {
+    widened.resize(static_cast<size_t>(a.M * a.K));
+    for (int64_t m = 0; m < a.M; ++m)
+      for (int64_t k = 0; k < a.K; ++k)
+        widened[m * a.K + k] =
+            a.bf16 ? static_cast<float>(static_cast<const c10::BFloat16*>(a.x)[m * a.xs + k])
+                   : static_cast<const float*>(a.x)[m * a.xs + k];
+    xf = widened.data();
+  }
   parallel_ranges(G, grain, 4, [&](int64_t g0, int64_t g1) {
-    if (a.bf16) run_groups<true>(a, g0, g1);
-    else run_groups<false>(a, g0, g1);
+    if (a.bf16) run_groups<true>(a, xf, g0, g1);
+    else run_groups<false>(a, xf, g0, g1);
   });
 #else
   (void)a;
