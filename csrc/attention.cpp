@@ -558,6 +558,155 @@ F32Item f32_item(int64_t D) {
     default: return attend_f32_fast<8>;  // D <= kF32MaxD = 128
   }
 }
+
+// ---- float32 or bf16 caches, head_dim % 8 == 0 and <= 128: AVX2 + FMA ----------------------
+// The AVX-512F path's scheme in 8-wide vectors, for CPUs without AVX-512 (and bf16 caches
+// there, which otherwise take the portable loop): per 8-key tile and query head, 8 in-register
+// dot products (each key's sum over the D/8 chunks in order, from the first chunk's product;
+// bf16 keys widened by shifting) added by reduce8 (a fixed hadd tree, lane j = key j), one
+// online-softmax step over the tile, then P @ V with the head's accumulator in registers.
+// Steps follow indices into the compact key sequence (RunKeys): a row's result depends only on
+// its query and its visible keys.
+#define SE_AVX2_ATTN_TARGET __attribute__((target("avx2,fma")))
+
+bool has_avx2_attn() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+}
+
+// 8 consecutive cache elements as float32.
+SE_AVX2_ATTN_TARGET inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+SE_AVX2_ATTN_TARGET inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// r[j] = sum of the 8 lanes of v[j]: ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)).
+SE_AVX2_ATTN_TARGET inline __m256 reduce8(const __m256 (&v)[8]) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // per 128-bit half
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                       _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// exp(s - m) per lane with the portable vexp (vec.h), the upper 8 lanes unused.
+SE_AVX2_ATTN_TARGET inline __m256 exp_minus8(__m256 s, float m) {
+  const __m256 shifted = _mm256_sub_ps(s, _mm256_set1_ps(m));
+  f32x16 e{};
+  std::memcpy(&e, &shifted, sizeof(shifted));
+  e = vexp(e);
+  __m256 out;
+  std::memcpy(&out, &e, sizeof(out));
+  return out;
+}
+
+SE_AVX2_ATTN_TARGET inline float hsum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+SE_AVX2_ATTN_TARGET inline float hmax8(__m256 v) {
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+}
+
+template <class KT, int DC>
+SE_AVX2_ATTN_TARGET void attend_avx2(const AttnArgs& a, const int64_t* run_start, int64_t item,
+                                     float* acc) {
+  const int64_t KVH = a.KVH, D = a.D, group = a.H / KVH, g = item % KVH;
+  const int64_t t0 = run_start[item / KVH], nt = run_start[item / KVH + 1] - t0;
+  const KT* kc = static_cast<const KT*>(a.k_cache) + g * D;
+  const KT* vc = static_cast<const KT*>(a.v_cache) + g * D;
+  const int32_t* table = a.block_tables + static_cast<int64_t>(a.query_seq[t0]) * a.MB;
+  const int64_t BS = a.BS, stride = KVH * D;
+  const RunKeys keys(a, t0, nt);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  float m[kF32MaxGroup], l[kF32MaxGroup];
+  alignas(32) float p[8];
+  int64_t offs[8];
+  for (int64_t tok = 0; tok < nt; ++tok) {
+    const int64_t t = t0 + tok, n = keys.count[tok];
+    std::fill(m, m + group, ninf);
+    std::fill(l, l + group, 0.f);
+    std::fill(acc, acc + group * D, 0.f);
+    for (int64_t k0 = 0; k0 < n; k0 += 8) {
+      const int valid = static_cast<int>(std::min<int64_t>(8, n - k0));
+      for (int o = 0; o < 8; ++o) {  // lanes >= valid: a copy of the last valid key, masked
+        const int64_t k = k0 + std::min(o, valid - 1);
+        const int64_t pos = keys.gap[tok] && k >= keys.base[tok] ? keys.tree_pos(tok, k) : k;
+        offs[o] = (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * stride;
+      }
+      const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+      const __m256 vis = _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(valid)),
+                                       _CMP_LT_OQ);
+      for (int64_t h = 0; h < group; ++h) {
+        const float* q = a.q + (t * a.H + g * group + h) * D;  // scaled
+        __m256 dots[8];
+        {
+          const __m256 qc = _mm256_loadu_ps(q);
+#pragma GCC unroll 8
+          for (int i = 0; i < 8; ++i) dots[i] = _mm256_mul_ps(qc, load8(kc + offs[i]));
+        }
+        for (int c = 1; c < DC; ++c) {
+          const __m256 qc = _mm256_loadu_ps(q + 8 * c);
+#pragma GCC unroll 8
+          for (int i = 0; i < 8; ++i)
+            dots[i] = _mm256_fmadd_ps(qc, load8(kc + offs[i] + 8 * c), dots[i]);
+        }
+        const __m256 sv = _mm256_blendv_ps(_mm256_set1_ps(ninf), reduce8(dots), vis);
+        const float mnew = std::max(m[h], hmax8(sv));
+        float* ar = acc + h * D;
+        __m256 av[DC];
+        for (int c = 0; c < DC; ++c) av[c] = _mm256_loadu_ps(ar + 8 * c);
+        if (m[h] != ninf && mnew != m[h]) {
+          const float alpha = std::exp(m[h] - mnew);
+          for (int c = 0; c < DC; ++c) av[c] = _mm256_mul_ps(av[c], _mm256_set1_ps(alpha));
+          l[h] *= alpha;
+        }
+        m[h] = mnew;
+        const __m256 pv = _mm256_and_ps(vis, exp_minus8(sv, mnew));
+        l[h] += hsum8(pv);
+        _mm256_store_ps(p, pv);
+        for (int o = 0; o < valid; ++o) {
+          const __m256 po = _mm256_set1_ps(p[o]);
+          const KT* vr = vc + offs[o];
+          for (int c = 0; c < DC; ++c) av[c] = _mm256_fmadd_ps(po, load8(vr + 8 * c), av[c]);
+        }
+        for (int c = 0; c < DC; ++c) _mm256_storeu_ps(ar + 8 * c, av[c]);
+      }
+    }
+    for (int64_t h = 0; h < group; ++h) {
+      float* out = a.out + (t * a.H + g * group + h) * D;
+      const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;  // no visible position: zeros
+      for (int64_t i = 0; i < D; ++i) out[i] = acc[h * D + i] * inv;
+    }
+  }
+}
+
+template <class KT>
+F32Item avx2_item(int64_t D) {
+  switch (D / 8) {
+    case 1: return attend_avx2<KT, 1>;
+    case 2: return attend_avx2<KT, 2>;
+    case 3: return attend_avx2<KT, 3>;
+    case 4: return attend_avx2<KT, 4>;
+    case 5: return attend_avx2<KT, 5>;
+    case 6: return attend_avx2<KT, 6>;
+    case 7: return attend_avx2<KT, 7>;
+    case 8: return attend_avx2<KT, 8>;
+    case 9: return attend_avx2<KT, 9>;
+    case 10: return attend_avx2<KT, 10>;
+    case 11: return attend_avx2<KT, 11>;
+    case 12: return attend_avx2<KT, 12>;
+    case 13: return attend_avx2<KT, 13>;
+    case 14: return attend_avx2<KT, 14>;
+    case 15: return attend_avx2<KT, 15>;
+    default: return attend_avx2<KT, 16>;  // D <= kF32MaxD = 128
+  }
+}
 #endif
 
 }  // namespace
@@ -586,6 +735,34 @@ void paged_attention_f32_fast(const AttnArgs& a) {
                   });
 #else
   (void)a;
+#endif
+}
+
+bool paged_attention_avx2_available(int64_t D, int64_t group) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  return D % 8 == 0 && D <= kF32MaxD && group <= kF32MaxGroup && has_avx2_attn() &&
+         isa_cap() >= kIsaAvx2;
+#else
+  (void)D;
+  (void)group;
+  return false;
+#endif
+}
+
+void paged_attention_avx2(const AttnArgs& a, bool bf16_cache) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  const std::vector<int64_t> runs = query_runs(a);
+  const int64_t group = a.H / a.KVH;
+  const F32Item fn = bf16_cache ? avx2_item<c10::BFloat16>(a.D) : avx2_item<float>(a.D);
+  parallel_ranges((static_cast<int64_t>(runs.size()) - 1) * a.KVH, 1, 4,
+                  [&](int64_t begin, int64_t end) {
+                    std::vector<float> acc(group * a.D);
+                    for (int64_t item = begin; item < end; ++item)
+                      fn(a, runs.data(), item, acc.data());
+                  });
+#else
+  (void)a;
+  (void)bf16_cache;
 #endif
 }
 

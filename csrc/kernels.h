@@ -37,6 +37,10 @@ void paged_attention_generic(const AttnArgs& a, bool bf16_cache);
 // heads per KV head (attention.cpp); a.q is the scaled float32 query, as for the generic path.
 bool paged_attention_f32_fast_available(int64_t D, int64_t group);
 void paged_attention_f32_fast(const AttnArgs& a);
+// float32 or bf16 caches on x86-64 CPUs with AVX2 + FMA, head_dim % 8 == 0 and <= 128, at most
+// 64 query heads per KV head (attention.cpp); a.q the scaled float32 query.
+bool paged_attention_avx2_available(int64_t D, int64_t group);
+void paged_attention_avx2(const AttnArgs& a, bool bf16_cache);
 
 // ---- linear, norms, RoPE, SiLU (cpu_ops.cpp) ------------------------------------------------
 struct LinearArgs {

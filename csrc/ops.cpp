@@ -132,6 +132,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
       paged_attention_bf16_fast(a, qb, static_cast<float>(scale));
   } else if (kdt == at::kFloat && paged_attention_f32_fast_available(D, H / KVH)) {
     paged_attention_f32_fast(a);
+  } else if (paged_attention_avx2_available(D, H / KVH)) {
+    paged_attention_avx2(a, kdt == at::kBFloat16);
   } else {
     paged_attention_generic(a, kdt == at::kBFloat16);
   }
