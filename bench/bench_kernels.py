@@ -40,7 +40,9 @@ jobs at load ~5 on 2 cores, so +-20%), us per call torch / ours:
   bfloat16 (``--ms 32,64,200``): o 576x576 M=32 1060/298, M=200 7844/1892; gate_up M=64
            23842/2772, M=200 62429/10439; down M=200 28316/5511.
 Hence ``kernels.AVX2_MAX_M``: bfloat16 4096 (as AVX-512), float32 8 (torch's MKL wins at 16 on
-the small layers).
+the small layers). Since the 6-row tile (session 11, AMD EPYC Zen 4, 2 threads, step totals
+torch / ours): float32 M=16 66.5/40.8 and 63.6/39.9 ms, M=64 170/138 and 161/133, M=256
+569/605 and 514/483; float32 hence 64.
 """
 
 from __future__ import annotations

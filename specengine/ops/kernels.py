@@ -54,13 +54,13 @@ LINEAR_MAX_M = {torch.bfloat16: 4, torch.float32: 8}
 # so decode, verify and prefill all take it and every row is batch-invariant.
 AMX_MAX_M = 32
 AVX512_MAX_M = 4096
-# The AVX2 kernel (same packed weights) up to this many rows per dtype; more go to torch.
-# Measured with ``bench/bench_kernels.py --isa avx2 --threads 1`` (torch capped to AVX2 too) on
-# an AMD EPYC (Zen 5) shared with other jobs (load ~5 on 2 cores, so +-20%): bfloat16 3-4x
-# faster than torch at every M in 1..16 and 3.5-8.6x at 32, 64 and 200 (torch has no AVX2 bf16
-# GEMM), so as many rows as the AVX-512 kernel; float32 1.4x at M=1, 1.0-1.2x at M=8,
-# 0.86-0.88x at M=16 on the 576-wide layers (MKL wins), so float32 stops at 8.
-AVX2_MAX_M = {torch.bfloat16: 4096, torch.float32: 8}
+# The AVX2 kernel (same packed weights) up to this many rows per dtype; more go to torch (with
+# batch invariance off). Measured with ``bench/bench_kernels.py --isa avx2`` (torch capped to
+# AVX2 too) on 2-core AMD EPYCs: bfloat16 3-4x faster than torch at every M in 1..16 and 3.5-8.6x
+# at 32, 64 and 200 (torch has no AVX2 bf16 GEMM), so as many rows as the AVX-512 kernel;
+# float32 (Zen 4, with the 6-row tile for 6+ rows) 1.6x at M=16, 1.2-1.3x at 64, 0.94-1.07x at
+# 256 (MKL's GEMM catches up), so float32 stops at 64.
+AVX2_MAX_M = {torch.bfloat16: 4096, torch.float32: 64}
 # On CUDA with batch invariance on, linear layers and norms run over chunks of exactly this many
 # rows (the last zero-padded): one shape, so one cuBLAS / reduction kernel for every call, and a
 # row's bits no longer depend on how many rows share the step (Thinking Machines, 2025, fix the
