@@ -6,8 +6,8 @@ online in float32 in fixed steps of keys, whatever the block size (FlashAttentio
 kernel is picked per call from the CPU and ``SPECENGINE_ISA``: AMX tiles or AVX-512 BF16 for
 bfloat16 caches, AVX-512F for float32 caches (head_dim a multiple of 16, at most 128), AVX2 +
 FMA for either (head_dim a multiple of 8, at most 128: CPUs without AVX-512, and the head sizes
-the AVX-512 paths do not take), else a portable loop. Falls back to the torch reference when the extension is missing or the tensors
-are not CPU float32/bfloat16.
+the AVX-512 paths do not take), else a portable loop. Falls back to the torch reference when
+the extension is missing or the tensors are not CPU float32/bfloat16.
 """
 
 from __future__ import annotations
