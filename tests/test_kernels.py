@@ -648,6 +648,25 @@ def test_attention_rows_equal_the_row_alone(group, D, isa, dtype):
         assert torch.equal(out[t], alone[0]), t
 
 
+@needs_ext
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group,D", [(1, 8), (5, 24), (2, 72), (3, 120)])
+def test_attention_head_sizes_of_the_avx2_path(group, D, isa, dtype):
+    """Head sizes only the AVX2 path (head_dim % 8 == 0, <= 128) or the portable loop take on
+    an AVX-512 CPU, down to one 8-wide chunk: the reference's values, and each row (a prefill
+    crossing several 8-key tiles, a decode row of another sequence) equal to the row alone."""
+    q, kc, vc, meta = paged_batch([(37, 12), (5, 1)], 16, 2, group, D, dtype, seed=D + group)
+    args = (kc, vc, meta.block_tables)
+    out = ext().paged_attention(q, *args, meta.query_seq, meta.kv_lens, D ** -0.5)
+    torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, meta, D ** -0.5),
+                               **TOL[dtype])
+    for t in range(q.shape[0]):
+        alone = ext().paged_attention(q[t:t + 1], *args, meta.query_seq[t:t + 1],
+                                      meta.kv_lens[t:t + 1], D ** -0.5)
+        assert torch.equal(out[t], alone[0]), t
+
+
 @needs_packed
 @packed_dtype
 @pytest.mark.parametrize("bias", [False, True])
