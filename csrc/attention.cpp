@@ -474,6 +474,28 @@ bool has_avx512f_attn() {
   return ok;
 }
 
+// Element offsets of the cache rows of token tok's compact keys [k0, k0 + W): past the tile's
+// valid keys, the last valid key's row again (read, then masked by the caller).
+template <int W>
+inline void tile_offsets(const RunKeys& keys, int64_t tok, int64_t k0, int valid,
+                         const int32_t* table, int64_t BS, int64_t stride, int64_t* offs) {
+  for (int o = 0; o < W; ++o) {
+    const int64_t k = k0 + std::min(o, valid - 1);
+    const int64_t pos = keys.gap[tok] && k >= keys.base[tok] ? keys.tree_pos(tok, k) : k;
+    offs[o] = (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * stride;
+  }
+}
+
+// Token t's output rows for KV head g: each query head's acc / l (zeros when it saw nothing).
+inline void write_token_rows(const AttnArgs& a, const float* acc, const float* l, int64_t t,
+                             int64_t g, int64_t group) {
+  for (int64_t h = 0; h < group; ++h) {
+    float* out = a.out + (t * a.H + g * group + h) * a.D;
+    const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+    for (int64_t i = 0; i < a.D; ++i) out[i] = acc[h * a.D + i] * inv;
+  }
+}
+
 template <int DC>
 SE_F32_TARGET void attend_f32_fast(const AttnArgs& a, const int64_t* run_start, int64_t item,
                                    float* acc) {
@@ -496,11 +518,7 @@ SE_F32_TARGET void attend_f32_fast(const AttnArgs& a, const int64_t* run_start, 
     std::fill(acc, acc + group * D, 0.f);
     for (int64_t k0 = 0; k0 < n; k0 += 16) {
       const int valid = static_cast<int>(std::min<int64_t>(16, n - k0));
-      for (int o = 0; o < valid; ++o) {
-        const int64_t k = k0 + o;
-        const int64_t pos = keys.gap[tok] && k >= keys.base[tok] ? keys.tree_pos(tok, k) : k;
-        offs[o] = (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * stride;
-      }
+      tile_offsets<16>(keys, tok, k0, valid, table, BS, stride, offs);
       const __mmask16 vis = valid == 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
       for (int64_t h = 0; h < group; ++h) {
         const float* q = a.q + (t * a.H + g * group + h) * D;  // scaled
@@ -509,7 +527,7 @@ SE_F32_TARGET void attend_f32_fast(const AttnArgs& a, const int64_t* run_start, 
         __m512 dots[16];
 #pragma GCC unroll 16
         for (int i = 0; i < 16; ++i) {
-          const float* kr = kc + offs[std::min(slot_key[i], valid - 1)];
+          const float* kr = kc + offs[slot_key[i]];
           __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
           for (int c = 1; c < DC; ++c) s = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), s);
           dots[i] = s;
@@ -536,11 +554,7 @@ SE_F32_TARGET void attend_f32_fast(const AttnArgs& a, const int64_t* run_start, 
         for (int c = 0; c < DC; ++c) _mm512_storeu_ps(ar + 16 * c, av[c]);
       }
     }
-    for (int64_t h = 0; h < group; ++h) {
-      float* out = a.out + (t * a.H + g * group + h) * D;
-      const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;  // no visible position: zeros
-      for (int64_t i = 0; i < D; ++i) out[i] = acc[h * D + i] * inv;
-    }
+    write_token_rows(a, acc, l, t, g, group);
   }
 }
 
@@ -634,11 +648,7 @@ SE_AVX2_ATTN_TARGET void attend_avx2(const AttnArgs& a, const int64_t* run_start
     std::fill(acc, acc + group * D, 0.f);
     for (int64_t k0 = 0; k0 < n; k0 += 8) {
       const int valid = static_cast<int>(std::min<int64_t>(8, n - k0));
-      for (int o = 0; o < 8; ++o) {  // lanes >= valid: a copy of the last valid key, masked
-        const int64_t k = k0 + std::min(o, valid - 1);
-        const int64_t pos = keys.gap[tok] && k >= keys.base[tok] ? keys.tree_pos(tok, k) : k;
-        offs[o] = (static_cast<int64_t>(table[pos / BS]) * BS + pos % BS) * stride;
-      }
+      tile_offsets<8>(keys, tok, k0, valid, table, BS, stride, offs);
       const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
       const __m256 vis = _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(valid)),
                                        _CMP_LT_OQ);
@@ -678,11 +688,7 @@ SE_AVX2_ATTN_TARGET void attend_avx2(const AttnArgs& a, const int64_t* run_start
         for (int c = 0; c < DC; ++c) _mm256_storeu_ps(ar + 8 * c, av[c]);
       }
     }
-    for (int64_t h = 0; h < group; ++h) {
-      float* out = a.out + (t * a.H + g * group + h) * D;
-      const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;  // no visible position: zeros
-      for (int64_t i = 0; i < D; ++i) out[i] = acc[h * D + i] * inv;
-    }
+    write_token_rows(a, acc, l, t, g, group);
   }
 }
 
@@ -707,6 +713,18 @@ F32Item avx2_item(int64_t D) {
     default: return attend_avx2<KT, 16>;  // D <= kF32MaxD = 128
   }
 }
+
+// fn over every work item (a run of query tokens, KV head) of the call, in parallel.
+void run_items(const AttnArgs& a, F32Item fn) {
+  const std::vector<int64_t> runs = query_runs(a);
+  const int64_t group = a.H / a.KVH;
+  parallel_ranges((static_cast<int64_t>(runs.size()) - 1) * a.KVH, 1, 4,
+                  [&](int64_t begin, int64_t end) {
+                    std::vector<float> acc(group * a.D);
+                    for (int64_t item = begin; item < end; ++item)
+                      fn(a, runs.data(), item, acc.data());
+                  });
+}
 #endif
 
 }  // namespace
@@ -724,15 +742,7 @@ bool paged_attention_f32_fast_available(int64_t D, int64_t group) {
 
 void paged_attention_f32_fast(const AttnArgs& a) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  const std::vector<int64_t> runs = query_runs(a);
-  const int64_t group = a.H / a.KVH;
-  const F32Item fn = f32_item(a.D);
-  parallel_ranges((static_cast<int64_t>(runs.size()) - 1) * a.KVH, 1, 4,
-                  [&](int64_t begin, int64_t end) {
-                    std::vector<float> acc(group * a.D);
-                    for (int64_t item = begin; item < end; ++item)
-                      fn(a, runs.data(), item, acc.data());
-                  });
+  run_items(a, f32_item(a.D));
 #else
   (void)a;
 #endif
@@ -751,15 +761,7 @@ bool paged_attention_avx2_available(int64_t D, int64_t group) {
 
 void paged_attention_avx2(const AttnArgs& a, bool bf16_cache) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  const std::vector<int64_t> runs = query_runs(a);
-  const int64_t group = a.H / a.KVH;
-  const F32Item fn = bf16_cache ? avx2_item<c10::BFloat16>(a.D) : avx2_item<float>(a.D);
-  parallel_ranges((static_cast<int64_t>(runs.size()) - 1) * a.KVH, 1, 4,
-                  [&](int64_t begin, int64_t end) {
-                    std::vector<float> acc(group * a.D);
-                    for (int64_t item = begin; item < end; ++item)
-                      fn(a, runs.data(), item, acc.data());
-                  });
+  run_items(a, bf16_cache ? avx2_item<c10::BFloat16>(a.D) : avx2_item<float>(a.D));
 #else
   (void)a;
   (void)bf16_cache;
