@@ -762,3 +762,23 @@ def test_attention_does_not_depend_on_block_size(isa, dtype):
                                  max_kv_len=int(kv_lens.max()))
         outs.append(CpuAttention().forward(q, k_cache, v_cache, meta, d ** -0.5))
     assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@pytest.mark.parametrize("shape", [(0, 40), (1, 40), (128, 40), (300, 40), (2, 77, 40)])
+def test_cuda_rows_chunks_keep_shapes_and_rows(shape):
+    """``kernels._cuda_rows`` (the CUDA batch-invariant path; its logic checked here on CPU
+    tensors): every call ``fn`` sees has exactly ``CUDA_ROWS`` rows, and the result has the
+    input's leading shape and each row's own values."""
+    g = torch.Generator().manual_seed(len(shape))
+    x = torch.randn(*shape, generator=g)
+    w = torch.randn(24, 40, generator=g)
+    seen = []
+
+    def fn(rows, weight):
+        seen.append(rows.shape[0])
+        return torch.nn.functional.linear(rows, weight)
+
+    y = kernels._cuda_rows(fn, x, w)
+    assert y.shape == (*shape[:-1], 24)
+    assert seen and set(seen) == {kernels.CUDA_ROWS}
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w))

@@ -251,7 +251,7 @@ def _cuda_rows(fn, x: torch.Tensor, *args) -> torch.Tensor:
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     flat = x.reshape(rows, k)
-    pad = -rows % CUDA_ROWS or (0 if rows else CUDA_ROWS)
+    pad = -rows % CUDA_ROWS if rows else CUDA_ROWS  # no rows: one padded call gives the width
     if pad:
         flat = F.pad(flat, (0, 0, 0, pad))
     if flat.shape[0] == CUDA_ROWS:  # decode-sized: one call
