@@ -107,6 +107,19 @@ SE_AVX512_TARGET inline void epilogue(const Args& a, int64_t g, int64_t m0, __m5
   }
 }
 
+// Each K step reads one 256-byte run of a group's weights (4 cache lines, bf16 and float32
+// alike); all 4 lines of the run kPrefetchBytes ahead are prefetched. Prefetching 2 of the 4
+// (leaving the others to the hardware prefetcher) read weights at ~40 GB/s instead of ~50 on 2
+// Zen 4 cores: a SmolLM2-135M forward of 1 token 11.5 -> 9.9 ms bf16, 23.4 -> 18.2 ms float32
+// (bench/bench_kernels.py --forward).
+constexpr int64_t kStepBytes = 4 * 64;
+constexpr int64_t kPrefetchBytes = 4096;
+
+inline void prefetch_step(const void* wk) {
+  const char* p = static_cast<const char*>(wk) + kPrefetchBytes;
+  for (int64_t l = 0; l < kStepBytes; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
+}
+
 template <int MB>
 SE_BF16_TARGET void tile_bf16(const Args& a, int64_t g, int64_t m0) {
   const int64_t kp_n = a.K / 2;
@@ -117,8 +130,7 @@ SE_BF16_TARGET void tile_bf16(const Args& a, int64_t g, int64_t m0) {
     for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < kp_n; ++kp) {
     const uint16_t* wk = w + kp * 2 * kGroup;
-    _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * 2 * kGroup), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * 2 * kGroup + 64), _MM_HINT_T0);
+    prefetch_step(wk);
     const __m512i w0 = _mm512_loadu_si512(wk), w1 = _mm512_loadu_si512(wk + 32);
     const __m512i w2 = _mm512_loadu_si512(wk + 64), w3 = _mm512_loadu_si512(wk + 96);
     for (int i = 0; i < MB; ++i) {
@@ -143,8 +155,7 @@ SE_AVX512_TARGET void tile_f32(const Args& a, int64_t g, int64_t m0) {
     for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < a.K; ++k) {
     const float* wk = w + k * kGroup;
-    _mm_prefetch(reinterpret_cast<const char*>(wk + 8 * kGroup), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wk + 8 * kGroup + 32), _MM_HINT_T0);
+    prefetch_step(wk);
     const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
     const __m512 w2 = _mm512_loadu_ps(wk + 32), w3 = _mm512_loadu_ps(wk + 48);
     for (int i = 0; i < MB; ++i) {
