@@ -1,4 +1,6 @@
-"""Forward costs and row invariance of the target model on a CUDA GPU (random weights).
+"""Forward costs and row invariance of the target model on a CUDA GPU, or on the CPU with
+``--device cpu`` (random weights; for machines without the real model's package, such as the
+GPU machine's host).
 
 For each ``--models`` shape (the public configs of SmolLM2-135M and Qwen2.5-0.5B; random
 weights: costs do not depend on the values), in ``--dtype``, with batch invariance on (linear
@@ -15,6 +17,10 @@ call's own shape):
    over a 77-row call.
 
     python bench/bench_gpu.py [--models smollm2-135m,qwen2.5-0.5b] [--out gpu.json]
+    taskset -c 0,1 python bench/bench_gpu.py --device cpu --threads 2 --models smollm2-135m
+
+On the CPU each forward runs as the engine's decode steps do (``kernels.kernel_threads`` when
+the packed kernels cover it) and is timed by the wall clock.
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import torch
+from common import cpu_model
 
 from specengine.attention import make_backend
 from specengine.attention.base import AttentionMetadata
@@ -53,40 +61,50 @@ BS = 16  # KV block size (tokens)
 
 
 class Bench:
-    """One model on the GPU with a KV cache for ``seqs`` sequences of ``ctx + extra`` tokens
-    each (sequence ``s`` owns its own blocks); its first ``ctx`` positions hold random K/V."""
+    """One model on ``device`` with a KV cache for ``seqs`` sequences of ``ctx + extra``
+    tokens each (sequence ``s`` owns its own blocks); its first ``ctx`` positions hold random
+    K/V."""
 
-    def __init__(self, name: str, dtype: torch.dtype, seqs: int, ctx: int, extra: int):
+    def __init__(self, name: str, dtype: torch.dtype, seqs: int, ctx: int, extra: int,
+                 device: str = "cuda"):
         hf = CONFIGS[name]
         self.config = c = ModelConfig.from_hf(hf)
+        self.device = dev = torch.device(device)
         self.model = LlamaForCausalLM(c, dtype)
         self.model.load_weights(random_hf_state_dict(c, seed=0).items())
-        self.model.to("cuda")
+        self.model.to(dev)
         self.ctx, per = ctx, -(-(ctx + extra) // BS)
         shape = (seqs * per, BS, c.num_key_value_heads, c.head_dim)
-        g = torch.Generator(device="cuda").manual_seed(0)
-        self.kv = [(torch.randn(shape, generator=g, device="cuda").to(dtype),
-                    torch.randn(shape, generator=g, device="cuda").to(dtype))
+        g = torch.Generator(device=dev).manual_seed(0)
+        self.kv = [(torch.randn(shape, generator=g, device=dev).to(dtype),
+                    torch.randn(shape, generator=g, device=dev).to(dtype))
                    for _ in range(c.num_hidden_layers)]
-        self.table = torch.arange(seqs * per, dtype=torch.int32, device="cuda").view(seqs, per)
-        self.backend = make_backend("auto", torch.device("cuda"))
+        self.table = torch.arange(seqs * per, dtype=torch.int32, device=dev).view(seqs, per)
+        self.backend = make_backend("auto", dev)
 
     def forward(self, seq: list[int], pos: list[int], ids: torch.Tensor) -> torch.Tensor:
         """Logits ``[T, vocab]`` float32 of tokens ``ids`` of sequences ``seq`` at ``pos``."""
-        per = self.table.shape[1]
-        p = torch.tensor(pos, device="cuda")
-        s = torch.tensor(seq, dtype=torch.int32, device="cuda")
+        per, dev = self.table.shape[1], self.device
+        p = torch.tensor(pos, device=dev)
+        s = torch.tensor(seq, dtype=torch.int32, device=dev)
         slots = (s.long() * per + p // BS) * BS + p % BS
         meta = AttentionMetadata(slot_mapping=slots, block_tables=self.table, query_seq=s,
                                  kv_lens=(p + 1).to(torch.int32), max_kv_len=max(pos) + 1)
-        return self.model.compute_logits(self.model(ids, p, self.kv, meta, self.backend))
+        on_cpu = dev.type == "cpu"
+        with kernels.kernel_threads(on_cpu and kernels.packed_covers(len(seq))):
+            return self.model.compute_logits(self.model(ids, p, self.kv, meta, self.backend))
 
     def time_ms(self, seq: list[int], pos: list[int], repeats: int) -> float:
-        ids = torch.randint(self.config.vocab_size, (len(seq),), device="cuda")
+        ids = torch.randint(self.config.vocab_size, (len(seq),), device=self.device)
         for _ in range(3):
             self.forward(seq, pos, ids)
         times = []
         for _ in range(repeats):
+            if self.device.type == "cpu":
+                t0 = time.perf_counter()
+                self.forward(seq, pos, ids)
+                times.append((time.perf_counter() - t0) * 1e3)
+                continue
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             self.forward(seq, pos, ids)
@@ -98,18 +116,19 @@ class Bench:
 
 def rows_differing(bench: Bench, batch: int) -> int:
     """Rows of a ``batch``-sequence decode step whose logits differ from the row alone."""
-    ids = torch.randint(bench.config.vocab_size, (batch,), device="cuda",
-                        generator=torch.Generator(device="cuda").manual_seed(1))
+    dev = bench.device
+    ids = torch.randint(bench.config.vocab_size, (batch,), device=dev,
+                        generator=torch.Generator(device=dev).manual_seed(1))
     pos = [bench.ctx - 1 - 7 * i for i in range(batch)]
     together = bench.forward(list(range(batch)), pos, ids)
     return sum(not torch.equal(together[i], bench.forward([i], [pos[i]], ids[i:i + 1])[0])
                for i in range(batch))
 
 
-def linear_rows_differing(dtype: torch.dtype, rows: int = 77) -> int:
-    g = torch.Generator(device="cuda").manual_seed(2)
-    x = torch.randn(rows, 896, generator=g, device="cuda").to(dtype)
-    w = torch.randn(4864, 896, generator=g, device="cuda").to(dtype)
+def linear_rows_differing(dtype: torch.dtype, device: str, rows: int = 77) -> int:
+    g = torch.Generator(device=device).manual_seed(2)
+    x = torch.randn(rows, 896, generator=g, device=device).to(dtype)
+    w = torch.randn(4864, 896, generator=g, device=device).to(dtype)
     y = kernels.linear(x, w)
     return sum(not torch.equal(y[i], kernels.linear(x[i:i + 1], w)[0]) for i in range(rows))
 
@@ -139,18 +158,25 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--profile", action="store_true",
                     help="also print torch.profiler's top host ops of one 64-row decode step")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (--device cpu)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_gpu.py needs a CUDA device")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_gpu.py needs a CUDA device (or --device cpu)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     ts = [int(t) for t in args.ts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    on_cpu = args.device == "cpu"
+    result = {"device": cpu_model() if on_cpu else torch.cuda.get_device_name(),
+              "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "isa": kernels.active_isa() if on_cpu else None,
               "dtype": args.dtype, "context": args.context, "cuda_rows": kernels.CUDA_ROWS,
               "models": {}}
     for name in args.models.split(","):
-        bench = Bench(name, dtype, max(batches + [64]), args.context, max(ts))
+        bench = Bench(name, dtype, max(batches + [64]), args.context, max(ts), args.device)
         print(f"{name} ({args.dtype}, attention {bench.backend.name}, context {args.context})",
               flush=True)
         row = result["models"][name] = {"attention": bench.backend.name}
@@ -166,17 +192,18 @@ def main() -> None:
                 "decode_ms": decode,
                 "decode_tok_s": {b: b / (ms / 1e3) for b, ms in decode.items()},
                 "rows_differing_of_64": rows_differing(bench, 64),
-                "linear_rows_differing_of_77": linear_rows_differing(dtype),
+                "linear_rows_differing_of_77": linear_rows_differing(dtype, args.device),
             }
             print(f"  {tag}: verify ms " + " ".join(f"T{t}={ms:.2f}" for t, ms in verify.items()))
             print(f"  {tag}: decode ms " + " ".join(f"B{b}={ms:.2f}" for b, ms in decode.items()))
             print(f"  {tag}: rows differing from alone: logits {row[tag]['rows_differing_of_64']}"
                   f"/64, linear {row[tag]['linear_rows_differing_of_77']}/77", flush=True)
         kernels.set_batch_invariant(True)
-        if args.profile:
+        if args.profile and not on_cpu:
             profile_step(bench, args.context)
         del bench
-        torch.cuda.empty_cache()
+        if not on_cpu:
+            torch.cuda.empty_cache()
     if args.out:
         tmp = args.out + ".tmp"
         with open(tmp, "w") as f:
