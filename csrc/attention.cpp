@@ -289,6 +289,21 @@ SE_ATTN_TARGET inline void interleave_v(const uint16_t* vc, const int64_t* offs,
   }
 }
 
+// The bf16 K and V cache rows (D elements each) at element offsets offs[0..n) into L2. Paged
+// blocks lie anywhere in memory, so the hardware prefetcher cannot see the next block coming;
+// attend_fast asks for a whole tile's rows (256 keys) before it reads them, and they arrive
+// while the first are used. B=64 x 300 keys x 30 layers on 2 Zen 4 cores: 38.4 -> 30.5 ms (into
+// L1 instead, or a few keys ahead: no gain; the float32 and AVX2 paths, bound by their
+// per-16-key softmax steps rather than by memory, gained nothing from it either).
+SE_INLINE void prefetch_rows(const uint16_t* kc, const uint16_t* vc, const int64_t* offs,
+                             int64_t n, int64_t D) {
+  for (int64_t o = 0; o < n; ++o)
+    for (int64_t b = 0; b < 2 * D; b += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(kc + offs[o]) + b, _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(vc + offs[o]) + b, _MM_HINT_T1);
+    }
+}
+
 constexpr int64_t kPvRows = 4;  // rows sharing one V pair load in P @ V
 
 // acc[r] += P[r] @ V for rows r0 .. r0 + NR - 1 over `np` key pairs of the interleaved V tile
@@ -377,6 +392,7 @@ SE_ATTN_TARGET void attend_fast(const FastArgs& f, int64_t item, float* scratch)
   for (int64_t p0 = 0; p0 < keys.n_max; p0 += kTileKeys) {
     const int64_t n = std::min<int64_t>(kTileKeys, keys.n_max - p0);
     for (int64_t o = 0; o < n; ++o) rows[o] = w.slot(p0 + o);
+    prefetch_rows(kc, vc, rows, n, D);
     interleave_v(vc, rows, n, DC, vi);
     for (int64_t tok = 0; tok < nt; ++tok) {
       const int64_t nk = std::min<int64_t>(n, keys.count[tok] - p0);  // this token's keys here
