@@ -75,6 +75,35 @@ def test_guard_backs_off_where_speculation_keeps_losing():
     assert 4 not in g.backoff
 
 
+def test_a_loss_within_a_plain_steps_noise_is_charged_but_teaches_nothing():
+    """A speculative step that lost less than a plain step's own noise costs the bucket its
+    slack like any loss, but neither raises ``underestimate`` nor doubles ``backoff``; the
+    part of a loss beyond the noise does both."""
+    g = LossGuard(alpha=0.02, horizon=10**6)
+    for _ in range(1000):
+        g.observe(1, 0.01, 0.0)  # 0.2 s of slack
+    g.observe(1, 0.01, -0.0015, worst_loss=0.0001, noise=0.002)  # 15x the model, in the noise
+    assert g.slack(1) == pytest.approx(0.2002 - 0.0015, rel=1e-3)
+    assert g.underestimate.get(1, 1.0) == 1.0 and g.backoff == {}
+    g.observe(1, 0.01, -0.0025, worst_loss=0.0001, noise=0.002)  # 0.5 ms beyond the noise
+    assert g.underestimate[1] == pytest.approx(5.0) and g.backoff == {1: 2}
+
+
+def test_a_bucket_that_backed_off_still_earns_back_its_overhead():
+    """Every step pays the policy's own time (``overhead``, charged to ``saved``); ``backoff``
+    divides only the exploring part of the allowance, so at the largest backoff a bucket
+    whose overhead is 1% of a step still gains (2% - 1%) / 8 of a step per plain step, where
+    dividing all of it would lose 0.75% per step forever (and never speculate again)."""
+    g = LossGuard(alpha=0.02, horizon=10**9, max_backoff=8)
+    g.backoff[1] = 8
+    before = g.slack(1)
+    for _ in range(100):
+        g.observe(1, 0.01, -0.0001, overhead=0.0001)  # 1% of each 10 ms step
+    assert g.slack(1) - before == pytest.approx(100 * (0.0002 - 0.0001) / 8, rel=1e-6)
+    g.observe(1, 0.01, -0.001, overhead=0.001)  # more than alpha's share: refunds the share
+    assert g.allowance[1] == pytest.approx(100 * (0.0001 + 0.0001 / 8) + 0.0002, rel=1e-6)
+
+
 def test_steps_to_cover_is_a_lower_bound_on_the_plain_steps_a_probe_waits():
     """``steps_to_cover``: plain steps of at most ``step_seconds`` before the slack could
     cover a worst case; it does not cover it any earlier (so an idle policy may skip checking

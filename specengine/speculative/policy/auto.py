@@ -125,6 +125,7 @@ class AutoPolicy(Policy):
         self._idle_worst: float | None = None  # the worst case ``_idle`` priced last
         self._worst = 0.0  # the modelled worst loss of the step chosen last (seconds)
         self._plain_seconds: dict[int, deque] = {}  # batch size -> recent plain steps' seconds
+        self._noise_frac = 0.0  # a plain step's noise over its median, at the last size seen
         # this step's decoding sequences (``select``): id -> (expected remaining, weight)
         self._step_weights: dict[int, tuple[float | None, float]] = {}
         self._step_seqs: list = []  # and the sequences themselves
@@ -382,16 +383,19 @@ class AutoPolicy(Policy):
         and ``t_off`` a plain step's seconds at this batch size (the median of the last 9
         plain steps run at it, which a thread-count probe or a stall does not move; else
         ``B / r_off``, ``r_off`` no speculation's score); a plain step saved 0 and is
-        measured. The policy's own seconds (``decision_time``) since the last account and
-        the step's ``observe_time`` (storing features for the drafter, which a plain step
-        pays only because a drafter is attached) count as loss. A step the thread tuner ran
+        measured; how much slower than ``t_off`` the second slowest of those plain steps was
+        (relative to ``t_off``; from the last batch size with 5 of them) is the step's
+        ``noise`` (``LossGuard.observe``). The policy's own seconds
+        (``decision_time``) since the last account and the step's ``observe_time`` (storing
+        features for the drafter, which a plain step pays only because a drafter is
+        attached) count as loss. A step the thread tuner ran
         at a probed count (``rec.thread_probe``) counts what it saved or lost, but neither
         measures a plain step nor teaches the guard how far its model underestimates a
         speculative one: that loss is the tuner's."""
         own, self._decided = self.decision_time - self._decided, self.decision_time
         if self.guard is None or not rec.is_decode_only:
             return
-        b, saved = rec.num_decode, 0.0
+        b, saved, noise = rec.num_decode, 0.0, 0.0
         if rec.strategy is None:  # what a plain step costs, measured
             if not rec.thread_probe:
                 self._plain_seconds.setdefault(b, deque(maxlen=9)).append(rec.step_time)
@@ -402,9 +406,12 @@ class AutoPolicy(Policy):
                 (b / off_rate if off_rate > 0 else 0.0)
             if t_off:
                 saved = self._progress(rec) * t_off - rec.step_time
+            if plain and len(plain) >= 5:  # a plain step's spread, relative to its time
+                self._noise_frac = sorted(plain)[-2] / t_off - 1.0
+            noise = self._noise_frac * t_off
         modelled = rec.strategy is not None and not rec.thread_probe  # a probe's loss: not ours
         self.guard.observe(rec.num_decode, rec.step_time + own, saved - own - rec.observe_time,
-                           self._worst if modelled else None)
+                           self._worst if modelled else None, noise, own + rec.observe_time)
 
     def _progress(self, rec: StepRecord) -> float:
         """How many plain steps' worth the speculative step ``rec`` moved the batch's finish:

@@ -30,13 +30,15 @@ class LossGuard:
     cost the models never saw); so per bucket the guard keeps ``underestimate``: how many
     times the modelled worst case the real loss of a speculative step has been (the largest
     ratio seen, fading 10% towards 1 with each step that lost less), and asks for that many
-    times the modelled worst case in slack.
+    times the modelled worst case in slack. A loss within a plain step's own noise (``observe``)
+    is no such evidence: it is charged to ``saved`` but teaches neither this nor ``backoff``.
 
     Where speculation keeps losing, exploring costs ``alpha`` for nothing; so per bucket each
-    modelled speculative step that lost doubles ``backoff`` (up to ``max_backoff``) and one
-    that saved resets it to 1, and the allowance grows by ``alpha / backoff`` of a step's
-    seconds: after a run of losses the bucket tries again ``backoff`` times less often, and
-    loses that much less (as the kernels' thread tuner backs off its probes, ``ops.threads``).
+    modelled speculative step that lost (beyond the noise) doubles ``backoff`` (up to
+    ``max_backoff``) and one that saved resets it to 1, and the allowance grows by ``alpha /
+    backoff`` of a step's seconds (beyond the step's fixed ``overhead``, which it earns back in
+    full): after a run of losses the bucket tries again ``backoff`` times less often, and loses
+    that much less (as the kernels' thread tuner backs off its probes, ``ops.threads``).
 
     Args:
         alpha: the share of no speculation's speed that may be lost (0.02: at least 0.98x).
@@ -92,25 +94,38 @@ class LossGuard:
         return False
 
     def observe(self, batch: int, step_seconds: float, saved_seconds: float,
-                worst_loss: float | None = None) -> None:
+                worst_loss: float | None = None, noise: float = 0.0,
+                overhead: float = 0.0) -> None:
         """A decode step of ``batch`` sequences took ``step_seconds`` and saved
         ``saved_seconds`` against no speculation (0 for a step without it); a speculative
         step the policy modelled also gives the ``worst_loss`` it was allowed on (seconds, as
-        modelled)."""
+        modelled) and the ``noise`` of one step's time (seconds: how much slower than usual
+        a plain step of this size can be with nothing changed). ``saved`` takes the whole
+        loss, but only the part beyond ``noise`` counts as the model underestimating it or as
+        a loss for ``backoff``: one step's loss is a sample, and on a busy CPU a plain step
+        alone can be 20% slower than the median. ``overhead``: the seconds of ``saved``'s loss
+        that every step pays whether it speculates or not (the policy's own time, storing
+        features for the drafter); ``backoff`` divides only the rest of the allowance, the
+        part left for exploring, so a bucket that backed off still earns its overhead back
+        (else, where the overhead exceeds ``alpha / backoff`` of a step, it would never
+        speculate again)."""
         b = batch_bucket(batch)
         self.saved[b] = self.saved.get(b, 0.0) * self.fade + saved_seconds
         self.spent[b] = self.spent.get(b, 0.0) * self.fade + step_seconds
+        share = self.alpha * step_seconds
+        fixed = min(max(overhead, 0.0), share)
         self.allowance[b] = (self.allowance.get(b, 0.0) * self.fade
-                             + self.alpha / self.backoff.get(b, 1) * step_seconds)
+                             + fixed + (share - fixed) / self.backoff.get(b, 1))
         if worst_loss is None:
             return
-        if saved_seconds < 0:
+        excess = -saved_seconds - max(noise, 0.0)  # the loss no plain step's spread explains
+        if excess > 0:
             self.backoff[b] = min(self.max_backoff, 2 * self.backoff.get(b, 1))
         elif saved_seconds > 0:
             self.backoff.pop(b, None)
         if worst_loss > 0:
             u = 1.0 + 0.9 * (self.underestimate.get(b, 1.0) - 1.0)
-            self.underestimate[b] = max(u, -saved_seconds / worst_loss)
+            self.underestimate[b] = max(u, excess / worst_loss)
 
     def stats(self) -> dict:
         """``refused`` steps and, per bucket label, ``saved_s``, ``spent_s``,
