@@ -20,7 +20,8 @@ pinned by the project: see bench/README.md), on the same GGUF: ``Q4_1`` is the s
 ``BF16`` that file requantized by llama.cpp's own ``llama_model_quantize`` (the weights the
 engine runs: Q4_1 dequantized, rounded to bfloat16), ``BF16+lookup`` llama.cpp's prompt-lookup
 decoding (``LlamaPromptLookupDecoding``) on the BF16 file. Same threads as the engine, greedy,
-same prompt tokens; decode time = ``generate(N)`` - ``generate(1)`` as for HF.
+same prompt tokens; decode time = ``generate(N)`` - ``generate(1)`` as for HF. Each llama.cpp
+row runs in a process of its own (``run_apart``), so it does not slow the engine's rows.
 ``--spec ngram,eagle`` adds the engine at batch 1 in bfloat16 with each speculative method
 (default ``auto`` policy; EAGLE: the shipped drafter), timed the same way (drafting and the
 policy count), beside the plain engine timed so, on the first prompt, with each row's ratio to
@@ -198,6 +199,19 @@ def run_llamacpp(path: str, prompt: list[int], max_tokens: int, repeats: int,
             "ms_step": 1e3 * decode / (max_tokens - 1), "full_ms_step": None,
             "prefill_s": t_1, "decode_s": decode, "wall_s": t_n, "threads": threads,
             "first_output": out[max_tokens]}
+
+
+def run_apart(fn, *args):
+    """``fn(*args)`` in a fresh process (spawned, same threads), its result returned: llama.cpp
+    loaded in this process slowed the engine rows timed after it by up to 25% (its thread pool
+    stays), so its rows run apart."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=ctx, initializer=torch.set_num_threads,
+                             initargs=(torch.get_num_threads(),)) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def run_engine_wall(llm: LLM, prompt: list[int], max_tokens: int, repeats: int) -> dict:
@@ -381,7 +395,7 @@ def main() -> None:
                      and r["dtype"] == "bfloat16"), None)
         for name, path, lookup in (("BF16", files["BF16"], False), ("Q4_1", files["Q4_1"], False),
                                    ("BF16+lookup", files["BF16"], True)):
-            r = run_llamacpp(path, all_ids[0], max_tokens, repeats, lookup)
+            r = run_apart(run_llamacpp, path, all_ids[0], max_tokens, repeats, lookup)
             print(f"# llama.cpp {name} b=1: {r['decode_tok_s']:.1f} tok/s", file=sys.stderr)
             r.update(engine="llama.cpp", dtype=name, batch=1, vs_hf=None, vs_floor=(
                 r["ms_step"] / floors["bfloat16"]["floor_ms"] if "bfloat16" in floors else None),
