@@ -27,6 +27,13 @@ row runs in a process of its own (``run_apart``), so it does not slow the engine
 policy count), beside the plain engine timed so, on the first prompt, with each row's ratio to
 the llama.cpp rows and whether its tokens equal the plain engine's.
 
+``--lockstep ROUNDS`` (with ``--spec``) times them instead in lockstep: the plain engine and
+one per method in one process, each of the first ``--lockstep-prompts`` prompts run by every
+engine in a shuffled order, ``ROUNDS`` times (each engine's wall time, its ratio to plain):
+
+    python bench/bench_decode.py --dtypes bfloat16 --batches 1 --hf-batches 1 \
+        --spec ngram,eagle --lockstep 2
+
 ``--invariance`` measures instead what batch invariance costs (``kernels.set_batch_invariant``):
 the engine alone, each batch run with invariance on and off in alternation on one engine (best
 of ``--repeats`` each), decode tok/s and the prefill time of the batch's prompts (one
@@ -234,6 +241,37 @@ def run_engine_wall(llm: LLM, prompt: list[int], max_tokens: int, repeats: int) 
             "first_output": out[max_tokens]}
 
 
+def lockstep(methods: list[str], prompts: list[list[int]], max_tokens: int,
+             rounds: int) -> dict:
+    """Batch 1, bf16, greedy: the plain engine and one engine per speculative method (``auto``)
+    in one process, each prompt run by every engine in a shuffled order (seeded), ``rounds``
+    times; the machine's drift then falls on all alike. Returns each engine's wall seconds,
+    its speed over the plain engine's (``vs_plain``) and whether its tokens equal plain's."""
+    import random
+
+    names = ["plain", *methods]
+    llms = {n: engine_llm("bfloat16", prompts[:1], max_tokens,
+                          None if n == "plain" else {"method": n}) for n in names}
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
+    wall, outs, rng = dict.fromkeys(names, 0.0), {n: [] for n in names}, random.Random(0)
+    for r in range(rounds):
+        for p in prompts:
+            order = names[:]
+            rng.shuffle(order)
+            for n in order:
+                t0 = time.perf_counter()
+                out = llms[n].generate([{"prompt_token_ids": p}], params, use_tqdm=False)
+                wall[n] += time.perf_counter() - t0
+                if r == 0:
+                    outs[n].append(out[0].outputs[0].token_ids)
+    vs = {n: wall["plain"] / wall[n] for n in names}
+    print("# lockstep, " + ", ".join(f"{n} {v:.3f}x" for n, v in vs.items())
+          + f" of plain ({len(prompts)} prompts x {rounds} rounds)", file=sys.stderr)
+    return {"engine": "lockstep", "dtype": "bfloat16", "batch": 1, "prompts": len(prompts),
+            "rounds": rounds, "wall_s": wall, "vs_plain": vs,
+            "same_tokens_as_plain": {n: outs[n] == outs["plain"] for n in names}}
+
+
 def profile_decode_step(llm: LLM, prompt: list[int]) -> str:
     """torch.profiler (top ops by self CPU time) and cProfile (top functions) of one batch-1
     decode step of the engine."""
@@ -316,6 +354,10 @@ def main() -> None:
     ap.add_argument("--spec", default="",
                     help="speculative methods for extra bf16 batch-1 rows (e.g. ngram,eagle), "
                          "timed by wall clock as llama.cpp is, beside the plain engine so timed")
+    ap.add_argument("--lockstep", type=int, default=0, metavar="ROUNDS",
+                    help="with --spec: instead of one prompt each, the plain engine and each "
+                         "method in lockstep over --lockstep-prompts prompts, ROUNDS times")
+    ap.add_argument("--lockstep-prompts", type=int, default=6)
     ap.add_argument("--invariance", action="store_true",
                     help="batch invariance on vs off, engine only (see the docstring)")
     args = ap.parse_args()
@@ -340,7 +382,8 @@ def main() -> None:
     model_dir = resolve_model(MODEL)
     tok = AutoTokenizer.from_pretrained(model_dir)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    texts = [p["prompt"] for p in humaneval_prompts(max(batches + hf_batches))]
+    texts = [p["prompt"] for p in humaneval_prompts(
+        max(batches + hf_batches + [args.lockstep_prompts if args.lockstep else 0]))]
     all_ids = [tok(t).input_ids for t in texts]
 
     if args.invariance:
@@ -409,7 +452,10 @@ def main() -> None:
                       f"{eng1['decode_tok_s'] / r['decode_tok_s']:.2f}x", file=sys.stderr)
 
     spec = [m for m in args.spec.split(",") if m]
-    if spec:  # batch 1, bf16, wall-clock decode time: plain first, then each method
+    if spec and args.lockstep:
+        lock = lockstep(spec, all_ids[:args.lockstep_prompts], max_tokens, args.lockstep)
+        results.append(lock)
+    elif spec:  # batch 1, bf16, wall-clock decode time: plain first, then each method
         plain = None
         for method in [None] + spec:
             cfg = {"method": method} if method else None
