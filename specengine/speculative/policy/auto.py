@@ -125,7 +125,7 @@ class AutoPolicy(Policy):
         self._idle_worst: float | None = None  # the worst case ``_idle`` priced last
         self._worst = 0.0  # the modelled worst loss of the step chosen last (seconds)
         self._plain_seconds: dict[int, deque] = {}  # batch size -> recent plain steps' seconds
-        self._noise_frac = 0.0  # a plain step's noise over its median, at the last size seen
+        self._noise_frac = 0.0  # a plain step's noise over its median (last size with 5 steps)
         # this step's decoding sequences (``select``): id -> (expected remaining, weight)
         self._step_weights: dict[int, tuple[float | None, float]] = {}
         self._step_seqs: list = []  # and the sequences themselves
@@ -385,11 +385,11 @@ class AutoPolicy(Policy):
         ``B / r_off``, ``r_off`` no speculation's score); a plain step saved 0 and is
         measured; how much slower than ``t_off`` the second slowest of those plain steps was
         (relative to ``t_off``; from the last batch size with 5 of them) is the step's
-        ``noise`` (``LossGuard.observe``). The policy's own seconds
-        (``decision_time``) since the last account and the step's ``observe_time`` (storing
-        features for the drafter, which a plain step pays only because a drafter is
-        attached) count as loss. A step the thread tuner ran
-        at a probed count (``rec.thread_probe``) counts what it saved or lost, but neither
+        ``noise`` (``LossGuard.observe``). The policy's own seconds (``decision_time``) since
+        the last account and the step's ``observe_time`` (storing features for the drafter,
+        which a plain step pays only because a drafter is attached) count as loss, and are
+        the ``overhead`` the guard earns back whatever its backoff. A step the thread tuner
+        ran at a probed count (``rec.thread_probe``) counts what it saved or lost, but neither
         measures a plain step nor teaches the guard how far its model underestimates a
         speculative one: that loss is the tuner's."""
         own, self._decided = self.decision_time - self._decided, self.decision_time
