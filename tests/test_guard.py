@@ -227,6 +227,23 @@ def test_a_policy_misled_into_speculating_loses_at_most_its_budget():
         assert low <= (tok / s) / rate_off <= high, max_loss
 
 
+def test_no_speculation_before_a_loss_can_be_told_from_noise():
+    """The first speculative step waits for 5 plain steps (at some batch size), whose spread
+    is the noise its loss is judged against; an optimistic policy speculates right after."""
+    pol, sim = optimistic_policy(max_loss=0.02), Sim(accepted=0.5, extra=0.002)
+    for _ in range(30):  # earn slack first (a fresh policy has none)
+        pol.record(sim.step(None))
+    pol._plain_seconds.clear()
+    pol._noise_frac = None  # as if those were never measured
+    picks = []
+    for _ in range(8):
+        s = pol.choose(sim.batch)
+        pol.record(sim.step(s))
+        picks.append(s)
+    assert picks[:5] == [None] * 5 and any(p is not None for p in picks[5:]), picks
+    assert pol._noise_frac == 0.0  # the simulated plain steps take the same time
+
+
 class ObservingSim(Sim):
     """``Sim`` with a drafter attached that costs every step ``observe`` seconds (storing the
     target's features for it), which no speculation without a drafter does not pay; the

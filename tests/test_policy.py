@@ -138,7 +138,7 @@ def test_auto_policy_re_decides_as_the_batch_shrinks_in_one_scoring_each():
 
 def test_auto_policy_hysteresis():
     a, b = Strategy(2), Strategy(4)
-    pol = AutoPolicy([a, b], hysteresis=0.05, probe_every=0)
+    pol = unguarded([a, b], hysteresis=0.05, probe_every=0)
     table = {None: 50.0, a: 100.0, b: 90.0}
     pol.scores = lambda batch, context, rates=None: dict(table)
     assert pol.choose(4) == a

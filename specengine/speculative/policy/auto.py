@@ -125,7 +125,9 @@ class AutoPolicy(Policy):
         self._idle_worst: float | None = None  # the worst case ``_idle`` priced last
         self._worst = 0.0  # the modelled worst loss of the step chosen last (seconds)
         self._plain_seconds: dict[int, deque] = {}  # batch size -> recent plain steps' seconds
-        self._noise_frac = 0.0  # a plain step's noise over its median (last size with 5 steps)
+        # a plain step's noise over its median, from the last batch size with 5 plain steps;
+        # None before: no speculative step runs until a loss can be told from noise
+        self._noise_frac: float | None = None
         # this step's decoding sequences (``select``): id -> (expected remaining, weight)
         self._step_weights: dict[int, tuple[float | None, float]] = {}
         self._step_seqs: list = []  # and the sequences themselves
@@ -207,8 +209,9 @@ class AutoPolicy(Policy):
             catch_ups = self._pending_catch_up()
             catch_up = self.latency.catch_up_time(sum(catch_ups))
             worst = {c: self._extra.get(c, 0.0) + catch_up for c in scores if c is not None}
+            known = self._noise_frac is not None  # else no loss could be judged yet
             pool = {c: v for c, v in scores.items()
-                    if c is None or self.guard.covers(batch, worst[c])}
+                    if c is None or known and self.guard.covers(batch, worst[c])}
             if len(pool) < len(scores) and max(scores, key=scores.get) not in pool:
                 self.guard.refused += 1
         best = max(pool, key=pool.get)
@@ -223,7 +226,7 @@ class AutoPolicy(Policy):
             if self.probes.active:  # a few sequences, those with the least to catch up on
                 self._worst = (min(1.0, self.probes.seqs / batch) * self._extra.get(choice, 0.0)
                                + self.latency.catch_up_time(self.probes.least(catch_ups)))
-            if not self.guard.affords(batch, self._worst):  # a probe it does not cover
+            if self._noise_frac is None or not self.guard.affords(batch, self._worst):
                 choice, self.probes.active = None, False
         self.current = current
         self._predicted = scores[choice]
@@ -396,9 +399,12 @@ class AutoPolicy(Policy):
         if self.guard is None or not rec.is_decode_only:
             return
         b, saved, noise = rec.num_decode, 0.0, 0.0
-        if rec.strategy is None:  # what a plain step costs, measured
+        if rec.strategy is None:  # what a plain step costs, measured, and its noise
             if not rec.thread_probe:
-                self._plain_seconds.setdefault(b, deque(maxlen=9)).append(rec.step_time)
+                plain = self._plain_seconds.setdefault(b, deque(maxlen=9))
+                plain.append(rec.step_time)
+                if len(plain) >= 5:
+                    self._noise_frac = sorted(plain)[-2] / statistics.median(plain) - 1.0
         else:
             off_rate = self.last_scores.get(None, 0.0)
             plain = self._plain_seconds.get(b)
@@ -406,9 +412,7 @@ class AutoPolicy(Policy):
                 (b / off_rate if off_rate > 0 else 0.0)
             if t_off:
                 saved = self._progress(rec) * t_off - rec.step_time
-            if plain and len(plain) >= 5:  # a plain step's spread, relative to its time
-                self._noise_frac = sorted(plain)[-2] / t_off - 1.0
-            noise = self._noise_frac * t_off
+            noise = (self._noise_frac or 0.0) * t_off
         modelled = rec.strategy is not None and not rec.thread_probe  # a probe's loss: not ours
         self.guard.observe(rec.num_decode, rec.step_time + own, saved - own - rec.observe_time,
                            self._worst if modelled else None, noise, own + rec.observe_time)
