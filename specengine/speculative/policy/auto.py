@@ -125,8 +125,9 @@ class AutoPolicy(Policy):
         self._idle_worst: float | None = None  # the worst case ``_idle`` priced last
         self._worst = 0.0  # the modelled worst loss of the step chosen last (seconds)
         self._plain_seconds: dict[int, deque] = {}  # batch size -> recent plain steps' seconds
-        # a plain step's noise over its median, from the last batch size with 5 plain steps;
-        # None before: no speculative step runs until a loss can be told from noise
+        # a plain step's noise over its median (``_spread``), last measured; None before any
+        # batch size had 5 plain steps: no speculative step runs until a loss can be told
+        # from noise
         self._noise_frac: float | None = None
         # this step's decoding sequences (``select``): id -> (expected remaining, weight)
         self._step_weights: dict[int, tuple[float | None, float]] = {}
@@ -387,11 +388,12 @@ class AutoPolicy(Policy):
         plain steps run at it, which a thread-count probe or a stall does not move; else
         ``B / r_off``, ``r_off`` no speculation's score); a plain step saved 0 and is
         measured; how much slower than ``t_off`` the second slowest of those plain steps was
-        (relative to ``t_off``; from the last batch size with 5 of them) is the step's
-        ``noise`` (``LossGuard.observe``). The policy's own seconds (``decision_time``) since
-        the last account and the step's ``observe_time`` (storing features for the drafter,
-        which a plain step pays only because a drafter is attached) count as loss, and are
-        the ``overhead`` the guard earns back whatever its backoff. A step the thread tuner
+        (relative to ``t_off``, ``_spread``; at this batch size once it has 5 of them, else
+        the last measured) is the step's ``noise`` (``LossGuard.observe``). The policy's own
+        seconds (``decision_time``) since the last account and the step's ``observe_time``
+        (storing features for the drafter, which a plain step pays only because a drafter is
+        attached) count as loss, and are the ``overhead`` the guard earns back whatever its
+        backoff. A step the thread tuner
         ran at a probed count (``rec.thread_probe``) counts what it saved or lost, but neither
         measures a plain step nor teaches the guard how far its model underestimates a
         speculative one: that loss is the tuner's."""
@@ -403,8 +405,8 @@ class AutoPolicy(Policy):
             if not rec.thread_probe:
                 plain = self._plain_seconds.setdefault(b, deque(maxlen=9))
                 plain.append(rec.step_time)
-                if len(plain) >= 5:
-                    self._noise_frac = sorted(plain)[-2] / statistics.median(plain) - 1.0
+                if self._noise_frac is None and len(plain) >= 5:  # the first measure
+                    self._noise_frac = _spread(plain)
         else:
             off_rate = self.last_scores.get(None, 0.0)
             plain = self._plain_seconds.get(b)
@@ -412,6 +414,8 @@ class AutoPolicy(Policy):
                 (b / off_rate if off_rate > 0 else 0.0)
             if t_off:
                 saved = self._progress(rec) * t_off - rec.step_time
+            if plain and len(plain) >= 5:  # measured where the step ran, when it can be
+                self._noise_frac = _spread(plain)
             noise = (self._noise_frac or 0.0) * t_off
         modelled = rec.strategy is not None and not rec.thread_probe  # a probe's loss: not ours
         self.guard.observe(rec.num_decode, rec.step_time + own, saved - own - rec.observe_time,
@@ -497,3 +501,9 @@ class AutoPolicy(Policy):
         if self.guard is not None:
             d["policy_guard"] = {**self.guard.stats(), "idle_steps": self.idle_steps}
         return d
+
+
+def _spread(seconds) -> float:
+    """How much slower than their median the second slowest of ``seconds`` (a few plain
+    steps' times) is, relative to the median: a plain step's own noise."""
+    return sorted(seconds)[-2] / statistics.median(seconds) - 1.0
