@@ -13,6 +13,8 @@ speculative step of ``B`` sequences that committed ``c`` tokens in ``t`` seconds
 
 from __future__ import annotations
 
+from collections import deque
+
 from specengine.speculative.policy.base import batch_bucket, bucket_label
 
 
@@ -29,9 +31,14 @@ class LossGuard:
     The worst case a step is allowed on is the policy's model of it, which may be wrong (a
     cost the models never saw); so per bucket the guard keeps ``underestimate``: how many
     times the modelled worst case the real loss of a speculative step has been (the largest
-    ratio seen, fading 10% towards 1 with each step that lost less), and asks for that many
-    times the modelled worst case in slack. A loss within a plain step's own noise (``observe``)
-    is no such evidence: it is charged to ``saved`` but teaches neither this nor ``backoff``.
+    ratio learnt, as below, fading 10% towards 1 with each step that lost less), and asks for
+    that many times the modelled worst case in slack. A loss within a plain step's own noise
+    (``observe``) is no such evidence: it is charged to ``saved`` but teaches neither this nor
+    ``backoff``. Nor is one step's loss beyond it alone: on a shared CPU a plain step can run
+    20-40% slower for seconds at a time, and a ratio learnt from one such step (28x, on one
+    loss of 2 ms where 0.1 ms was modelled) kept a bucket from speculating for hundreds of
+    steps. So a ratio counts once ``confirm`` modelled steps in a row have shown it (the
+    smallest of their ratios is learnt); every loss is charged to ``saved`` all the same.
 
     Where speculation keeps losing, exploring costs ``alpha`` for nothing; so per bucket each
     modelled speculative step that lost (beyond the noise) doubles ``backoff`` (up to
@@ -44,15 +51,20 @@ class LossGuard:
         alpha: the share of no speculation's speed that may be lost (0.02: at least 0.98x).
         horizon: steps per bucket the sums remember (their fading time constant).
         max_backoff: the largest divisor of ``alpha`` (>= 1; 1: no backing off).
+        confirm: modelled speculative steps in a row whose losses ``underestimate`` learns
+            from (>= 1; 1: every step's ratio alone).
     """
 
-    def __init__(self, alpha: float = 0.02, horizon: int = 2000, max_backoff: int = 8):
+    def __init__(self, alpha: float = 0.02, horizon: int = 2000, max_backoff: int = 8,
+                 confirm: int = 2):
         if not 0.0 <= alpha < 1.0:
             raise ValueError(f"LossGuard alpha={alpha}: must be in [0, 1)")
         if horizon < 1:
             raise ValueError(f"LossGuard horizon={horizon}: must be >= 1")
         if max_backoff < 1:
             raise ValueError(f"LossGuard max_backoff={max_backoff}: must be >= 1")
+        if confirm < 1:
+            raise ValueError(f"LossGuard confirm={confirm}: must be >= 1")
         self.alpha, self.fade = alpha, 1.0 - 1.0 / horizon
         self.max_backoff = max_backoff
         self.saved: dict[int, float] = {}  # bucket -> seconds saved by speculation (faded)
@@ -61,6 +73,8 @@ class LossGuard:
         self.backoff: dict[int, int] = {}  # bucket -> divisor of alpha (absent: 1)
         self.refused = 0  # speculative steps refused
         self.underestimate: dict[int, float] = {}  # bucket -> real / modelled worst loss
+        self.confirm = confirm
+        self._ratios: dict[int, deque] = {}  # bucket -> the last ``confirm`` steps' ratios
 
     def slack(self, batch: int) -> float:
         """Seconds a step of ``batch`` sequences may still lose: ``saved + allowance``."""
@@ -124,8 +138,10 @@ class LossGuard:
         elif saved_seconds > 0:
             self.backoff.pop(b, None)
         if worst_loss > 0:
+            ratios = self._ratios.setdefault(b, deque(maxlen=self.confirm))
+            ratios.append(excess / worst_loss)
             u = 1.0 + 0.9 * (self.underestimate.get(b, 1.0) - 1.0)
-            self.underestimate[b] = max(u, excess / worst_loss)
+            self.underestimate[b] = max(u, min(ratios)) if len(ratios) == self.confirm else u
 
     def stats(self) -> dict:
         """``refused`` steps and, per bucket label, ``saved_s``, ``spent_s``,
