@@ -421,3 +421,19 @@ def test_a_thread_probe_is_not_taken_for_speculation_losing():
     assert rates[True] > 1.3
     assert rates[False] < rates[True] - 0.1
 
+
+def test_overhead_paid_in_bursts_is_earned_back_like_steady_overhead():
+    """The policy learns from 64 idle steps at once: its overhead comes as one burst (2.56 ms
+    every 64 steps of 10 ms, 0.04 ms a step on average, within alpha's 0.2 ms). At the largest
+    backoff the bucket's slack grows as with the same overhead paid evenly, by (0.2 - 0.04) /
+    8 ms a step; earning back at most alpha's share of the burst step, it would shrink."""
+    growth = {}
+    for burst in (False, True):
+        g = LossGuard(alpha=0.02, horizon=10**9, max_backoff=8)
+        g.backoff[1] = 8
+        for i in range(640):
+            ovh = (0.00256 if i % 64 == 0 else 0.0) if burst else 0.00004
+            g.observe(1, 0.01, -ovh, overhead=ovh)
+        growth[burst] = g.slack(1) / 640
+    assert growth[True] == pytest.approx(growth[False], rel=1e-6)
+    assert growth[False] == pytest.approx((0.0002 - 0.00004) / 8, rel=1e-6)
