@@ -246,7 +246,8 @@ def lockstep(methods: list[str], prompts: list[list[int]], max_tokens: int,
     """Batch 1, bf16, greedy: the plain engine and one engine per speculative method (``auto``)
     in one process, each prompt run by every engine in a shuffled order (seeded), ``rounds``
     times; the machine's drift then falls on all alike. Returns each engine's wall seconds,
-    its speed over the plain engine's (``vs_plain``) and whether its tokens equal plain's."""
+    its speed over the plain engine's (``vs_plain``), whether its tokens equal plain's and
+    each method's steps per strategy and loss-guard state (``policy``)."""
     import random
 
     names = ["plain", *methods]
@@ -265,11 +266,17 @@ def lockstep(methods: list[str], prompts: list[list[int]], max_tokens: int,
                 if r == 0:
                     outs[n].append(out[0].outputs[0].token_ids)
     vs = {n: wall["plain"] / wall[n] for n in names}
+    policy = {}  # each method's steps per strategy and loss guard: which mode the run took
+    for n in methods:
+        m = llms[n].get_metrics()
+        policy[n] = {"steps": {k: v["steps"] for k, v in m["policy_strategies"].items()},
+                     "guard": m.get("policy_guard")}
     print("# lockstep, " + ", ".join(f"{n} {v:.3f}x" for n, v in vs.items())
           + f" of plain ({len(prompts)} prompts x {rounds} rounds)", file=sys.stderr)
     return {"engine": "lockstep", "dtype": "bfloat16", "batch": 1, "prompts": len(prompts),
             "rounds": rounds, "wall_s": wall, "vs_plain": vs,
-            "same_tokens_as_plain": {n: outs[n] == outs["plain"] for n in names}}
+            "same_tokens_as_plain": {n: outs[n] == outs["plain"] for n in names},
+            "policy": policy}
 
 
 def profile_decode_step(llm: LLM, prompt: list[int]) -> str:

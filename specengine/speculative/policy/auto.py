@@ -282,8 +282,11 @@ class AutoPolicy(Policy):
         return w
 
     def finished(self, seq) -> None:
-        """A sequence left the engine: its output length feeds ``remaining``."""
+        """A sequence left the engine: its output length feeds ``remaining``; an idle
+        stretch ``_steps_idle`` priced stops here (the sequence that takes its place has less
+        for a drafter to catch up on, so a probe may be affordable sooner)."""
         self.remaining.finished(seq)
+        self._idle_skip = (0, 0)
 
     def select(self, seqs: list, strategy: Strategy) -> list[bool]:
         """Per-sequence choice (the engine drafts only for sequences marked True): a sequence
