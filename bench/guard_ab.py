@@ -1,0 +1,127 @@
+"""The loss guard of this tree against the one of a git revision, in lockstep at batch 1.
+
+One process holds the plain engine (no drafter) and, per method, two ``auto`` engines: one
+with this tree's ``LossGuard``, one with ``LossGuard`` as ``git show REV:...guard.py`` has it
+(everything else in both is this tree's). Every prompt is run by each engine in a shuffled
+order, ``--rounds`` times, so the machine's drift falls on all alike; ``--runs`` fresh
+sets of engines are built in turn, the two arms in alternating order (a guard's outcome
+depends on its first steps, so one run is one sample). Per run and engine: wall seconds,
+speed over plain, the speculative steps taken and the guard's state; every engine's tokens
+must equal plain's.
+
+    python bench/guard_ab.py --base b5ac5bd --methods eagle,ngram --runs 10
+
+SmolLM2-135M-Instruct (bf16, greedy), the first ``--prompts`` HumanEval prompts, 128 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench_decode import MODEL, engine_llm
+from common import machine_info, quiet_transformers, write_json
+from transformers import AutoTokenizer
+
+from specengine import SamplingParams
+from specengine.data.prompt_sets import humaneval_prompts
+from specengine.models.loader import resolve_model
+
+GUARD = "specengine/speculative/policy/guard.py"
+
+
+def base_guard_class(rev: str):
+    """``LossGuard`` as revision ``rev`` of the repository has it (a module loaded from
+    ``git show``). Raises subprocess.CalledProcessError: no such revision or file."""
+    src = subprocess.run(["git", "show", f"{rev}:{GUARD}"], check=True, capture_output=True,
+                         text=True).stdout
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location("base_guard", f.name)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.LossGuard
+
+
+def one_run(methods: list[str], base_cls, prompts: list[list[int]], max_tokens: int,
+            rounds: int, seed: int) -> dict:
+    """Build the engines, run them in lockstep, return their walls, speeds and policies."""
+    arms = ("this", "base") if seed % 2 == 0 else ("base", "this")  # built in turn
+    names = ["plain"] + [f"{m}/{arm}" for m in methods for arm in arms]
+    llms = {}
+    for n in names:
+        method = None if n == "plain" else n.split("/")[0]
+        llms[n] = engine_llm("bfloat16", prompts[:1], max_tokens,
+                             {"method": method} if method else None)
+        pol = llms[n].engine.policy
+        if n.endswith("/base"):
+            pol.guard = base_cls(pol.guard.alpha)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
+    wall, outs, rng = dict.fromkeys(names, 0.0), {n: [] for n in names}, random.Random(seed)
+    for _ in range(rounds):
+        for p in prompts:
+            order = names[:]
+            rng.shuffle(order)
+            for n in order:
+                t0 = time.perf_counter()
+                out = llms[n].generate([{"prompt_token_ids": p}], params, use_tqdm=False)
+                wall[n] += time.perf_counter() - t0
+                outs[n].append(out[0].outputs[0].token_ids)
+    run = {"wall_s": wall, "vs_plain": {n: wall["plain"] / wall[n] for n in names},
+           "same_tokens_as_plain": all(outs[n] == outs["plain"] for n in names), "policy": {}}
+    for n in names[1:]:
+        m = llms[n].get_metrics()
+        steps = {k: v["steps"] for k, v in m["policy_strategies"].items()}
+        run["policy"][n] = {"speculative_steps": sum(v for k, v in steps.items() if k != "off"),
+                            "steps": steps, "guard": m.get("policy_guard")}
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", required=True, help="git revision whose LossGuard to compare")
+    ap.add_argument("--methods", default="eagle,ngram")
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--out", default=None, help="JSON path for the results")
+    args = ap.parse_args()
+    quiet_transformers()
+    base_cls = base_guard_class(args.base)
+    methods = [m for m in args.methods.split(",") if m]
+    tok = AutoTokenizer.from_pretrained(resolve_model(MODEL))
+    prompts = [tok(p["prompt"]).input_ids for p in humaneval_prompts(args.prompts)]
+    runs = []
+    for r in range(args.runs):
+        runs.append(one_run(methods, base_cls, prompts, args.max_tokens, args.rounds, r))
+        print(f"# run {r}: " + ", ".join(f"{n} {v:.3f}x" for n, v in
+                                         runs[-1]["vs_plain"].items() if n != "plain"),
+              file=sys.stderr)
+    summary = {}
+    for m in methods:
+        for arm in ("this", "base"):
+            n = f"{m}/{arm}"
+            vs = [run["vs_plain"][n] for run in runs]
+            summary[n] = {"mean": statistics.mean(vs), "min": min(vs), "max": max(vs),
+                          "runs_under_100_speculative_steps": sum(
+                              run["policy"][n]["speculative_steps"] < 100 for run in runs)}
+            print(f"{n}: mean {summary[n]['mean']:.3f}x min {summary[n]['min']:.3f}x of plain, "
+                  f"{summary[n]['runs_under_100_speculative_steps']}/{len(runs)} runs with "
+                  "< 100 speculative steps")
+    print("tokens equal to plain in every run:", all(r["same_tokens_as_plain"] for r in runs))
+    if args.out:
+        write_json(args.out, {"machine": machine_info(), "model": MODEL, "base": args.base,
+                              "methods": methods, "rounds": args.rounds,
+                              "prompts": args.prompts, "max_tokens": args.max_tokens,
+                              "summary": summary, "runs": runs})
+
+
+if __name__ == "__main__":
+    main()
