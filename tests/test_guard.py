@@ -437,3 +437,23 @@ def test_overhead_paid_in_bursts_is_earned_back_like_steady_overhead():
         growth[burst] = g.slack(1) / 640
     assert growth[True] == pytest.approx(growth[False], rel=1e-6)
     assert growth[False] == pytest.approx((0.0002 - 0.00004) / 8, rel=1e-6)
+
+
+def test_savings_are_counted_against_a_plain_step_measured_lately():
+    """Speculation pays and runs on, while a plain step gets 25% cheaper (the machine freed
+    up): one step in ``PLAIN_EVERY`` at that batch size is plain, so the seconds a
+    speculative step is credited with saving follow the new cost, not the one measured
+    before speculation took over (which would credit each step 5 ms it never saved)."""
+    pol, sim = optimistic_policy(), Sim(accepted=0.5, extra=0.002)
+    simulate(pol, sim, 1000)
+    sim.t_off = 0.015
+    picks = []
+    for _ in range(1000):
+        s = pol.choose(sim.batch)
+        pol.record(sim.step(s))
+        picks.append(s)
+    plain_at = [i for i, s in enumerate(picks) if s is None]
+    assert sum(s is not None for s in picks) > 900  # speculation kept
+    gaps = np.diff([-1, *plain_at, len(picks)])
+    assert gaps.max() <= pol.PLAIN_EVERY + 1, gaps.max()
+    assert np.median(pol._plain_seconds[sim.batch]) == pytest.approx(0.015)

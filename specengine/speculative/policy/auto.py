@@ -65,7 +65,11 @@ class AutoPolicy(Policy):
       the drafter's catch-up on the tokens it did not see (``LatencyModel.catch_up_time``),
       exceeds that slack is not run (the best candidate it covers is, or none), so each
       bucket stays at least ``1 - max_loss`` as fast as no speculation, the policy's own time
-      counted as loss (the conservative bandit's rule);
+      counted as loss (the conservative bandit's rule); a speculative step's savings are
+      counted against a plain step's measured seconds at its batch size, so while
+      speculation runs on, one step in ``PLAIN_EVERY`` at that batch size is plain (a stale
+      measure, 12 ms where plain steps now took 10.4, had credited batch-4 n-gram steps with
+      savings the wall clock never saw);
     - ``remaining`` (``RemainingLength``): expected remaining output per sequence from its
       prompt group's finished lengths (``finished``), across ``generate`` calls; it weights
       each sequence's draft nodes (``remaining.length_weights``) in ``select`` and ``refine``,
@@ -91,6 +95,7 @@ class AutoPolicy(Policy):
 
     name = "auto"
     IDLE_LEARN_EVERY = 64  # recorded steps learnt from at once while ``_idle``
+    PLAIN_EVERY = 64  # the most decode steps at one batch size between plain ones (guarded)
 
     def __init__(self, candidates: list[Strategy | None], hysteresis: float = 0.05,
                  probe_every: int = 50, probe_seqs: int = 4,
@@ -125,6 +130,7 @@ class AutoPolicy(Policy):
         self._idle_worst: float | None = None  # the worst case ``_idle`` priced last
         self._worst = 0.0  # the modelled worst loss of the step chosen last (seconds)
         self._plain_seconds: dict[int, deque] = {}  # batch size -> recent plain steps' seconds
+        self._plain_age: dict[int, int] = {}  # batch size -> decode steps since its last plain
         # a plain step's noise over its median (``_spread``), last measured; None before any
         # batch size had 5 plain steps: no speculative step runs until a loss can be told
         # from noise
@@ -227,7 +233,8 @@ class AutoPolicy(Policy):
             if self.probes.active:  # a few sequences, those with the least to catch up on
                 self._worst = (min(1.0, self.probes.seqs / batch) * self._extra.get(choice, 0.0)
                                + self.latency.catch_up_time(self.probes.least(catch_ups)))
-            if self._noise_frac is None or not self.guard.affords(batch, self._worst):
+            if self._noise_frac is None or not self.guard.affords(batch, self._worst) or \
+                    self._plain_age.get(batch, 0) >= self.PLAIN_EVERY:  # measure one now
                 choice, self.probes.active = None, False
         self.current = current
         self._predicted = scores[choice]
@@ -404,8 +411,10 @@ class AutoPolicy(Policy):
         if self.guard is None or not rec.is_decode_only:
             return
         b, saved, noise = rec.num_decode, 0.0, 0.0
+        self._plain_age[b] = self._plain_age.get(b, 0) + 1
         if rec.strategy is None:  # what a plain step costs, measured, and its noise
             if not rec.thread_probe:
+                self._plain_age[b] = 0
                 plain = self._plain_seconds.setdefault(b, deque(maxlen=9))
                 plain.append(rec.step_time)
                 if self._noise_frac is None and len(plain) >= 5:  # the first measure
