@@ -1,4 +1,4 @@
-"""The loss guard of this tree against the one of a git revision, in lockstep at batch 1.
+"""The loss guard of this tree against the one of a git revision, in lockstep.
 
 One process holds the plain engine (no drafter) and, per method, two ``auto`` engines: one
 with this tree's ``LossGuard``, one with ``LossGuard`` as ``git show REV:...guard.py`` has it
@@ -11,7 +11,9 @@ must equal plain's.
 
     python bench/guard_ab.py --base b5ac5bd --methods eagle,ngram --runs 10
 
-SmolLM2-135M-Instruct (bf16, greedy), the first ``--prompts`` HumanEval prompts, 128 tokens.
+SmolLM2-135M-Instruct (bf16, greedy), 128 tokens, HumanEval prompts: ``--prompts`` generate
+calls per round of ``--batch`` prompts each (batch 1 by default; the running batch shrinks
+only if a request ends early, and none does: EOS is masked until ``max_tokens``).
 """
 
 from __future__ import annotations
@@ -49,15 +51,16 @@ def base_guard_class(rev: str):
     return mod.LossGuard
 
 
-def one_run(methods: list[str], base_cls, prompts: list[list[int]], max_tokens: int,
+def one_run(methods: list[str], base_cls, groups: list[list[list[int]]], max_tokens: int,
             rounds: int, seed: int) -> dict:
-    """Build the engines, run them in lockstep, return their walls, speeds and policies."""
+    """Build the engines, run them in lockstep (one ``generate`` call per group of prompts:
+    the batch), return their walls, speeds and policies."""
     arms = ("this", "base") if seed % 2 == 0 else ("base", "this")  # built in turn
     names = ["plain"] + [f"{m}/{arm}" for m in methods for arm in arms]
     llms = {}
     for n in names:
         method = None if n == "plain" else n.split("/")[0]
-        llms[n] = engine_llm("bfloat16", prompts[:1], max_tokens,
+        llms[n] = engine_llm("bfloat16", max(groups, key=len), max_tokens,
                              {"method": method} if method else None)
         pol = llms[n].engine.policy
         if n.endswith("/base"):
@@ -65,14 +68,15 @@ def one_run(methods: list[str], base_cls, prompts: list[list[int]], max_tokens: 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
     wall, outs, rng = dict.fromkeys(names, 0.0), {n: [] for n in names}, random.Random(seed)
     for _ in range(rounds):
-        for p in prompts:
+        for group in groups:
             order = names[:]
             rng.shuffle(order)
             for n in order:
                 t0 = time.perf_counter()
-                out = llms[n].generate([{"prompt_token_ids": p}], params, use_tqdm=False)
+                out = llms[n].generate([{"prompt_token_ids": p} for p in group], params,
+                                       use_tqdm=False)
                 wall[n] += time.perf_counter() - t0
-                outs[n].append(out[0].outputs[0].token_ids)
+                outs[n] += [o.outputs[0].token_ids for o in out]
     run = {"wall_s": wall, "vs_plain": {n: wall["plain"] / wall[n] for n in names},
            "same_tokens_as_plain": all(outs[n] == outs["plain"] for n in names), "policy": {}}
     for n in names[1:]:
@@ -89,7 +93,8 @@ def main() -> None:
     ap.add_argument("--methods", default="eagle,ngram")
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--prompts", type=int, default=6, help="generate calls per round")
+    ap.add_argument("--batch", type=int, default=1, help="prompts per generate call")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", default=None, help="JSON path for the results")
     args = ap.parse_args()
@@ -97,10 +102,11 @@ def main() -> None:
     base_cls = base_guard_class(args.base)
     methods = [m for m in args.methods.split(",") if m]
     tok = AutoTokenizer.from_pretrained(resolve_model(MODEL))
-    prompts = [tok(p["prompt"]).input_ids for p in humaneval_prompts(args.prompts)]
+    prompts = [tok(p["prompt"]).input_ids for p in humaneval_prompts(args.prompts * args.batch)]
+    groups = [prompts[i:i + args.batch] for i in range(0, len(prompts), args.batch)]
     runs = []
     for r in range(args.runs):
-        runs.append(one_run(methods, base_cls, prompts, args.max_tokens, args.rounds, r))
+        runs.append(one_run(methods, base_cls, groups, args.max_tokens, args.rounds, r))
         print(f"# run {r}: " + ", ".join(f"{n} {v:.3f}x" for n, v in
                                          runs[-1]["vs_plain"].items() if n != "plain"),
               file=sys.stderr)
@@ -119,7 +125,8 @@ def main() -> None:
     if args.out:
         write_json(args.out, {"machine": machine_info(), "model": MODEL, "base": args.base,
                               "methods": methods, "rounds": args.rounds,
-                              "prompts": args.prompts, "max_tokens": args.max_tokens,
+                              "prompts": args.prompts, "batch": args.batch,
+                              "max_tokens": args.max_tokens,
                               "summary": summary, "runs": runs})
 
 
