@@ -241,6 +241,38 @@ def run_engine_wall(llm: LLM, prompt: list[int], max_tokens: int, repeats: int) 
             "first_output": out[max_tokens]}
 
 
+def run_lockstep(llms: dict[str, LLM], groups: list[list[list[int]]], max_tokens: int,
+                 rounds: int, seed: int) -> tuple[dict[str, float], dict[str, list]]:
+    """Greedy, ``max_tokens`` tokens each: every group of prompts (one ``generate`` call, the
+    batch) run by every engine of ``llms`` in a shuffled order (``random.Random(seed)``),
+    ``rounds`` times, so the machine's drift falls on all alike. Returns per engine its wall
+    seconds in all and its output token ids (every round's, in order)."""
+    import random
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
+    names = list(llms)
+    wall, outs, rng = dict.fromkeys(names, 0.0), {n: [] for n in names}, random.Random(seed)
+    for _ in range(rounds):
+        for group in groups:
+            order = names[:]
+            rng.shuffle(order)
+            for n in order:
+                t0 = time.perf_counter()
+                out = llms[n].generate([{"prompt_token_ids": p} for p in group], params,
+                                       use_tqdm=False)
+                wall[n] += time.perf_counter() - t0
+                outs[n] += [o.outputs[0].token_ids for o in out]
+    return wall, outs
+
+
+def policy_state(llm: LLM) -> dict:
+    """The engine's decode steps per strategy (``steps``) and its loss guard's state
+    (``guard``): which mode an ``auto`` policy took."""
+    m = llm.get_metrics()
+    return {"steps": {k: v["steps"] for k, v in m["policy_strategies"].items()},
+            "guard": m.get("policy_guard")}
+
+
 def lockstep(methods: list[str], prompts: list[list[int]], max_tokens: int,
              rounds: int) -> dict:
     """Batch 1, bf16, greedy: the plain engine and one engine per speculative method (``auto``)
@@ -248,29 +280,12 @@ def lockstep(methods: list[str], prompts: list[list[int]], max_tokens: int,
     times; the machine's drift then falls on all alike. Returns each engine's wall seconds,
     its speed over the plain engine's (``vs_plain``), whether its tokens equal plain's and
     each method's steps per strategy and loss-guard state (``policy``)."""
-    import random
-
     names = ["plain", *methods]
     llms = {n: engine_llm("bfloat16", prompts[:1], max_tokens,
                           None if n == "plain" else {"method": n}) for n in names}
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
-    wall, outs, rng = dict.fromkeys(names, 0.0), {n: [] for n in names}, random.Random(0)
-    for r in range(rounds):
-        for p in prompts:
-            order = names[:]
-            rng.shuffle(order)
-            for n in order:
-                t0 = time.perf_counter()
-                out = llms[n].generate([{"prompt_token_ids": p}], params, use_tqdm=False)
-                wall[n] += time.perf_counter() - t0
-                if r == 0:
-                    outs[n].append(out[0].outputs[0].token_ids)
+    wall, outs = run_lockstep(llms, [[p] for p in prompts], max_tokens, rounds, seed=0)
     vs = {n: wall["plain"] / wall[n] for n in names}
-    policy = {}  # each method's steps per strategy and loss guard: which mode the run took
-    for n in methods:
-        m = llms[n].get_metrics()
-        policy[n] = {"steps": {k: v["steps"] for k, v in m["policy_strategies"].items()},
-                     "guard": m.get("policy_guard")}
+    policy = {n: policy_state(llms[n]) for n in methods}
     print("# lockstep, " + ", ".join(f"{n} {v:.3f}x" for n, v in vs.items())
           + f" of plain ({len(prompts)} prompts x {rounds} rounds)", file=sys.stderr)
     return {"engine": "lockstep", "dtype": "bfloat16", "batch": 1, "prompts": len(prompts),

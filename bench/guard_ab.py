@@ -20,18 +20,15 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import random
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
-from bench_decode import MODEL, engine_llm
+from bench_decode import MODEL, engine_llm, policy_state, run_lockstep
 from common import machine_info, quiet_transformers, write_json
 from transformers import AutoTokenizer
 
-from specengine import SamplingParams
 from specengine.data.prompt_sets import humaneval_prompts
 from specengine.models.loader import resolve_model
 
@@ -65,25 +62,13 @@ def one_run(methods: list[str], base_cls, groups: list[list[list[int]]], max_tok
         pol = llms[n].engine.policy
         if n.endswith("/base"):
             pol.guard = base_cls(pol.guard.alpha)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
-    wall, outs, rng = dict.fromkeys(names, 0.0), {n: [] for n in names}, random.Random(seed)
-    for _ in range(rounds):
-        for group in groups:
-            order = names[:]
-            rng.shuffle(order)
-            for n in order:
-                t0 = time.perf_counter()
-                out = llms[n].generate([{"prompt_token_ids": p} for p in group], params,
-                                       use_tqdm=False)
-                wall[n] += time.perf_counter() - t0
-                outs[n] += [o.outputs[0].token_ids for o in out]
+    wall, outs = run_lockstep(llms, groups, max_tokens, rounds, seed)
     run = {"wall_s": wall, "vs_plain": {n: wall["plain"] / wall[n] for n in names},
            "same_tokens_as_plain": all(outs[n] == outs["plain"] for n in names), "policy": {}}
     for n in names[1:]:
-        m = llms[n].get_metrics()
-        steps = {k: v["steps"] for k, v in m["policy_strategies"].items()}
-        run["policy"][n] = {"speculative_steps": sum(v for k, v in steps.items() if k != "off"),
-                            "steps": steps, "guard": m.get("policy_guard")}
+        state = policy_state(llms[n])
+        run["policy"][n] = {"speculative_steps": sum(
+            v for k, v in state["steps"].items() if k != "off"), **state}
     return run
 
 
