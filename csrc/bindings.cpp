@@ -90,6 +90,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("positions"),
         "[S] int64: argmax(probs[r] / exponential_noise(keys[r], [positions[r]], V)[0]) per "
         "row, the noise never stored.");
+  m.def("argmax_rows", &specengine::argmax_rows, py::arg("x"),
+        "[R] int64: the index of each row's largest value of x [R, V] float32 (the first among "
+        "equals, the first NaN if any: torch.argmax's rule), rows in parallel.");
   m.def("coupled_topk", &specengine::coupled_topk, py::arg("logits"), py::arg("k"),
         py::arg("temperature"), py::arg("keys"), py::arg("positions"),
         py::arg("vocab_map") = py::none(),

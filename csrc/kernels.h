@@ -136,6 +136,9 @@ void exponential_noise_rows_kernel(const int64_t* keys, int64_t key_step,
 // and NaN rule, the noise never stored; probs [S, V] float32.
 void exponential_race_kernel(const float* probs, const int64_t* keys, const int64_t* positions,
                              int64_t S, int64_t V, int64_t* out);
+// out[r] = the index of the largest of x[r] over [V] (x [R, V] float32): the first among
+// equals, a NaN counting as the largest (the first NaN), as torch.argmax.
+void argmax_rows_kernel(const float* x, int64_t R, int64_t V, int64_t* out);
 // Per row r of logits [R, Vd] float32: the k largest of z - logsumexp(z), best first (ties:
 // lower index; -inf / 0 past the row's finite entries), into values [R, k] / indices [R, k],
 // with z = logits[r] when temperature[r] == 0, else logits[r] / temperature[r] - log E, E the

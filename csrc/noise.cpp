@@ -195,6 +195,50 @@ SE_CLONES void log_noise_row(uint64_t row, const int64_t* map, int64_t Vd, float
   }
 }
 
+// The largest of p[0, n) (n >= 1) and the first index holding it, a NaN counting as the
+// largest (the first NaN): torch.argmax's rule. Each of 16 lanes keeps its own first maximum
+// (a later value replaces it only when strictly larger), the lanes are merged with `beats`;
+// a NaN seen in the vectors sends the chunk to a scalar scan for the first one.
+SE_CLONES void argmax_chunk(const float* p, int64_t n, float* best_out, int64_t* index_out) {
+  int64_t i = 0;
+  float top = p[0];
+  int64_t at = 0;
+  if (n >= 16) {
+    const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    f32x16 best = load16(p);
+    i32x16 best_index = lane, nan = best != best;
+    for (i = 16; i + 16 <= n; i += 16) {
+      const f32x16 v = load16(p + i);
+      nan |= v != v;
+      const i32x16 take = v > best;
+      best = take ? v : best;
+      best_index = take ? lane + static_cast<int32_t>(i) : best_index;
+    }
+    bool any_nan = false;
+    for (int l = 0; l < 16; ++l) any_nan |= nan[l] != 0;
+    if (any_nan) {
+      for (int64_t j = 0;; ++j) {
+        if (p[j] != p[j]) {
+          *best_out = p[j], *index_out = j;
+          return;
+        }
+      }
+    }
+    top = best[0], at = best_index[0];
+    for (int l = 1; l < 16; ++l) {
+      if (beats(best[l], best_index[l], top, at)) top = best[l], at = best_index[l];
+    }
+  }
+  for (; i < n; ++i) {
+    if (p[i] != p[i]) {
+      *best_out = p[i], *index_out = i;
+      return;
+    }
+    if (beats(p[i], i, top, at)) top = p[i], at = i;
+  }
+  *best_out = top, *index_out = at;
+}
+
 // One row of coupled_topk_kernel: z_i = logits[i] (log_e null: greedy) or logits[i] / t -
 // log_e[i]; then the k largest z_i - lse(z) (ties: the lower index first; NaN never taken),
 // written to values / indices (-inf / 0 when the row has fewer than k finite entries). z is
@@ -289,6 +333,25 @@ void exponential_race_kernel(const float* probs, const int64_t* keys, const int6
     index[c] += i0;
   });
   for (int64_t r = 0; r < S; ++r) {
+    int64_t c = r * per_row;
+    for (int64_t j = c + 1; j < (r + 1) * per_row; ++j) {
+      if (beats(best[j], index[j], best[c], index[c])) c = j;
+    }
+    out[r] = index[c];
+  }
+}
+
+void argmax_rows_kernel(const float* x, int64_t R, int64_t V, int64_t* out) {
+  const int64_t chunk = 16384;  // values per task
+  const int64_t per_row = (V + chunk - 1) / chunk;
+  std::vector<float> best(R * per_row);
+  std::vector<int64_t> index(R * per_row);
+  parallel_chunks(R * per_row, [&](int64_t c) {
+    const int64_t r = c / per_row, i0 = (c % per_row) * chunk;
+    argmax_chunk(x + r * V + i0, std::min(chunk, V - i0), &best[c], &index[c]);
+    index[c] += i0;
+  });
+  for (int64_t r = 0; r < R; ++r) {
     int64_t c = r * per_row;
     for (int64_t j = c + 1; j < (r + 1) * per_row; ++j) {
       if (beats(best[j], index[j], best[c], index[c])) c = j;

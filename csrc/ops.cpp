@@ -511,6 +511,17 @@ at::Tensor exponential_race(const at::Tensor& probs, const at::Tensor& keys,
   return out;
 }
 
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) >= 1 &&
+                        x.device().is_cpu(),
+                    "x must be a [R, V >= 1] float32 CPU tensor, got ", x.sizes(), " ",
+                    x.scalar_type(), " on ", x.device());
+  const auto xc = x.contiguous();
+  auto out = at::empty({x.size(0)}, at::TensorOptions().dtype(at::kLong));
+  argmax_rows_kernel(xc.data_ptr<float>(), xc.size(0), xc.size(1), out.data_ptr<int64_t>());
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor> coupled_topk(const at::Tensor& logits, int64_t k,
                                                 const at::Tensor& temperature,
                                                 const at::Tensor& keys,

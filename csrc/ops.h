@@ -75,6 +75,7 @@ at::Tensor exponential_noise_batch(const at::Tensor& keys, const at::Tensor& pos
                                    int64_t vocab);
 // [S] int64: argmax(probs[r] / exponential_noise(keys[r], [positions[r]], V)[0]) per row, as
 // torch.argmax (first index of the largest, NaN largest), the noise never stored.
+at::Tensor argmax_rows(const at::Tensor& x);
 at::Tensor exponential_race(const at::Tensor& probs, const at::Tensor& keys,
                             const at::Tensor& positions);
 std::tuple<at::Tensor, at::Tensor> coupled_topk(const at::Tensor& logits, int64_t k,

@@ -179,6 +179,53 @@ def test_race_is_argmax_of_probs_over_the_noise_rows(monkeypatch):
                              torch.tensor(streams.positions + [1]))
 
 
+def argmax_cases(g: torch.Generator):
+    """``[R, V]`` float32 rows for an argmax: widths below, at and past a 16-lane vector and a
+    16k-value chunk; repeated maxima within a lane, across lanes and across chunks; NaN first,
+    late, in a tail and in a later chunk; rows of -inf, of +inf, of equal values."""
+    for V in (1, 5, 15, 16, 17, 31, 33, 1003, 16384, 16385, 40000, 49152):
+        for R in (1, 3):
+            yield torch.randn(R, V, generator=g)
+        x = torch.randint(-3, 3, (4, V), generator=g).float()  # many ties of the maximum
+        yield x
+        if V > 1:
+            y = torch.randn(5, V, generator=g)
+            y[0, :] = float("-inf")
+            y[1, :] = 2.0
+            y[2, V // 2] = float("inf")
+            y[2, V - 1] = float("inf")
+            y[3, V - 1] = float("nan")
+            y[4, V // 3] = float("nan")
+            y[4, V - 1] = float("nan")
+            yield y
+    z = torch.randn(3, 49152, generator=g)
+    z[:, 20000] = z[:, 40000] = 9.0  # the maximum in two later chunks
+    z[1, 70 % 49152] = 9.0  # and in the first one
+    yield z
+    yield torch.randn(64, 49152, generator=g)[:, ::2]  # a strided view
+    yield torch.randn(0, 7, generator=g)
+
+
+def test_argmax_rows_across_lanes_chunks_and_views(monkeypatch):
+    """``argmax_rows`` (the extension's ``argmax_rows`` on the CPU: 16 lanes, 16k-value chunks
+    in parallel) gives ``torch.argmax``'s index in every row where a tie or a NaN falls across
+    a lane, a vector tail or a chunk boundary, and of a strided view; without the extension,
+    ``max(-1).indices``."""
+    cases = list(argmax_cases(torch.Generator().manual_seed(3)))
+    for x in cases:
+        assert torch.equal(argmax_rows(x), x.argmax(-1)), tuple(x.shape)
+    mod = ext()
+    if mod is None:
+        return
+    with pytest.raises(ValueError, match=r"x must be a \[R, V >= 1\] float32 CPU tensor"):
+        mod.argmax_rows(torch.zeros(2, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"x must be a \[R, V >= 1\] float32 CPU tensor"):
+        mod.argmax_rows(torch.zeros(2, 0))
+    monkeypatch.setattr(batched, "ext", lambda: None)
+    for x in cases[:8]:
+        assert torch.equal(argmax_rows(x), x.argmax(-1))
+
+
 @pytest.mark.skipif(ext() is None, reason="specengine._C is not built")
 def test_noise_batch_is_the_per_row_call_bit_for_bit():
     rng = random.Random(2)

@@ -148,9 +148,15 @@ class NoiseStreams:
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """Index of each row's maximum, ``[R, V]`` float32 -> ``[R]`` int64: the first maximal
-    entry, a NaN counting as the maximum (``torch.argmax``'s rule). Computed by
-    ``x.max(-1).indices``, which follows the same rule and runs 2.5x faster on the CPU
-    (64 x 49152 logits: 0.9 vs 2.2 ms)."""
+    entry, a NaN counting as the maximum (``torch.argmax``'s rule). On the CPU one extension
+    call (``argmax_rows``, ``csrc/noise.cpp``: 16 lanes of comparisons, rows and 16k-value
+    chunks in parallel), else ``x.max(-1).indices``, which follows the same rule. 49152
+    logits per row, 2 threads on Zen 4: 1 / 4 / 64 rows 0.003 / 0.022 / 0.15 ms, torch's
+    reduction 0.044 / 0.087 / 1.34 ms."""
+    mod = ext()
+    if (mod is not None and hasattr(mod, "argmax_rows") and x.device.type == "cpu"
+            and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0):
+        return mod.argmax_rows(x)
     return x.max(-1).indices
 
 
