@@ -1,6 +1,7 @@
 // Python bindings of specengine._C: the KV block allocator and the CPU/CUDA kernels.
 // torch/csrc/utils/pybind.h brings pybind11 with torch's at::Tensor casters; the whole of
 // torch/extension.h (the C++ frontend) is not needed and would double the build time.
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "allocator.h"
@@ -118,6 +119,36 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("tree_mask"), py::arg("final_norm"),
         "LlamaForCausalLM's decoder layers and final norm in one call (the Python layer loop's "
         "kernels in its order): hidden [T, H] -> final-norm hidden [T, H]; writes the K/V.");
+  m.def(
+      "param_stamps",
+      [](const py::list& dicts, const py::list& names) {
+        // [len(dicts) * len(names), 3] int64: per (dict, name) the object's address, its
+        // tensor's data pointer and version counter (-1: an inference tensor, which has none);
+        // zeros where the name is absent or None.
+        const int64_t n = static_cast<int64_t>(dicts.size() * names.size());
+        auto out = at::zeros({n, 3}, at::TensorOptions().dtype(at::kLong));
+        int64_t* o = out.data_ptr<int64_t>();
+        for (const auto d : dicts) {
+          if (!PyDict_Check(d.ptr())) throw py::type_error("param_stamps: dicts must hold dicts");
+          for (const auto name : names) {
+            PyObject* v = PyDict_GetItem(d.ptr(), name.ptr());  // borrowed
+            if (v != nullptr && v != Py_None) {
+              if (!THPVariable_Check(v)) {
+                throw py::type_error("param_stamps: a value is neither a tensor nor None");
+              }
+              const at::Tensor& t = THPVariable_Unpack(v);
+              o[0] = reinterpret_cast<int64_t>(v);
+              o[1] = reinterpret_cast<int64_t>(t.has_storage() ? t.data_ptr() : nullptr);
+              o[2] = t.is_inference() ? -1 : static_cast<int64_t>(t._version());
+            }
+            o += 3;
+          }
+        }
+        return out;
+      },
+      py::arg("dicts"), py::arg("names"),
+      "[len(dicts) * len(names), 3] int64: per module parameter dict and name, the "
+      "parameter's id, data pointer and version counter (zeros: absent or None) in one call.");
   m.def("set_pool_threads", &specengine::set_pool_threads, py::arg("n"),
         "Threads of the kernels' pool (0: follow torch.get_num_threads()).");
   m.def("pool_threads", &specengine::pool_threads, "Threads the kernels' pool uses now.");

@@ -179,6 +179,42 @@ def test_forward_checks_kv_cache_count():
               TorchAttention())
 
 
+def test_param_stamp_sees_each_change_in_one_call(monkeypatch):
+    """``_param_stamp`` (the extension's ``param_stamps``: one call over every layer's
+    parameters) gives what the Python loop gives (id, data pointer, version; absent: zeros /
+    None), and changes with an in-place op, a replaced parameter and a new storage."""
+    from specengine.models import llama
+    from specengine.ops.extension import ext
+
+    model = LlamaForCausalLM(_tiny_config())
+    if ext() is None or not hasattr(ext(), "param_stamps"):
+        pytest.skip("the C++ extension is not built")
+    got = model._param_stamp()
+    monkeypatch.setattr(llama, "ext", lambda: None)
+    want = model._param_stamp()
+    monkeypatch.undo()
+    assert got.shape == (len(want), 3)
+    for row, w in zip(got.tolist(), want):
+        assert row == (list(w) if w is not None else [0, 0, 0])
+    layer = model.layers[0]
+    changes = [lambda: layer.o_proj.requires_grad_(False).mul_(2),  # in place: version
+               lambda: setattr(layer, "o_proj", torch.nn.Parameter(  # replaced: id
+                   layer.o_proj.detach().clone(), requires_grad=False)),
+               lambda: setattr(layer.o_proj, "data", layer.o_proj.detach().clone())]  # storage
+    for i, change in enumerate(changes):
+        before = model._param_stamp()
+        change()
+        assert not llama._same_stamp(before, model._param_stamp()), i
+    assert llama._same_stamp(model._param_stamp(), model._param_stamp())
+    with torch.inference_mode():
+        inf = torch.zeros(2)
+    assert ext().param_stamps([{"w": inf}], ["w"])[0, 2] == -1  # no version counter
+    with pytest.raises(TypeError, match="dicts must hold dicts"):
+        ext().param_stamps([[1]], ["w"])
+    with pytest.raises(TypeError, match="neither a tensor nor None"):
+        ext().param_stamps([{"w": 1}], ["w"])
+
+
 @pytest.mark.integration
 def test_smollm2_logits_equal_transformers(default_model_dir):
     lm = load_model(default_model_dir, dtype=torch.float32)
