@@ -18,13 +18,16 @@ the one-call coupled top-k (``coupled_topk``); and the Python loop with torch's 
 log-probabilities and top-k (the drafting before either, noise rows drawn into memory; each
 call's noise cache emptied first, as a new step's positions are not cached).
 
+With ``--argmax``: a greedy step's argmax over M rows (``--ms``) of 49152 float32 logits (the
+vocabulary of SmolLM2): torch's ``max(-1).indices`` vs the extension's ``argmax_rows``.
+
 With ``--forward``: the whole model (SmolLM2-135M, real weights) per forward of T tokens at
 batch 1 after a 200-token context: T=1 is a decode step, T=9 a 1+8 token verify (ms, median).
 
     python bench/bench_kernels.py [--dtype bfloat16|float32] [--ms 1,4,8,16,32] [--threads N]
                                   [--isa generic|avx2|avx512] [--forward [--ts 1,9,17]]
                                   [--attention] [--draft [--shapes 32x4x1,...] [--out F]]
-                                  [--peak]
+                                  [--peak] [--argmax [--ms 1,4,64]]
 
 ``--isa avx2`` caps both sides at AVX2 + FMA, as on a CPU without AVX-512: specengine's dispatch
 (``SPECENGINE_ISA``) and torch's (``ATEN_CPU_CAPABILITY``, oneDNN's ``ONEDNN_MAX_CPU_ISA``, MKL's
@@ -110,6 +113,8 @@ def main() -> None:
     ap.add_argument("--peak", action="store_true",
                     help="what the AMX tile unit computes per second by operand data "
                          "(bench/amx_peak.cpp, built with g++) beside the packed AMX linear")
+    ap.add_argument("--argmax", action="store_true",
+                    help="time the greedy argmax over --ms rows of 49152 logits")
     ap.add_argument("--cold", action="store_true",
                     help="--attention: one cache per layer (30), as an engine step reads them, "
                          "instead of one cache read 30 times (kept in the CPU caches)")
@@ -126,6 +131,8 @@ def main() -> None:
           f"torch_capability={torch.backends.cpu.get_cpu_capability()}")
     if args.peak:
         return bench_peak()
+    if args.argmax:
+        return bench_argmax(ms)
     if args.forward:
         return bench_forward(dtype, [int(t) for t in args.ts.split(",")])
     if args.draft:
@@ -163,6 +170,22 @@ def main() -> None:
     print("\nlinear layers per decode step (30 layers + LM head):")
     for m in ms:
         print(f"  M={m:>2}: torch {step[m][0] * 1e3:6.2f} ms   ours {step[m][1] * 1e3:6.2f} ms")
+
+
+def bench_argmax(ms: list[int], vocab: int = 49152) -> None:
+    """Per row count M: ms per greedy argmax of ``[M, vocab]`` float32 random logits, torch's
+    ``max(-1).indices`` and ``argmax_rows`` (``specengine.sampling.batched``: the extension's
+    kernel), and that both give the same indices."""
+    from specengine.sampling.batched import argmax_rows
+
+    print(f"{'M':>4} {'torch ms':>9} {'ours ms':>9} {'speedup':>7}")
+    for m in ms:
+        x = torch.randn(m, vocab)
+        if not torch.equal(argmax_rows(x), x.max(-1).indices):
+            raise SystemExit(f"argmax_rows differs from torch at M={m}")
+        t_torch = time_call(lambda x=x: x.max(-1).indices)
+        t_ours = time_call(lambda x=x: argmax_rows(x))
+        print(f"{m:>4} {t_torch * 1e3:>9.4f} {t_ours * 1e3:>9.4f} {t_torch / t_ours:>6.1f}x")
 
 
 def bench_peak(m: int = 512, n: int = 1536, k: int = 576) -> None:
