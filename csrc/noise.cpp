@@ -346,11 +346,16 @@ void argmax_rows_kernel(const float* x, int64_t R, int64_t V, int64_t* out) {
   const int64_t per_row = (V + chunk - 1) / chunk;
   std::vector<float> best(R * per_row);
   std::vector<int64_t> index(R * per_row);
-  parallel_chunks(R * per_row, [&](int64_t c) {
+  const auto task = [&](int64_t c) {
     const int64_t r = c / per_row, i0 = (c % per_row) * chunk;
     argmax_chunk(x + r * V + i0, std::min(chunk, V - i0), &best[c], &index[c]);
     index[c] += i0;
-  });
+  };
+  if (R * V <= (int64_t{1} << 17)) {  // a few microseconds: waking a helper costs more
+    for (int64_t c = 0; c < R * per_row; ++c) task(c);
+  } else {
+    parallel_chunks(R * per_row, task);
+  }
   for (int64_t r = 0; r < R; ++r) {
     int64_t c = r * per_row;
     for (int64_t j = c + 1; j < (r + 1) * per_row; ++j) {
