@@ -141,12 +141,16 @@ class Sampler:
         """``logits`` ``[R, V]`` with the stop ids of ``seqs[r]`` set to ``-inf`` in every row
         ``r`` whose token lands at output position ``positions[r]`` < ``min_tokens``; a clone
         when any row is masked, else ``logits`` itself."""
-        masked = None
+        rows, cols = [], []
         for r, (s, pos) in enumerate(zip(seqs, positions)):
             if pos < s.params.min_tokens and (ids := self.stop_ids(s)):
-                masked = logits.clone() if masked is None else masked
-                masked[r, ids] = float("-inf")
-        return logits if masked is None else masked
+                rows += [r] * len(ids)
+                cols += ids
+        if not rows:
+            return logits
+        masked = logits.clone()
+        masked[torch.tensor(rows), torch.tensor(cols)] = float("-inf")  # one scatter
+        return masked
 
     @staticmethod
     def process(masked: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
