@@ -49,23 +49,30 @@ def base_guard_class(rev: str):
 
 
 def one_run(methods: list[str], base_cls, groups: list[list[list[int]]], max_tokens: int,
-            rounds: int, seed: int) -> dict:
+            rounds: int, seed: int, control: bool = False,
+            base_alpha: float | None = None) -> dict:
     """Build the engines, run them in lockstep (one ``generate`` call per group of prompts:
-    the batch), return their walls, speeds and policies."""
+    the batch), return their walls, speeds and policies. ``control``: a second plain engine,
+    ``plain/control``, built last (how much of an arm's speed over plain is the order the
+    engines were built in). ``base_alpha``: the base arm's guard gets this ``alpha`` (the
+    share of plain's speed it may risk) instead of the engine's ``policy_max_loss``."""
     arms = ("this", "base") if seed % 2 == 0 else ("base", "this")  # built in turn
     names = ["plain"] + [f"{m}/{arm}" for m in methods for arm in arms]
+    names += ["plain/control"] if control else []
     llms = {}
     for n in names:
-        method = None if n == "plain" else n.split("/")[0]
+        method = None if n.startswith("plain") else n.split("/")[0]
         llms[n] = engine_llm("bfloat16", max(groups, key=len), max_tokens,
                              {"method": method} if method else None)
         pol = llms[n].engine.policy
         if n.endswith("/base"):
-            pol.guard = base_cls(pol.guard.alpha)
+            pol.guard = base_cls(pol.guard.alpha if base_alpha is None else base_alpha)
     wall, outs = run_lockstep(llms, groups, max_tokens, rounds, seed)
     run = {"wall_s": wall, "vs_plain": {n: wall["plain"] / wall[n] for n in names},
            "same_tokens_as_plain": all(outs[n] == outs["plain"] for n in names), "policy": {}}
     for n in names[1:]:
+        if n == "plain/control":
+            continue
         state = policy_state(llms[n])
         run["policy"][n] = {"speculative_steps": sum(
             v for k, v in state["steps"].items() if k != "off"), **state}
@@ -81,6 +88,10 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=6, help="generate calls per round")
     ap.add_argument("--batch", type=int, default=1, help="prompts per generate call")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--base-alpha", type=float, default=None,
+                    help="the base arm's guard alpha (default: the engine's policy_max_loss)")
+    ap.add_argument("--control", action="store_true",
+                    help="also a second plain engine built last (plain/control)")
     ap.add_argument("--out", default=None, help="JSON path for the results")
     args = ap.parse_args()
     quiet_transformers()
@@ -91,7 +102,8 @@ def main() -> None:
     groups = [prompts[i:i + args.batch] for i in range(0, len(prompts), args.batch)]
     runs = []
     for r in range(args.runs):
-        runs.append(one_run(methods, base_cls, groups, args.max_tokens, args.rounds, r))
+        runs.append(one_run(methods, base_cls, groups, args.max_tokens, args.rounds, r,
+                            args.control, args.base_alpha))
         print(f"# run {r}: " + ", ".join(f"{n} {v:.3f}x" for n, v in
                                          runs[-1]["vs_plain"].items() if n != "plain"),
               file=sys.stderr)
@@ -106,12 +118,19 @@ def main() -> None:
             print(f"{n}: mean {summary[n]['mean']:.3f}x min {summary[n]['min']:.3f}x of plain, "
                   f"{summary[n]['runs_under_100_speculative_steps']}/{len(runs)} runs with "
                   "< 100 speculative steps")
+    if args.control:
+        vs = [run["vs_plain"]["plain/control"] for run in runs]
+        summary["plain/control"] = {"mean": statistics.mean(vs), "min": min(vs),
+                                    "max": max(vs)}
+        print(f"plain/control: mean {summary['plain/control']['mean']:.3f}x min "
+              f"{summary['plain/control']['min']:.3f}x of plain (same engine, built last)")
     print("tokens equal to plain in every run:", all(r["same_tokens_as_plain"] for r in runs))
     if args.out:
         write_json(args.out, {"machine": machine_info(), "model": MODEL, "base": args.base,
                               "methods": methods, "rounds": args.rounds,
                               "prompts": args.prompts, "batch": args.batch,
-                              "max_tokens": args.max_tokens,
+                              "max_tokens": args.max_tokens, "control": args.control,
+                              "base_alpha": args.base_alpha,
                               "summary": summary, "runs": runs})
 
 
