@@ -53,7 +53,14 @@ import sys
 import time
 from pathlib import Path
 
-from common import machine_info, markdown_table, quiet_transformers, stderr_logger, write_json
+from common import (
+    machine_info,
+    markdown_table,
+    quiet_transformers,
+    stderr_logger,
+    timed_method,
+    write_json,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -138,20 +145,6 @@ class OnlineDrafter(TrainerCallback):
                             "loss": self.trainer.last.get("loss"),
                             "rollouts": len(self.buffer), "drafter_version": version})
         return control
-
-
-def timed_method(obj, name: str, sink: list) -> None:
-    """Replace ``obj.name`` by a wrapper appending each call's wall seconds to ``sink``."""
-    inner = getattr(obj, name)
-
-    def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            sink.append(time.perf_counter() - t0)
-
-    setattr(obj, name, wrapper)
 
 
 def run(backend: str, a, model_dir, rows, steps: int, greedy: bool, log) -> dict:

@@ -114,3 +114,17 @@ def write_json(path: str, doc: dict) -> None:
     from specengine.data.jsonl import write_json_atomic
 
     write_json_atomic(path, doc, indent=1)
+
+
+def timed_method(obj, name: str, sink: list) -> None:
+    """Replace ``obj.name`` by a wrapper appending each call's wall seconds to ``sink``."""
+    inner = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            sink.append(time.perf_counter() - t0)
+
+    setattr(obj, name, wrapper)

@@ -15,31 +15,15 @@ SmolLM2-135M-Instruct, HumanEval prompts, ``--max-tokens`` tokens each (EOS mask
 from __future__ import annotations
 
 import argparse
-import time
 
 from bench_decode import MODEL, engine_llm
-from common import machine_info, quiet_transformers, write_json
+from common import machine_info, quiet_transformers, timed_method, write_json
 from transformers import AutoTokenizer
 
 import specengine.engine.phases as phases
 from specengine import SamplingParams
 from specengine.data.prompt_sets import humaneval_prompts
 from specengine.models.loader import resolve_model
-
-
-def timed(obj, name: str, label: str, seconds: dict, calls: dict) -> None:
-    """Replace ``obj.name`` by a wrapper adding its seconds and calls under ``label``."""
-    fn = getattr(obj, name)
-
-    def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            seconds[label] = seconds.get(label, 0.0) + time.perf_counter() - t0
-            calls[label] = calls.get(label, 0) + 1
-
-    setattr(obj, name, wrapper)
 
 
 def main() -> None:
@@ -57,26 +41,31 @@ def main() -> None:
     prompts = [tok(p["prompt"]).input_ids for p in humaneval_prompts(args.batch)]
     llm = engine_llm(args.dtype, prompts, args.max_tokens)
     engine = llm.engine
-    seconds, calls = {}, {}
+    calls: dict[str, list[float]] = {}  # label -> seconds of each call
+
+    def timed(obj, name: str, label: str) -> None:
+        timed_method(obj, name, calls.setdefault(label, []))
+
     for name in ("schedule", "sample", "commit_kv", "append"):
-        timed(phases, name, name, seconds, calls)
-    timed(engine, "step", "step", seconds, calls)
-    timed(engine, "_account", "account", seconds, calls)
-    timed(engine.runner, "run", "run", seconds, calls)
-    timed(engine.runner, "prepare", "run.prepare", seconds, calls)
+        timed(phases, name, name)
+    timed(engine, "step", "step")
+    timed(engine, "_account", "account")
+    timed(engine.runner, "run", "run")
+    timed(engine.runner, "prepare", "run.prepare")
     model = engine.runner.model
-    timed(model, "forward", "run.model.forward", seconds, calls)
-    timed(model, "compute_logits", "run.compute_logits", seconds, calls)
+    timed(model, "forward", "run.model.forward")
+    timed(model, "compute_logits", "run.compute_logits")
     if hasattr(model, "_decoder_weights"):
-        timed(model, "_decoder_weights", "run.model.forward._decoder_weights", seconds, calls)
+        timed(model, "_decoder_weights", "run.model.forward._decoder_weights")
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
                             min_tokens=args.max_tokens)
     runs = []
     for r in range(args.runs):
-        seconds.clear()
-        calls.clear()
+        for sink in calls.values():
+            sink.clear()
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        steps = calls["step"]
+        steps = len(calls["step"])
+        seconds = {k: sum(v) for k, v in calls.items()}
         ms = {k: 1e3 * v / steps for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])}
         runs.append({"steps": steps, "ms_per_step": ms})
         print(f"run {r}: {steps} steps, ms/step " + ", ".join(f"{k} {v:.3f}"
