@@ -391,7 +391,7 @@ SE_ATTN_TARGET void attend_fast(const FastArgs& f, int64_t item, float* scratch)
   const __m512 scale = _mm512_set1_ps(f.scale);
   for (int64_t p0 = 0; p0 < keys.n_max; p0 += kTileKeys) {
     const int64_t n = std::min<int64_t>(kTileKeys, keys.n_max - p0);
-    for (int64_t o = 0; o < n; ++o) rows[o] = w.slot(p0 + o);
+    w.slots(p0, n, rows);
     prefetch_rows(kc, vc, rows, n, D);
     interleave_v(vc, rows, n, DC, vi);
     for (int64_t tok = 0; tok < nt; ++tok) {

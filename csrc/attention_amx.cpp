@@ -378,7 +378,7 @@ SE_ATTN_AMX void prefetch_item(const Args& f, int64_t item) {
   int64_t n = 0, kr[32];
   for (int64_t t = w.t0; t < w.t0 + w.nt; ++t) n = std::max<int64_t>(n, f.a->kv_lens[t]);
   n = std::min<int64_t>(n, 32);
-  for (int64_t p = 0; p < n; ++p) kr[p] = w.slot(p);
+  w.slots(0, n, kr);
   prefetch_rows(w.kc, w.vc, kr, 0, n, f.a->D);
 }
 
@@ -418,7 +418,7 @@ SE_ATTN_AMX void attend_amx(const Args& f, int64_t item, char* scratch) {
   const RunKeys keys(a, t0, nt);
   for (int64_t p0 = 0; p0 < keys.n_max; p0 += kTileKeys) {
     const int64_t n = std::min<int64_t>(kTileKeys, keys.n_max - p0), steps = (n + 31) / 32;
-    for (int64_t o = 0; o < n; ++o) rows[o] = w.slot(p0 + o);
+    w.slots(p0, n, rows);
     if (RT == 1) {  // up to 16 rows (decode): S^T, no key transposes
       scores_transposed(kc, vc, rows, n, D, stride, qt, R, kt, sc);
     } else {

@@ -46,6 +46,18 @@ struct WorkItem {
   int64_t slot(int64_t p) const {
     return (static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size) * stride;
   }
+
+  // slot(p0 + o) for o in [0, n) into out, one division per call instead of one per position
+  // (a decode step fills every position of every work item: the divisions were ~15% of it).
+  void slots(int64_t p0, int64_t n, int64_t* out) const {
+    int64_t b = p0 / block_size, i = p0 % block_size;
+    for (int64_t o = 0; o < n; ++b, i = 0) {
+      const int64_t base = static_cast<int64_t>(table[b]) * block_size;
+      const int64_t m = std::min(n - o, block_size - i);
+      for (int64_t j = 0; j < m; ++j) out[o + j] = (base + i + j) * stride;
+      o += m;
+    }
+  }
 };
 
 // The visible keys of tokens [t0, t0 + nt) of a run. Token i sees the context [0, base[i]) and
