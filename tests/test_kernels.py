@@ -394,6 +394,35 @@ def test_linear_glu_equals_unfused(isa, dtype):
     torch.testing.assert_close(fused, kernels.silu_and_mul_torch(F.linear(x, w)), **TOL[dtype])
 
 
+@needs_packed
+@packed_dtype
+@pytest.mark.parametrize("rows", [1, 16, 17, 33, 64, 100])
+def test_linear_glu_equals_unfused_bits_on_every_row_count_and_special_values(isa, dtype, rows):
+    """The fused SwiGLU epilogue (on AMX spread over the next block's K steps, rounding with the
+    conversion instruction where it agrees with c10's) gives the unfused ops' bits for every
+    block layout, also where an intermediate is NaN, infinite or denormal: in row 0, features
+    0..7 have gate -85 and up 1e-5, so silu(gate) * up is ~1e-40 (a float32 denormal, which the
+    conversion instruction would flush to zero), features 8..15 gate 1 (normal values in the
+    same vector)."""
+    if dtype != torch.bfloat16:
+        pytest.skip("float32 rounds no intermediates")
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g)
+    w = torch.randn(2 * 1536, 576, generator=g) / 24
+    x[0] = 0.0
+    x[0, 0] = 1.0
+    w[:8, 0], w[8:16, 0], w[1536:1552, 0] = -85.0, 1.0, 1e-5
+    if rows > 2:
+        x[1, 3] = float("nan")
+        x[2, :8] = 3e38  # gate and up overflow to +-inf
+    x, w = x.to(dtype), w.to(dtype)
+    pw = kernels.prepack(w, glu=True)
+    fused = kernels.linear_glu(x, pw)
+    unfused = kernels.silu_and_mul(kernels.linear(x, kernels.prepack(w)))
+    assert torch.equal(fused.view(torch.int16), unfused.view(torch.int16))
+    tiny = fused[0, :8].float()
+    assert (tiny != 0).all() and (tiny.abs() < 1.18e-38).all()  # denormals kept, not flushed
+
 def test_prepack_follows_weight_changes():
     from specengine.models.config import ModelConfig
     from specengine.models.llama import DecoderLayer
