@@ -5,7 +5,7 @@ Each phase function is wrapped with a timer (``time.perf_counter``, ~1 us per ca
 phases add up to about the step: ``run`` (the target forward and logits) holds
 ``model.forward`` (in it ``_decoder_weights``, the check that the kept argument list of
 ``decoder_forward`` still holds) and ``compute_logits`` (the LM head); ``sample`` the greedy
-argmax and the stop-id masking (``min_tokens``); the rest is scheduling and bookkeeping.
+argmax and the stop-id masking (``min_tokens``); the rest is scheduling and bookkeeping. Means per step include the prefill step; medians per call leave it out.
 
     python bench/step_phases.py --batch 1 --runs 3 [--dtype bfloat16] [--out F]
 
@@ -15,6 +15,7 @@ SmolLM2-135M-Instruct, HumanEval prompts, ``--max-tokens`` tokens each (EOS mask
 from __future__ import annotations
 
 import argparse
+import statistics
 
 from bench_decode import MODEL, engine_llm
 from common import machine_info, quiet_transformers, timed_method, write_json
@@ -67,9 +68,12 @@ def main() -> None:
         steps = len(calls["step"])
         seconds = {k: sum(v) for k, v in calls.items()}
         ms = {k: 1e3 * v / steps for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])}
-        runs.append({"steps": steps, "ms_per_step": ms})
+        # medians per call leave out the one prefill step (and a few slow outliers)
+        med = {k: 1e3 * statistics.median(v) for k, v in calls.items() if v}
+        runs.append({"steps": steps, "ms_per_step": ms, "median_ms_per_call": med})
         print(f"run {r}: {steps} steps, ms/step " + ", ".join(f"{k} {v:.3f}"
                                                                for k, v in ms.items()))
+        print("  median ms per call: " + ", ".join(f"{k} {med[k]:.3f}" for k in ms if k in med))
     if args.out:
         write_json(args.out, {"machine": machine_info(), "model": MODEL, "dtype": args.dtype,
                               "batch": args.batch, "max_tokens": args.max_tokens,
