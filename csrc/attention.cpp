@@ -412,7 +412,7 @@ SE_ATTN_TARGET void attend_fast(const FastArgs& f, int64_t item, float* scratch)
       const int64_t t = t0 + tok;
       for (int64_t h = 0; h < group; ++h) {
         const int64_t r = tok * group + h;
-        const uint16_t* q = f.q + (t * a.H + g * group + h) * D;
+        const uint16_t* q = f.q + t * a.q_stride + (g * group + h) * D;
         float* sr = sc + r * kTileKeys;
         for (int64_t j = 0; j < n16; ++j) {
           const int64_t valid = std::min<int64_t>(16, nk - 16 * j);
@@ -505,10 +505,13 @@ inline void tile_offsets(const RunKeys& keys, int64_t tok, int64_t k0, int valid
 // Token t's output rows for KV head g: each query head's acc / l (zeros when it saw nothing).
 inline void write_token_rows(const AttnArgs& a, const float* acc, const float* l, int64_t t,
                              int64_t g, int64_t group) {
+  float row[kMaxHeadDim];
   for (int64_t h = 0; h < group; ++h) {
-    float* out = a.out + (t * a.H + g * group + h) * a.D;
+    const int64_t at = (t * a.H + g * group + h) * a.D;
+    float* out = a.out_bf16 ? row : a.out + at;
     const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
     for (int64_t i = 0; i < a.D; ++i) out[i] = acc[h * a.D + i] * inv;
+    if (a.out_bf16) store_bf16(a.out_bf16 + at, row, a.D);
   }
 }
 

@@ -409,7 +409,8 @@ SE_ATTN_AMX void attend_amx(const Args& f, int64_t item, char* scratch) {
   auto* qt = carve<uint16_t>(sp, 16 * D);  // one row tile's Q^T (scores_transposed)
   // row r: token t0 + r / group, query head g * group + r % group
   for (int64_t r = 0; r < R; ++r)
-    std::memcpy(qa + r * D, f.q + ((t0 + r / group) * a.H + g * group + r % group) * D, D * 2);
+    std::memcpy(qa + r * D, f.q + (t0 + r / group) * a.q_stride + (g * group + r % group) * D,
+                D * 2);
   if (RT == 1) pack_queries(qa, D, qt);
   const float ninf = -std::numeric_limits<float>::infinity();
   std::fill(m, m + RP, ninf);

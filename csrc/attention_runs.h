@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <vector>
 
+#include <c10/util/BFloat16.h>
+
 #include "kernels.h"
 
 namespace specengine {
@@ -93,15 +95,28 @@ struct RunKeys {
   int64_t tree_pos(int64_t i, int64_t k) const { return tree[first[i] + k - base[i]]; }
 };
 
-// a.out rows of R rows of KV head g from the run starting at token t0 (row r: token
+// Head dims up to this (the bf16 paths check D <= 256).
+constexpr int64_t kMaxHeadDim = 256;
+
+// n floats to bf16 bits, rounded to nearest even as at::Tensor::to(at::kBFloat16) does.
+inline void store_bf16(uint16_t* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const c10::BFloat16 b(src[i]);
+    dst[i] = b.x;
+  }
+}
+
+// a.out (or a.out_bf16) rows of R rows of KV head g from the run starting at token t0 (row r: token
 // t0 + r / group, query head g * group + r % group): acc / l, where acc's 32-wide chunk c holds
 // in lane j the dimension 32c + (j / 4) * 8 + j % 4 and in lane 16 + j that one + 4 (the order
 // VNNI pair interleaving leaves them in). A row with l = 0 (no visible key) is zeros.
 inline void write_rows(const AttnArgs& a, const float* acc, const float* l, int64_t t0,
                        int64_t R, int64_t group, int64_t g) {
   const int64_t D = a.D;
+  float row[kMaxHeadDim];
   for (int64_t r = 0; r < R; ++r) {
-    float* out = a.out + ((t0 + r / group) * a.H + g * group + r % group) * D;
+    const int64_t at = ((t0 + r / group) * a.H + g * group + r % group) * D;
+    float* out = a.out_bf16 ? row : a.out + at;
     const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
     const float* ar = acc + r * D;
     for (int64_t c = 0; c < D / 32; ++c)
@@ -110,6 +125,7 @@ inline void write_rows(const AttnArgs& a, const float* acc, const float* l, int6
         out[d] = ar[32 * c + j] * inv;
         out[d + 4] = ar[32 * c + 16 + j] * inv;
       }
+    if (a.out_bf16) store_bf16(a.out_bf16 + at, row, D);
   }
 }
 

@@ -20,12 +20,17 @@ struct AttnArgs {
   const bool* tree_mask;        // [T, W] or nullptr
   float* out;                   // [T, H, D] float32
   int64_t T, H, KVH, D, NB, BS, MB, W;
+  // bf16 paths only: elements between tokens of q_bf16 (heads D apart), and, when set, the
+  // output as bf16 [T, H, D] (rounded to nearest even, as at::Tensor::to) instead of `out`
+  int64_t q_stride = 0;
+  uint16_t* out_bf16 = nullptr;
 };
 
 // True when bf16 query and caches of head_dim D take the AVX-512 BF16 path
 // (paged_attention_bf16_fast); x86-64 CPUs with AVX-512 BF16 only.
 bool paged_attention_fast_available(int64_t D);
-// AVX-512 BF16 path: q_bf16 [T, H, D] bf16 bits, unscaled (a.q is not read); a.out float32.
+// AVX-512 BF16 path: q_bf16 [T, H, D] bf16 bits (token stride a.q_stride), unscaled (a.q is
+// not read); the output in a.out (float32) or a.out_bf16.
 void paged_attention_bf16_fast(const AttnArgs& a, const uint16_t* q_bf16, float scale);
 // True when bf16 query and caches of head_dim D take the AMX path (paged_attention_amx).
 bool paged_attention_amx_available(int64_t D);

@@ -114,25 +114,34 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
     tm = tree_mask->contiguous();
     W = tm.size(1);
   }
-  const bool fast = kdt == at::kBFloat16 && query.scalar_type() == at::kBFloat16 &&
-                    paged_attention_fast_available(D);
+  const bool bf16_query = query.scalar_type() == at::kBFloat16;
+  const bool fast = kdt == at::kBFloat16 && bf16_query && paged_attention_fast_available(D);
+  const bool f32_fast =
+      !fast && kdt == at::kFloat && paged_attention_f32_fast_available(D, H / KVH);
+  const bool avx2 = !fast && !f32_fast && paged_attention_avx2_available(D, H / KVH);
   at::Tensor q;
   if (!fast) q = query.to(at::kFloat).mul(scale).contiguous();  // x * scale, as at::mul
-  auto out = at::empty({T, H, D}, query.options().dtype(at::kFloat));
+  // a bf16 query gets a bf16 output: the kernels other than the generic one round their rows
+  // themselves (as at::Tensor::to would), with no float32 [T, H, D] and no conversion pass
+  const bool out_bf16 = bf16_query && (fast || f32_fast || avx2);
+  auto out = at::empty({T, H, D}, query.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
   AttnArgs a{fast ? nullptr : q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(),
              bt.data_ptr<int32_t>(), qs_p, kl_p, tb.defined() ? tb.data_ptr<int32_t>() : nullptr,
-             tm.defined() ? tm.data_ptr<bool>() : nullptr, out.data_ptr<float>(),
-             T, H, KVH, D, NB, BS, MB, W};
+             tm.defined() ? tm.data_ptr<bool>() : nullptr,
+             out_bf16 ? nullptr : out.data_ptr<float>(), T, H, KVH, D, NB, BS, MB, W};
+  if (out_bf16) a.out_bf16 = reinterpret_cast<uint16_t*>(out.data_ptr());
   if (fast) {
-    const auto qc = query.contiguous();
+    // heads of a token must be D apart; tokens may be further apart (q of a fused qkv row)
+    const auto qc = query.stride(2) == 1 && query.stride(1) == D ? query : query.contiguous();
+    a.q_stride = qc.stride(0);
     const auto* qb = reinterpret_cast<const uint16_t*>(qc.data_ptr());
     if (paged_attention_amx_available(D))
       paged_attention_amx(a, qb, static_cast<float>(scale));
     else
       paged_attention_bf16_fast(a, qb, static_cast<float>(scale));
-  } else if (kdt == at::kFloat && paged_attention_f32_fast_available(D, H / KVH)) {
+  } else if (f32_fast) {
     paged_attention_f32_fast(a);
-  } else if (paged_attention_avx2_available(D, H / KVH)) {
+  } else if (avx2) {
     paged_attention_avx2(a, kdt == at::kBFloat16);
   } else {
     paged_attention_generic(a, kdt == at::kBFloat16);
@@ -179,10 +188,17 @@ void write_kv_cpu(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& ke
   TORCH_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == T,
                     "slot_mapping must be [T=", T, "]");
   auto slots = slot_mapping.to(at::kLong).contiguous();
-  auto k = key.to(k_cache.scalar_type()).contiguous();
-  auto v = value.to(v_cache.scalar_type()).contiguous();
+  // a token's KVH x D values must be one run (a view of a fused qkv row is); tokens may be
+  // further apart: then no copy is made
+  const auto rows_of = [&](const at::Tensor& x, const at::Tensor& cache) {
+    const bool run = x.stride(2) == 1 && x.stride(1) == x.size(2);
+    return x.scalar_type() == cache.scalar_type() && run ? x
+                                                         : x.to(cache.scalar_type()).contiguous();
+  };
+  const auto k = rows_of(key, k_cache), v = rows_of(value, v_cache);
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t bytes = row * k.element_size();
+  const int64_t k_step = k.stride(0) * k.element_size(), v_step = v.stride(0) * v.element_size();
   auto* kc = static_cast<char*>(k_cache.data_ptr());
   auto* vc = static_cast<char*>(v_cache.data_ptr());
   const auto* ks = static_cast<const char*>(k.data_ptr());
@@ -190,8 +206,8 @@ void write_kv_cpu(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& ke
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK_VALUE(sp[t] >= 0 && sp[t] < num_slots, "slot_mapping[", t, "]=", sp[t],
                       " out of range [0, ", num_slots, ")");
-    std::memcpy(kc + sp[t] * bytes, ks + t * bytes, bytes);
-    std::memcpy(vc + sp[t] * bytes, vs + t * bytes, bytes);
+    std::memcpy(kc + sp[t] * bytes, ks + t * k_step, bytes);
+    std::memcpy(vc + sp[t] * bytes, vs + t * v_step, bytes);
   }
 }
 

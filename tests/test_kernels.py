@@ -680,6 +680,38 @@ def test_attention_rows_equal_the_row_alone(group, D, isa, dtype):
 @needs_ext
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group,D", [(3, 64), (1, 128), (2, 24)])
+def test_attention_and_kv_write_read_views_of_a_fused_qkv_row(group, D, isa, dtype):
+    """As the decoder layers call them: q, k and v are views of one [T, H + 2 KVH, D] qkv
+    tensor (tokens (H + 2 KVH) D apart). The K/V write and the attention read the views in
+    place, and give the bits of contiguous copies; a bf16 query gets a bf16 output (each kernel
+    rounds its float32 rows itself, to nearest even)."""
+    kvh = 2
+    h = kvh * group
+    q, kc, vc, meta = paged_batch([(230, 5), (17, 1), (40, 3)], 16, kvh, group, D, dtype,
+                                  seed=D + group)
+    T = q.shape[0]
+    g = torch.Generator().manual_seed(D)
+    qkv = torch.randn(T, h + 2 * kvh, D, generator=g).to(dtype)
+    qkv[:, :h] = q
+    qv, kv, vv = qkv[:, :h], qkv[:, h:h + kvh], qkv[:, h + kvh:]
+    assert not qv.is_contiguous()
+    slots = torch.randperm(kc.shape[0] * kc.shape[1], generator=g)[:T]
+    caches = [t.clone() for t in (kc, vc, kc, vc)]
+    ext().write_kv(caches[0], caches[1], kv, vv, slots)
+    ext().write_kv(caches[2], caches[3], kv.contiguous(), vv.contiguous(), slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    args = (caches[0], caches[1], meta.block_tables, meta.query_seq, meta.kv_lens, D ** -0.5)
+    out = ext().paged_attention(qv, *args)
+    assert out.dtype == dtype and out.shape == qv.shape
+    assert torch.equal(out, ext().paged_attention(qv.contiguous(), *args))
+    ref = paged_attention_ref(qv, caches[0], caches[1], meta, D ** -0.5)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+
+
+@needs_ext
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group,D", [(1, 8), (5, 24), (2, 72), (3, 120)])
 def test_attention_head_sizes_of_the_avx2_path(group, D, isa, dtype):
     """Head sizes only the AVX2 path (head_dim % 8 == 0, <= 128) or the portable loop take on
