@@ -5,7 +5,8 @@ Each phase function is wrapped with a timer (``time.perf_counter``, ~1 us per ca
 phases add up to about the step: ``run`` (the target forward and logits) holds
 ``model.forward`` (in it ``_decoder_weights``, the check that the kept argument list of
 ``decoder_forward`` still holds) and ``compute_logits`` (the LM head); ``sample`` the greedy
-argmax and the stop-id masking (``min_tokens``); the rest is scheduling and bookkeeping. Means per step include the prefill step; medians per call leave it out.
+argmax and the stop-id masking (``min_tokens``); the rest is scheduling and bookkeeping.
+Means per step include the prefill step; medians per call leave it out.
 
     python bench/step_phases.py --batch 1 --runs 3 [--dtype bfloat16] [--out F]
 
