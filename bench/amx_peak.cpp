@@ -5,8 +5,12 @@
 //
 //   g++ -O2 -pthread bench/amx_peak.cpp -o /tmp/amx_peak && /tmp/amx_peak [threads]
 //
-// Prints TFLOP/s per thread for zero, constant (1.0) and random normal operands. Linux x86-64
-// with AMX-BF16 only; bench/bench_kernels.py --peak builds and runs it.
+// Prints TFLOP/s per thread for zero, constant (1.0) and random normal operands, 64-byte aligned
+// (every tile row one cache line), and for random normal operands 16 bytes off that alignment
+// (every tile row split over two lines). Linux x86-64 with AMX-BF16 only;
+// bench/bench_kernels.py --peak builds and runs it. An earlier version kept the operands in
+// std::vectors (16-byte aligned): the rate then followed where each vector happened to start,
+// which it had read as a dependence on the operand data.
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -88,15 +92,21 @@ int main(int argc, char** argv) {
   std::mt19937 gen(0);
   std::normal_distribution<float> normal(0.f, 1.f);
   const size_t n = kTiles * 512;
-  std::vector<uint16_t> zero(n, 0), one(n, bf16(1.f)), ra(n), rb(n);
-  for (size_t i = 0; i < n; ++i) ra[i] = bf16(normal(gen)), rb[i] = bf16(normal(gen));
+  // one 64-byte aligned buffer per operand set, with room for the misaligned copies
+  auto buffer = [&](float v, bool random) {
+    auto* p = static_cast<uint16_t*>(std::aligned_alloc(64, (n + 64) * sizeof(uint16_t)));
+    for (size_t i = 0; i < n + 64; ++i) p[i] = random ? bf16(normal(gen)) : bf16(v);
+    return p;
+  };
+  uint16_t *zero = buffer(0.f, false), *one = buffer(1.f, false);
+  uint16_t *ra = buffer(0.f, true), *rb = buffer(0.f, true);
   const struct {
     const char* name;
     const uint16_t *a, *b;
-  } cases[] = {{"random normal", ra.data(), rb.data()},
-               {"zeros", zero.data(), zero.data()},
-               {"ones", one.data(), one.data()},
-               {"random normal", ra.data(), rb.data()}};
+  } cases[] = {{"random normal", ra, rb},
+               {"zeros", zero, zero},
+               {"ones", one, one},
+               {"random +16 B", ra + 8, rb + 8}};
   for (const auto& k : cases) {
     std::vector<double> out(threads);
     std::vector<std::thread> pool;

@@ -111,8 +111,9 @@ def main() -> None:
                     help="time the EAGLE draft loop; --shapes BxDxK (batch x depth x top-k)")
     ap.add_argument("--out", default=None, help="--draft: also write the rows to this JSON")
     ap.add_argument("--peak", action="store_true",
-                    help="what the AMX tile unit computes per second by operand data "
-                         "(bench/amx_peak.cpp, built with g++) beside the packed AMX linear")
+                    help="what the AMX tile unit computes per second by operand data and "
+                         "alignment (bench/amx_peak.cpp, built with g++) beside the packed AMX "
+                         "linear")
     ap.add_argument("--argmax", action="store_true",
                     help="time the greedy argmax over --ms rows of 49152 logits")
     ap.add_argument("--cold", action="store_true",
@@ -190,8 +191,9 @@ def bench_argmax(ms: list[int], vocab: int = 49152) -> None:
 
 def bench_peak(m: int = 512, n: int = 1536, k: int = 576) -> None:
     """TFLOP/s of the tile unit on L1-resident operands (``bench/amx_peak.cpp``, per thread,
-    1 and all threads) and of the packed AMX linear on an L2-resident ``[n, k]`` weight at ``m``
-    rows (all threads), for zero, constant (1.0) and random normal operands."""
+    1 and all threads; zero, constant (1.0) and random normal operands 64-byte aligned, and
+    random normal ones 16 bytes off) and of the packed AMX linear on an L2-resident ``[n, k]``
+    weight at ``m`` rows (all threads; zero, constant and random normal operands)."""
     import shutil
     import subprocess
     import tempfile
