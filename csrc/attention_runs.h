@@ -98,7 +98,7 @@ struct RunKeys {
 // Head dims up to this (the bf16 paths check D <= 256).
 constexpr int64_t kMaxHeadDim = 256;
 
-// n floats to bf16 bits, rounded to nearest even as at::Tensor::to(at::kBFloat16) does.
+// n floats to bf16 bits as c10::BFloat16 rounds them (to nearest even; NaN -> 0x7fc0).
 inline void store_bf16(uint16_t* dst, const float* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const c10::BFloat16 b(src[i]);
@@ -106,10 +106,10 @@ inline void store_bf16(uint16_t* dst, const float* src, int64_t n) {
   }
 }
 
-// a.out (or a.out_bf16) rows of R rows of KV head g from the run starting at token t0 (row r: token
-// t0 + r / group, query head g * group + r % group): acc / l, where acc's 32-wide chunk c holds
-// in lane j the dimension 32c + (j / 4) * 8 + j % 4 and in lane 16 + j that one + 4 (the order
-// VNNI pair interleaving leaves them in). A row with l = 0 (no visible key) is zeros.
+// a.out (or a.out_bf16) rows of R rows of KV head g from the run starting at token t0 (row r:
+// token t0 + r / group, query head g * group + r % group): acc / l, where acc's 32-wide chunk c
+// holds in lane j the dimension 32c + (j / 4) * 8 + j % 4 and in lane 16 + j that one + 4 (the
+// order VNNI pair interleaving leaves them in). A row with l = 0 (no visible key) is zeros.
 inline void write_rows(const AttnArgs& a, const float* acc, const float* l, int64_t t0,
                        int64_t R, int64_t group, int64_t g) {
   const int64_t D = a.D;

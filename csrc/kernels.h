@@ -21,7 +21,7 @@ struct AttnArgs {
   float* out;                   // [T, H, D] float32
   int64_t T, H, KVH, D, NB, BS, MB, W;
   // bf16 paths only: elements between tokens of q_bf16 (heads D apart), and, when set, the
-  // output as bf16 [T, H, D] (rounded to nearest even, as at::Tensor::to) instead of `out`
+  // output as bf16 [T, H, D] (rounded as c10::BFloat16: nearest even) instead of `out`
   int64_t q_stride = 0;
   uint16_t* out_bf16 = nullptr;
 };

@@ -122,7 +122,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& k_cach
   at::Tensor q;
   if (!fast) q = query.to(at::kFloat).mul(scale).contiguous();  // x * scale, as at::mul
   // a bf16 query gets a bf16 output: the kernels other than the generic one round their rows
-  // themselves (as at::Tensor::to would), with no float32 [T, H, D] and no conversion pass
+  // themselves (to nearest even), with no float32 [T, H, D] and no conversion pass
   const bool out_bf16 = bf16_query && (fast || f32_fast || avx2);
   auto out = at::empty({T, H, D}, query.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
   AttnArgs a{fast ? nullptr : q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(),
