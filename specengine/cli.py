@@ -28,6 +28,7 @@ import shlex
 import sys
 import time
 
+from specengine import __version__
 from specengine.cli_args import speculative_config_arg
 from specengine.data.jsonl import (
     JsonlAppender,
@@ -52,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "TRL-compatible HTTP server (serve) and EAGLE drafter training (train-drafter), with "
         "lossless speculative decoding.",
         epilog=GENERATE_EXIT)
+    ap.add_argument("--version", action="version", version=f"specengine {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate completions for a JSONL file of prompts",
                        description="Generate completions for a JSONL file of prompts; bad lines "

@@ -63,6 +63,14 @@ def test_generate_reports_bad_lines_and_completes_the_rest(tmp_path, tiny_llama_
     assert not (tmp_path / "out.jsonl.part").exists()
 
 
+def test_version_prints_and_exits_0(capsys):
+    from specengine import __version__
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.strip() == f"specengine {__version__}"
+
+
 def test_generate_rejects_bad_arguments(tmp_path, capsys):
     assert main(["generate", "--input", str(tmp_path / "missing.jsonl"),
                  "--output", str(tmp_path / "o.jsonl")]) == 2
