@@ -18,6 +18,14 @@ the per-row code suffers most (each small torch op waits on OpenMP's barrier).
 
     python bench/bench_sampling.py [--batch 128] [--max-tokens 12] [--repeats 5] [--rounds 2]
                                    [--out results.json]
+
+With ``--softmax``: only the softmax of a sampled step, per rows R and vocabulary V
+(``--softmax-rows``, ``--softmax-vocabs``; 151936 is Qwen2.5's), inside a step's thread setting
+(``kernels.kernel_threads``: torch on one thread, the kernel pool on all): ``torch.softmax`` and
+``softmax_rows`` (the extension's), in turns, fewest seconds of ``--repeats`` rounds; freed
+buffers kept in the heap as an engine keeps them (``ops.heap``).
+
+    python bench/bench_sampling.py --softmax [--softmax-rows 16,32,64] [--out results.json]
 """
 
 from __future__ import annotations
@@ -67,6 +75,34 @@ def micro(batch: int, repeats: int, params: SamplingParams) -> dict:
     return out
 
 
+def softmax_rows_bench(rows: list[int], vocabs: list[int], repeats: int) -> list[dict]:
+    """Per (R, V): fewest seconds of ``torch.softmax`` and of ``softmax_rows`` on ``[R, V]``
+    float32 logits (four arrays in turn, so each call reads logits not just written), timed in
+    alternation inside ``kernel_threads``."""
+    from specengine.ops import heap, kernels
+    from specengine.sampling.batched import softmax_rows
+
+    heap.tune_malloc()
+    g, out = torch.Generator().manual_seed(0), []
+    for V in vocabs:
+        for R in rows:
+            xs = [torch.randn(R, V, generator=g) * 3 for _ in range(4)]
+            best = {"torch": float("inf"), "softmax_rows": float("inf")}
+            with kernels.kernel_threads(True):
+                for i in range(repeats * 4):
+                    for name, fn in (("torch", lambda x: torch.softmax(x, -1)),
+                                     ("softmax_rows", softmax_rows)):
+                        t0 = time.perf_counter()
+                        fn(xs[i % 4])
+                        best[name] = min(best[name], time.perf_counter() - t0)
+            out.append({"rows": R, "vocab": V, "torch_s": best["torch"],
+                        "softmax_rows_s": best["softmax_rows"]})
+            print(f"softmax [{R}, {V}]: torch (one thread) {1e3 * best['torch']:.2f} ms, "
+                  f"softmax_rows {1e3 * best['softmax_rows']:.2f} ms "
+                  f"({best['torch'] / best['softmax_rows']:.2f}x)")
+    return out
+
+
 def engine_run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
     """Decode steps of one batch: ``steps`` (wall seconds, sampling-phase seconds) of each
     decode step with every sequence running, and the output ``tokens``."""
@@ -94,7 +130,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2, help="engine runs per sampler, alternated")
     ap.add_argument("--out")
+    ap.add_argument("--softmax", action="store_true", help="time only the softmax (see above)")
+    ap.add_argument("--softmax-rows", default="16,32,64")
+    ap.add_argument("--softmax-vocabs", default=f"{VOCAB},151936")
     args = ap.parse_args()
+    if args.softmax:
+        res = softmax_rows_bench([int(r) for r in args.softmax_rows.split(",")],
+                                 [int(v) for v in args.softmax_vocabs.split(",")], args.repeats)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"machine": machine_info(), "softmax": res}, f, indent=2)
+        return
     load0 = os.getloadavg()[0]
     print(f"# sampling benchmark: batch {args.batch}, T = 1, vocab {VOCAB}, torch threads "
           f"{torch.get_num_threads()}, load average {load0:.2f}")

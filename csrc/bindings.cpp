@@ -94,6 +94,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &specengine::argmax_rows, py::arg("x"),
         "[R] int64: the index of each row's largest value of x [R, V] float32 (the first among "
         "equals, the first NaN if any: torch.argmax's rule), rows in parallel.");
+  m.def("softmax_rows", &specengine::softmax_rows, py::arg("x"),
+        "[R, V] float32: the softmax of each row of x [R, V] float32, one definition whatever R "
+        "or the thread count (fixed 8192-value chunks summed in order), rows and chunks in "
+        "parallel on the kernel pool.");
   m.def("coupled_topk", &specengine::coupled_topk, py::arg("logits"), py::arg("k"),
         py::arg("temperature"), py::arg("keys"), py::arg("positions"),
         py::arg("vocab_map") = py::none(),

@@ -144,6 +144,11 @@ void exponential_race_kernel(const float* probs, const int64_t* keys, const int6
 // out[r] = the index of the largest of x[r] over [V] (x [R, V] float32): the first among
 // equals, a NaN counting as the largest (the first NaN), as torch.argmax.
 void argmax_rows_kernel(const float* x, int64_t R, int64_t V, int64_t* out);
+// out[r] = softmax(x[r]) over [V] (x, out [R, V] float32) with one definition whatever R or the
+// thread count: m the row's max, e = exp(x - m) (0 below exp(-87.3)), S the sum of e over
+// 8192-value chunks (each summed on 16 lanes in order), chunk sums in order; out = e * (1 / S).
+// A row holding NaN, or whose max is +-inf, is all NaN (as torch.softmax gives).
+void softmax_rows_kernel(const float* x, int64_t R, int64_t V, float* out);
 // Per row r of logits [R, Vd] float32: the k largest of z - logsumexp(z), best first (ties:
 // lower index; -inf / 0 past the row's finite entries), into values [R, k] / indices [R, k],
 // with z = logits[r] when temperature[r] == 0, else logits[r] / temperature[r] - log E, E the

@@ -12,11 +12,14 @@
 // exponential_noise_rows_kernel draws rows of many keys (all the sampled rows of a step) in one
 // call; exponential_race_kernel draws the tokens argmax(p / E) of many rows without the noise in
 // memory; coupled_topk_kernel ranks a drafter's children by its noise-perturbed log-probabilities
-// (speculative/drafters/coupling.py) without the noise in memory. The tensor checks are in ops.cpp.
+// (speculative/drafters/coupling.py) without the noise in memory; softmax_rows_kernel gives the
+// probabilities the race reads, rows and chunks of rows on the kernel pool. The tensor checks
+// are in ops.cpp.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
@@ -363,6 +366,111 @@ void argmax_rows_kernel(const float* x, int64_t R, int64_t V, int64_t* out) {
     }
     out[r] = index[c];
   }
+}
+
+// softmax_rows_kernel's three passes over one chunk of a row (n values from p): the largest
+// value (NaN if any), then e = exp(x - m) stored with the chunk's sum (16 lanes in order, then
+// hsum), then e scaled by the row's 1 / S. exp of x - m < -87.3 is 0 (vexp would clamp it to
+// ~1e-38; a probability that small never wins a race), so a -inf logit gets probability 0.
+SE_CLONES float softmax_max_chunk(const float* p, int64_t n) {
+  f32x16 m = splat(-__builtin_inff()), nan = splat(0.f);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const f32x16 v = load16(p + i);
+    nan = v != v ? splat(1.f) : nan;
+    m = v > m ? v : m;
+  }
+  float top = -__builtin_inff();
+  bool any_nan = false;
+  for (int l = 0; l < 16; ++l) top = m[l] > top ? m[l] : top, any_nan |= nan[l] != 0.f;
+  for (; i < n; ++i) top = p[i] > top ? p[i] : top, any_nan |= p[i] != p[i];
+  return any_nan ? __builtin_nanf("") : top;
+}
+
+SE_INLINE f32x16 softmax_exp(f32x16 d) {
+  const f32x16 e = vexp(d);
+  return d < splat(-87.3f) ? splat(0.f) : e;
+}
+
+SE_CLONES float softmax_exp_chunk(const float* p, int64_t n, float m, float* out) {
+  f32x16 acc = splat(0.f);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const f32x16 e = softmax_exp(load16(p + i) - m);
+    std::memcpy(out + i, &e, sizeof(e));
+    acc += e;
+  }
+  if (i < n) {  // the tail as one vector: lanes past n are 0
+    f32x16 v = splat(-__builtin_inff());
+    std::memcpy(&v, p + i, (n - i) * sizeof(float));
+    const f32x16 e = softmax_exp(v - m);
+    std::memcpy(out + i, &e, (n - i) * sizeof(float));
+    acc += e;
+  }
+  return hsum(acc);
+}
+
+SE_CLONES void softmax_scale_chunk(float* out, int64_t n, float c) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const f32x16 v = load16(out + i) * c;
+    std::memcpy(out + i, &v, sizeof(v));
+  }
+  for (; i < n; ++i) out[i] *= c;
+}
+
+void softmax_rows_kernel(const float* x, int64_t R, int64_t V, float* out) {
+  const int64_t chunk = 8192;  // values per task; also the fixed order of the row's sum
+  const int64_t per_row = (V + chunk - 1) / chunk, tasks = R * per_row;
+  std::vector<float> part(tasks), top(R), scale(R);
+  const bool serial = R * V <= (int64_t{1} << 16);  // a few microseconds: no helper wakes
+  const auto run = [&](auto&& task) {
+    if (serial) {
+      for (int64_t c = 0; c < tasks; ++c) task(c);
+    } else {
+      parallel_chunks(tasks, task);
+    }
+  };
+  const auto span = [&](int64_t c) {
+    const int64_t r = c / per_row, i0 = (c % per_row) * chunk;
+    return std::make_pair(r * V + i0, std::min(chunk, V - i0));
+  };
+  run([&](int64_t c) {
+    const auto [at, n] = span(c);
+    part[c] = softmax_max_chunk(x + at, n);
+  });
+  for (int64_t r = 0; r < R; ++r) {
+    float m = -__builtin_inff();
+    for (int64_t j = r * per_row; j < (r + 1) * per_row; ++j) {
+      if (part[j] != part[j]) {
+        m = part[j];
+        break;
+      }
+      m = part[j] > m ? part[j] : m;
+    }
+    top[r] = m;
+  }
+  run([&](int64_t c) {
+    const auto [at, n] = span(c);
+    const float m = top[c / per_row];
+    if (m != m || m == -__builtin_inff() || m == __builtin_inff()) {  // torch's NaN row
+      std::fill(out + at, out + at + n, __builtin_nanf(""));
+      part[c] = 0.f;
+      return;
+    }
+    part[c] = softmax_exp_chunk(x + at, n, m, out + at);
+  });
+  for (int64_t r = 0; r < R; ++r) {
+    float sum = 0.f;
+    for (int64_t j = r * per_row; j < (r + 1) * per_row; ++j) sum += part[j];
+    scale[r] = 1.f / sum;
+  }
+  run([&](int64_t c) {
+    const auto [at, n] = span(c);
+    const float m = top[c / per_row];
+    if (m != m || m == -__builtin_inff() || m == __builtin_inff()) return;
+    softmax_scale_chunk(out + at, n, scale[c / per_row]);
+  });
 }
 
 void coupled_topk_kernel(const float* logits, int64_t R, int64_t Vd, const float* temperature,

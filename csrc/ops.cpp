@@ -538,6 +538,17 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+at::Tensor softmax_rows(const at::Tensor& x) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) >= 1 &&
+                        x.device().is_cpu(),
+                    "x must be a [R, V >= 1] float32 CPU tensor, got ", x.sizes(), " ",
+                    x.scalar_type(), " on ", x.device());
+  const auto xc = x.contiguous();
+  auto out = at::empty_like(xc);
+  softmax_rows_kernel(xc.data_ptr<float>(), xc.size(0), xc.size(1), out.data_ptr<float>());
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor> coupled_topk(const at::Tensor& logits, int64_t k,
                                                 const at::Tensor& temperature,
                                                 const at::Tensor& keys,

@@ -76,6 +76,9 @@ at::Tensor exponential_noise_batch(const at::Tensor& keys, const at::Tensor& pos
 // [S] int64: argmax(probs[r] / exponential_noise(keys[r], [positions[r]], V)[0]) per row, as
 // torch.argmax (first index of the largest, NaN largest), the noise never stored.
 at::Tensor argmax_rows(const at::Tensor& x);
+// [R, V] float32: softmax of each row of x [R, V] float32 (softmax_rows_kernel's definition),
+// rows and chunks of rows in parallel.
+at::Tensor softmax_rows(const at::Tensor& x);
 at::Tensor exponential_race(const at::Tensor& probs, const at::Tensor& keys,
                             const at::Tensor& positions);
 std::tuple<at::Tensor, at::Tensor> coupled_topk(const at::Tensor& logits, int64_t k,

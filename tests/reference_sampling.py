@@ -18,7 +18,7 @@ import torch
 from reference_verify import verify_coupled, verify_greedy
 
 from specengine.engine.sequence import Sequence
-from specengine.sampling.batched import draw, process_rows, top_p_rows_
+from specengine.sampling.batched import draw, process_rows, softmax_rows, top_p_rows_
 from specengine.sampling.params import SamplingParams, noise_rows
 from specengine.sampling.verify import committed_tokens
 from specengine.speculative.tree import DraftTree
@@ -110,7 +110,7 @@ def sample_per_row(processed: torch.Tensor, params: list[SamplingParams],
     tokens = torch.argmax(processed, dim=-1)
     for i, p in enumerate(params):
         if not p.greedy:
-            tokens[i] = torch.argmax(torch.softmax(processed[i], -1) / noise[i])
+            tokens[i] = torch.argmax(softmax_rows(processed[i][None])[0] / noise[i])
     return tokens
 
 
@@ -138,8 +138,8 @@ def verify(tree: DraftTree, target_logits: torch.Tensor, params: SamplingParams,
     """``reference_verify.verify`` over ``process_logits_per_row``."""
     if params.greedy:
         return verify_greedy(tree, target_logits)
-    probs = torch.softmax(process_logits_per_row(target_logits,
-                                                 [params] * target_logits.shape[0]), -1)
+    probs = softmax_rows(process_logits_per_row(target_logits,
+                                                [params] * target_logits.shape[0]))
     return verify_coupled(tree, probs, noise_rows_)
 
 

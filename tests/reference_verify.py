@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specengine.sampling.batched import process_rows
+from specengine.sampling.batched import process_rows, softmax_rows
 from specengine.sampling.params import SamplingParams
 from specengine.sampling.verify import walk
 from specengine.speculative.tree import DraftTree
@@ -105,7 +105,7 @@ def verify(tree: DraftTree, target_logits: torch.Tensor, params: SamplingParams,
     """
     if params.greedy:
         return verify_greedy(tree, target_logits)
-    probs = torch.softmax(process_rows(target_logits, [params] * target_logits.shape[0]), -1)
+    probs = softmax_rows(process_rows(target_logits, [params] * target_logits.shape[0]))
     return verify_coupled(tree, probs, noise)
 
 

@@ -14,6 +14,7 @@ from reference_verify import verify_tree
 from specengine import LLM, SamplingParams
 from specengine.engine.sequence import Sequence
 from specengine.models.loader import save_random_model
+from specengine.ops import kernels
 from specengine.ops.extension import ext
 from specengine.sampling import batched
 from specengine.sampling.batched import (
@@ -25,6 +26,7 @@ from specengine.sampling.batched import (
     noise_batch,
     process_rows,
     race,
+    softmax_rows,
     store_noise,
 )
 from specengine.sampling.params import SampleNoise, noise_rows
@@ -224,6 +226,62 @@ def test_argmax_rows_across_lanes_chunks_and_views(monkeypatch):
     monkeypatch.setattr(batched, "ext", lambda: None)
     for x in cases[:8]:
         assert torch.equal(argmax_rows(x), x.argmax(-1))
+
+
+def softmax_cases(g: torch.Generator):
+    """Logit rows of every kind a sampled step meets, as one batch per vocabulary size:
+    dense at several scales, bf16-tied, mostly ``-inf`` (filtered), a single finite entry, a NaN,
+    all ``-inf`` and ``+inf`` rows, across vector tails and 8192-value chunk boundaries."""
+    for V in (1, 5, 16, 17, 8191, 8192, 8193, 20000, 49152):
+        x = torch.randn(10, V, generator=g) * torch.tensor([[0.3], [1], [3], [10], [100], [1],
+                                                             [1], [1], [1], [1]])
+        x[5] = x[5].bfloat16().float()
+        x[6, torch.rand(V, generator=g) < 0.9] = float("-inf")
+        x[6, 0] = 0.0
+        x[7] = float("-inf")
+        x[7, V // 2] = 2.0
+        x[8, V - 1] = float("nan")
+        x[9] = float("-inf")
+        yield x, torch.cat([x[:1], x[:1].clone().fill_(float("inf"))])
+
+
+def test_softmax_rows_one_definition_for_every_batch_and_thread_count():
+    """``softmax_rows`` gives each row the same bits alone as in any batch and on one thread as
+    on all (its sum runs over fixed 8192-value chunks in order); a ``-inf`` logit gets
+    probability 0, a row with a NaN or an infinite max is all NaN as torch.softmax gives; the
+    values are torch.softmax's to float32 precision; without the extension, torch.softmax."""
+    for x, inf_rows in softmax_cases(torch.Generator().manual_seed(5)):
+        got = softmax_rows(x)
+        bits = got.view(torch.int32)
+        for r in range(len(x)):
+            assert torch.equal(softmax_rows(x[r:r + 1]).view(torch.int32), bits[r:r + 1])
+        assert torch.equal(softmax_rows(x[3:8]).view(torch.int32), bits[3:8])
+        with kernels.kernel_threads(True, threads=1):
+            assert torch.equal(softmax_rows(x).view(torch.int32), bits)
+        want = torch.softmax(x, -1)
+        finite = slice(0, 8)
+        assert torch.allclose(got[finite], want[finite], rtol=2e-5, atol=1e-30)
+        assert bool((got[finite][x[finite] == float("-inf")] == 0).all())
+        assert torch.allclose(got[finite].double().sum(-1), torch.ones(8, dtype=torch.float64),
+                              atol=1e-5)
+        assert bool(got[8:].isnan().all()) and bool(want[8:].isnan().all())
+        assert bool(softmax_rows(inf_rows)[1].isnan().all())
+    x = torch.randn(3, 100, generator=torch.Generator().manual_seed(6))
+    x[0, 0] = -100.0  # exp(-100 - max) is below exp(-87.3): 0
+    assert softmax_rows(x)[0, 0] == 0.0
+    with pytest.raises(ValueError, match=r"softmax_rows takes \[R, V\] logits"):
+        softmax_rows(torch.zeros(5))
+    mod = ext()
+    if mod is not None:
+        with pytest.raises(ValueError, match=r"x must be a \[R, V >= 1\] float32 CPU tensor"):
+            mod.softmax_rows(torch.zeros(2, 3, dtype=torch.float64))
+    import specengine.sampling.batched as b
+    real = b.ext
+    try:
+        b.ext = lambda: None
+        assert torch.equal(softmax_rows(x), torch.softmax(x, -1))
+    finally:
+        b.ext = real
 
 
 @pytest.mark.skipif(ext() is None, reason="specengine._C is not built")

@@ -160,6 +160,32 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.max(-1).indices
 
 
+def softmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """The probabilities sampled from: the softmax of each row of ``x`` ``[R, V]`` float32,
+    ``[R, V]`` float32. On the CPU one extension call (``softmax_rows``, ``csrc/noise.cpp``)
+    with one definition whatever ``R`` or the thread count (a row's max, ``exp(x - max)`` with
+    exp of less than -87.3 taken as 0 so a ``-inf`` logit has probability 0, the sum over
+    fixed 8192-value chunks in order, times ``1 / sum``; a row holding NaN, or whose max is
+    infinite, all NaN as torch gives), rows and chunks on the kernel pool's threads; else
+    ``torch.softmax``.
+
+    Why not ``torch.softmax``: inside a step torch runs on one thread (``kernels.kernel_threads``),
+    and a Qwen2.5-sized vocabulary (151,936 tokens) made its softmax 0.2 ms a row, more than the
+    exponential race after it (2-core Intel Xeon with AMX, 32 rows: 6.55 ms on one thread, 3.51
+    ms here; ``python bench/bench_sampling.py --softmax``).
+
+    Raises:
+        ValueError: ``x`` is not 2-D.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"softmax_rows takes [R, V] logits, got shape {tuple(x.shape)}")
+    mod = ext()
+    if (mod is not None and hasattr(mod, "softmax_rows") and x.device.type == "cpu"
+            and x.dtype == torch.float32 and x.shape[1] > 0):
+        return mod.softmax_rows(x)
+    return torch.softmax(x, -1)
+
+
 def race(probs: torch.Tensor, noise: torch.Tensor | NoiseStreams) -> torch.Tensor:
     """The exponential race of every row: ``argmax(probs[r] / E_r)``.
 
@@ -195,7 +221,7 @@ def race(probs: torch.Tensor, noise: torch.Tensor | NoiseStreams) -> torch.Tenso
 def draw(processed: torch.Tensor, params: list[SamplingParams],
          noise: torch.Tensor | NoiseStreams | None) -> torch.Tensor:
     """One token per row: argmax for greedy rows, else ``argmax(softmax(row) / E)`` (the
-    exponential race), all sampled rows in one softmax and one ``race``.
+    exponential race), all sampled rows in one ``softmax_rows`` and one ``race``.
 
     Args:
         processed: ``[B, V]`` float32 output of ``process_rows``.
@@ -215,7 +241,7 @@ def draw(processed: torch.Tensor, params: list[SamplingParams],
     if noise is None:
         raise ValueError(f"noise is None but {len(sampled)} rows are sampled")
     every = len(sampled) == len(params)
-    tokens = race(torch.softmax(processed if every else processed[sampled], -1), noise)
+    tokens = race(softmax_rows(processed if every else processed[sampled]), noise)
     if every:
         return tokens
     out = torch.empty(len(params), dtype=torch.int64)

@@ -16,7 +16,14 @@ from collections.abc import Callable
 import torch
 
 from specengine.engine.sequence import Logprob, Sequence
-from specengine.sampling.batched import NoiseStreams, argmax_rows, draw, process_rows, race
+from specengine.sampling.batched import (
+    NoiseStreams,
+    argmax_rows,
+    draw,
+    process_rows,
+    race,
+    softmax_rows,
+)
 from specengine.sampling.params import SamplingParams
 from specengine.sampling.penalties import penalize, tree_paths
 from specengine.sampling.verify import check_tree_logits, committed_tokens, walk
@@ -113,7 +120,7 @@ class Sampler:
             streams = NoiseStreams(
                 [seqs[t].noise.key for t in sampled for _ in depths[t]],
                 [seqs[t].num_output_tokens + d for t in sampled for d in depths[t]])
-            tokens = race(torch.softmax(self.process(rows, params), -1), streams).tolist()
+            tokens = race(softmax_rows(self.process(rows, params)), streams).tolist()
             at = 0
             for t in sampled:
                 best[t], at = tokens[at:at + len(depths[t])], at + len(depths[t])
