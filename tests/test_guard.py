@@ -356,7 +356,7 @@ def test_default_speculative_config_guards_auto(target_dir):
 def test_progress_counts_what_moves_the_batch_finish():
     """A speculative step's savings count the drop of the longest remaining output (the
     makespan), not the tokens: acceptance on a sequence that ends early anyway counts nothing,
-    on the longest one all of it."""
+    on the longest one all of it; where several tie for the longest, the mean of theirs."""
     from types import SimpleNamespace
 
     from specengine.sampling.params import SamplingParams
@@ -382,6 +382,12 @@ def test_progress_counts_what_moves_the_batch_finish():
     alone = seqs([7])
     pol.weights(alone)
     assert pol._progress(rec(alone, [2])) == 3  # batch 1: the tokens committed
+    group = seqs([11, 13, 12, 30])  # three tie for the longest (10 tokens out before the step)
+    pol.weights(group)
+    assert pol._progress(rec(group, [0, 2, 1, 5])) == 2  # each as likely last: their mean
+    lagging = seqs([11, 13, 12, 4])  # the fourth (3 before, 1 committed) is longest alone
+    pol.weights(lagging)
+    assert pol._progress(rec(lagging, [0, 2, 1, 0])) == 1
 
 
 class ProbedSim(Sim):
