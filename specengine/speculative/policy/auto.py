@@ -445,9 +445,9 @@ class AutoPolicy(Policy):
         likely to be the one that ends last, so the finish moves by the mean of what they
         committed (taking the least of them, as the maximum over the ties does, credited a
         chain of 1 at 16 sequences with a drop of 1 unless all 16 accepted, 0.65^16 at tau
-        1.65: the guard then counted every such step a loss, and kept it off where it paid
-        1.1-1.2x). At batch 1 it is the tokens committed. Without the step's sequences
-        (``select`` not called), the tokens committed per sequence."""
+        1.65, so the guard counted nearly every such step a loss). At batch 1 it is the tokens
+        committed. Without the step's sequences (``select`` not called), the tokens committed
+        per sequence."""
         seqs = self._step_seqs
         if len(seqs) != rec.num_decode:
             return rec.num_committed / max(rec.num_decode, 1)
