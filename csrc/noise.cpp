@@ -456,15 +456,18 @@ void softmax_rows_kernel(const float* x, int64_t R, int64_t V, float* out) {
     }
     top[r] = m;
   }
+  // a row holding NaN, or whose max is infinite, is all NaN (torch's NaN row)
+  std::vector<char> nan_row(R);
+  for (int64_t r = 0; r < R; ++r)
+    nan_row[r] = top[r] != top[r] || top[r] == -__builtin_inff() || top[r] == __builtin_inff();
   run([&](int64_t c) {
     const auto [at, n] = span(c);
-    const float m = top[c / per_row];
-    if (m != m || m == -__builtin_inff() || m == __builtin_inff()) {  // torch's NaN row
+    if (nan_row[c / per_row]) {
       std::fill(out + at, out + at + n, __builtin_nanf(""));
       part[c] = 0.f;
       return;
     }
-    part[c] = softmax_exp_chunk(x + at, n, m, out + at);
+    part[c] = softmax_exp_chunk(x + at, n, top[c / per_row], out + at);
   });
   for (int64_t r = 0; r < R; ++r) {
     float sum = 0.f;
@@ -473,9 +476,7 @@ void softmax_rows_kernel(const float* x, int64_t R, int64_t V, float* out) {
   }
   run([&](int64_t c) {
     const auto [at, n] = span(c);
-    const float m = top[c / per_row];
-    if (m != m || m == -__builtin_inff() || m == __builtin_inff()) return;
-    softmax_scale_chunk(out + at, n, scale[c / per_row]);
+    if (!nan_row[c / per_row]) softmax_scale_chunk(out + at, n, scale[c / per_row]);
   });
 }
 

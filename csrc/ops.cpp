@@ -527,23 +527,26 @@ at::Tensor exponential_race(const at::Tensor& probs, const at::Tensor& keys,
   return out;
 }
 
-at::Tensor argmax_rows(const at::Tensor& x) {
+namespace {
+// x as a contiguous [R, V >= 1] float32 CPU tensor; a ValueError naming what is wrong else.
+at::Tensor checked_rows(const at::Tensor& x) {
   TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) >= 1 &&
                         x.device().is_cpu(),
                     "x must be a [R, V >= 1] float32 CPU tensor, got ", x.sizes(), " ",
                     x.scalar_type(), " on ", x.device());
-  const auto xc = x.contiguous();
+  return x.contiguous();
+}
+}  // namespace
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  const auto xc = checked_rows(x);
   auto out = at::empty({x.size(0)}, at::TensorOptions().dtype(at::kLong));
   argmax_rows_kernel(xc.data_ptr<float>(), xc.size(0), xc.size(1), out.data_ptr<int64_t>());
   return out;
 }
 
 at::Tensor softmax_rows(const at::Tensor& x) {
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) >= 1 &&
-                        x.device().is_cpu(),
-                    "x must be a [R, V >= 1] float32 CPU tensor, got ", x.sizes(), " ",
-                    x.scalar_type(), " on ", x.device());
-  const auto xc = x.contiguous();
+  const auto xc = checked_rows(x);
   auto out = at::empty_like(xc);
   softmax_rows_kernel(xc.data_ptr<float>(), xc.size(0), xc.size(1), out.data_ptr<float>());
   return out;
