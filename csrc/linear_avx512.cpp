@@ -120,8 +120,25 @@ inline void prefetch_step(const void* wk) {
   for (int64_t l = 0; l < kStepBytes; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
 }
 
+// Over 6 rows each row-block pass reads the group's weights again: the first pass from memory,
+// the others from L2 (147 KiB for K = 576 float32), so without help the first pass waits on
+// memory while the others compute. The next group of the thread's range is prefetched into L2
+// during the current group's passes, spread over their K steps (ceil(4 / passes) lines a
+// step), so memory and FMA work overlap, as the AMX kernel does for its pairs. Measured on a
+// 2-core AMX Xeon (linears of all 30 layers of SmolLM2-135M in float32, in-process
+// alternation): 1.06-1.08x at 8-16 rows, 1.09-1.10x at 32, 1.04-1.10x at 64; bf16 (qwen2.5-0.5b
+// shapes, AVX-512 BF16) 1.06-1.07x at 12-24 rows, within noise at 8 and 64.
+struct Ahead {
+  const char* next = nullptr;  // the next line to prefetch
+  const char* end = nullptr;
+  int per_step = 0;
+  inline void step() {
+    for (int i = 0; i < per_step && next < end; ++i, next += 64) _mm_prefetch(next, _MM_HINT_T1);
+  }
+};
+
 template <int MB>
-SE_BF16_TARGET void tile_bf16(const Args& a, int64_t g, int64_t m0) {
+SE_BF16_TARGET void tile_bf16(const Args& a, int64_t g, int64_t m0, Ahead& ahead) {
   const int64_t kp_n = a.K / 2;
   const auto* w = static_cast<const uint16_t*>(a.w) + g * kp_n * 2 * kGroup;
   const auto* x = static_cast<const uint16_t*>(a.x) + m0 * a.xs;
@@ -131,6 +148,7 @@ SE_BF16_TARGET void tile_bf16(const Args& a, int64_t g, int64_t m0) {
   for (int64_t kp = 0; kp < kp_n; ++kp) {
     const uint16_t* wk = w + kp * 2 * kGroup;
     prefetch_step(wk);
+    ahead.step();
     const __m512i w0 = _mm512_loadu_si512(wk), w1 = _mm512_loadu_si512(wk + 32);
     const __m512i w2 = _mm512_loadu_si512(wk + 64), w3 = _mm512_loadu_si512(wk + 96);
     for (int i = 0; i < MB; ++i) {
@@ -147,7 +165,7 @@ SE_BF16_TARGET void tile_bf16(const Args& a, int64_t g, int64_t m0) {
 }
 
 template <int MB>
-SE_AVX512_TARGET void tile_f32(const Args& a, int64_t g, int64_t m0) {
+SE_AVX512_TARGET void tile_f32(const Args& a, int64_t g, int64_t m0, Ahead& ahead) {
   const auto* w = static_cast<const float*>(a.w) + g * a.K * kGroup;
   const auto* x = static_cast<const float*>(a.x) + m0 * a.xs;
   __m512 acc[MB][4];
@@ -156,6 +174,7 @@ SE_AVX512_TARGET void tile_f32(const Args& a, int64_t g, int64_t m0) {
   for (int64_t k = 0; k < a.K; ++k) {
     const float* wk = w + k * kGroup;
     prefetch_step(wk);
+    ahead.step();
     const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
     const __m512 w2 = _mm512_loadu_ps(wk + 32), w3 = _mm512_loadu_ps(wk + 48);
     for (int i = 0; i < MB; ++i) {
@@ -171,17 +190,25 @@ SE_AVX512_TARGET void tile_f32(const Args& a, int64_t g, int64_t m0) {
 
 template <bool BF16>
 void run_groups(const Args& a, int64_t g0, int64_t g1) {
-  for (int64_t g = g0; g < g1; ++g)
+  const int64_t passes = (a.M + kMaxRows - 1) / kMaxRows;
+  const int64_t group_bytes = (BF16 ? a.K / 2 : a.K) * kStepBytes;
+  const char* w = static_cast<const char*>(a.w);
+  for (int64_t g = g0; g < g1; ++g) {
+    Ahead ahead;  // one pass is memory-bound: the step prefetch is all it needs
+    if (passes > 1 && g + 1 < g1)
+      ahead = {w + (g + 1) * group_bytes, w + (g + 2) * group_bytes,
+               static_cast<int>((4 + passes - 1) / passes)};
     for (int64_t m = 0; m < a.M; m += kMaxRows) {
       const int64_t rows = std::min<int64_t>(kMaxRows, a.M - m);
 #define SE_TILE(R) \
-  case R: BF16 ? tile_bf16<R>(a, g, m) : tile_f32<R>(a, g, m); break;
+  case R: BF16 ? tile_bf16<R>(a, g, m, ahead) : tile_f32<R>(a, g, m, ahead); break;
       switch (rows) {
         SE_TILE(1) SE_TILE(2) SE_TILE(3) SE_TILE(4) SE_TILE(5) SE_TILE(6)
         default: break;
       }
 #undef SE_TILE
     }
+  }
 }
 #endif
 
