@@ -18,6 +18,10 @@ the one-call coupled top-k (``coupled_topk``); and the Python loop with torch's 
 log-probabilities and top-k (the drafting before either, noise rows drawn into memory; each
 call's noise cache emptied first, as a new step's positions are not cached).
 
+With ``--cold`` (and no ``--attention``): all linear layers of one decode step with a weight
+per layer, as an engine step reads them from memory (the table above reuses one weight, which
+the CPU caches keep), ours vs torch per M.
+
 With ``--argmax``: a greedy step's argmax over M rows (``--ms``) of 49152 float32 logits (the
 vocabulary of SmolLM2): torch's ``max(-1).indices`` vs the extension's ``argmax_rows``.
 
@@ -27,7 +31,7 @@ batch 1 after a 200-token context: T=1 is a decode step, T=9 a 1+8 token verify 
     python bench/bench_kernels.py [--dtype bfloat16|float32] [--ms 1,4,8,16,32] [--threads N]
                                   [--isa generic|avx2|avx512] [--forward [--ts 1,9,17]]
                                   [--attention] [--draft [--shapes 32x4x1,...] [--out F]]
-                                  [--peak] [--argmax [--ms 1,4,64]]
+                                  [--peak] [--argmax [--ms 1,4,64]] [--cold]
 
 ``--isa avx2`` caps both sides at AVX2 + FMA, as on a CPU without AVX-512: specengine's dispatch
 (``SPECENGINE_ISA``) and torch's (``ATEN_CPU_CAPABILITY``, oneDNN's ``ONEDNN_MAX_CPU_ISA``, MKL's
@@ -118,7 +122,8 @@ def main() -> None:
                     help="time the greedy argmax over --ms rows of 49152 logits")
     ap.add_argument("--cold", action="store_true",
                     help="--attention: one cache per layer (30), as an engine step reads them, "
-                         "instead of one cache read 30 times (kept in the CPU caches)")
+                         "instead of one cache read 30 times (kept in the CPU caches); without "
+                         "--attention: all linear layers of a step with a weight per layer")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -143,6 +148,8 @@ def main() -> None:
     if args.attention:
         shapes = [tuple(int(v) for v in bc.split("x")) for bc in args.shapes.split(",")]
         return bench_attention(shapes, [int(q) for q in args.queries.split(",")], args.cold)
+    if args.cold:
+        return bench_linears_cold(dtype, ms)
     print(f"{'shape':>8} {'N x K':>12} {'M':>3} {'torch us':>9} {'ours us':>9} {'plain us':>9} "
           f"{'torch GB/s':>10} {'ours GB/s':>10} {'speedup':>7}")
     step = {m: [0.0, 0.0] for m in ms}
@@ -171,6 +178,50 @@ def main() -> None:
     print("\nlinear layers per decode step (30 layers + LM head):")
     for m in ms:
         print(f"  M={m:>2}: torch {step[m][0] * 1e3:6.2f} ms   ours {step[m][1] * 1e3:6.2f} ms")
+
+
+def bench_linears_cold(dtype: torch.dtype, ms: list[int], repeats: int = 7) -> None:
+    """Per M: ms for all linear layers of one SmolLM2-135M decode step with a weight per layer
+    (30 x qkv, o, fused gate_up + SwiGLU, down, then the LM head, 269 MB in bfloat16, 538 in
+    float32), as an engine step reads them: the weights come from memory, not the CPU caches
+    the table above reuses one weight from. Ours (``kernels.linear`` / ``linear_glu`` on the
+    prepacked weights, inside ``kernel_threads`` as the engine's decode steps run) and torch
+    (``F.linear``, then ``silu_and_mul``); median of ``repeats`` steps each, taken in turns;
+    GB/s is weight bytes over time, GFLOP/s 2 x M x weights over time."""
+    layers = []
+    for name, n, k, count in SHAPES:
+        glu = name == "gate_up"
+        for _ in range(count):
+            w = (torch.randn(n, k) * 0.05).to(dtype)
+            layers.append((w, kernels.prepack(w, glu=glu), glu))
+    nbytes = sum(w.numel() * w.element_size() for w, _, _ in layers)
+    params = sum(w.numel() for w, _, _ in layers)
+
+    def ours(xs) -> None:
+        with kernels.kernel_threads():
+            for (_, pw, glu), x in zip(layers, xs):
+                kernels.linear_glu(x, pw) if glu else kernels.linear(x, pw)
+
+    def torch_step(xs) -> None:
+        for (w, _, glu), x in zip(layers, xs):
+            y = F.linear(x, w)
+            if glu:
+                kernels.silu_and_mul_torch(y)
+
+    print(f"all linear layers of a step, a weight per layer ({nbytes / 1e6:.0f} MB)")
+    print(f"{'M':>4} {'torch ms':>9} {'ours ms':>9} {'ours GB/s':>10} {'ours GFLOP/s':>12} "
+          f"{'speedup':>7}")
+    for m in ms:
+        xs = [torch.randn(m, w.shape[1]).to(dtype) for w, _, _ in layers]
+        times = {"torch": [], "ours": []}
+        for _ in range(repeats):
+            for label, fn in (("ours", ours), ("torch", torch_step)):
+                t0 = time.perf_counter()
+                fn(xs)
+                times[label].append(time.perf_counter() - t0)
+        t_ours, t_torch = (sorted(times[k])[repeats // 2] for k in ("ours", "torch"))
+        print(f"{m:>4} {t_torch * 1e3:>9.2f} {t_ours * 1e3:>9.2f} {nbytes / t_ours / 1e9:>10.1f} "
+              f"{2 * m * params / t_ours / 1e9:>12.1f} {t_torch / t_ours:>6.2f}x")
 
 
 def bench_argmax(ms: list[int], vocab: int = 49152) -> None:
