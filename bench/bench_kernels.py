@@ -186,7 +186,8 @@ def bench_linears_cold(dtype: torch.dtype, ms: list[int], repeats: int = 7) -> N
     float32), as an engine step reads them: the weights come from memory, not the CPU caches
     the table above reuses one weight from. Ours (``kernels.linear`` / ``linear_glu`` on the
     prepacked weights, inside ``kernel_threads`` as the engine's decode steps run) and torch
-    (``F.linear``, then ``silu_and_mul``); median of ``repeats`` steps each, taken in turns;
+    (``F.linear``, then ``silu_and_mul``); median of ``repeats`` steps each (torch's first, then
+    ours after a pause: torch's OpenMP workers spin on for a while after its ops);
     GB/s is weight bytes over time, GFLOP/s 2 x M x weights over time."""
     layers = []
     for name, n, k, count in SHAPES:
@@ -214,8 +215,9 @@ def bench_linears_cold(dtype: torch.dtype, ms: list[int], repeats: int = 7) -> N
     for m in ms:
         xs = [torch.randn(m, w.shape[1]).to(dtype) for w, _, _ in layers]
         times = {"torch": [], "ours": []}
-        for _ in range(repeats):
-            for label, fn in (("ours", ours), ("torch", torch_step)):
+        for label, fn in (("torch", torch_step), ("ours", ours)):
+            time.sleep(0.5)  # torch's OpenMP workers spin on after its ops, taking the cores
+            for _ in range(repeats):
                 t0 = time.perf_counter()
                 fn(xs)
                 times[label].append(time.perf_counter() - t0)
