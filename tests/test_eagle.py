@@ -356,3 +356,28 @@ def test_hot_swap_between_steps_keeps_output(target_dir, target, plain):
     assert [done[i] for i in ids] == want
     assert drafter.version >= 3
     assert llm.get_metrics()["kv_blocks_free"] == llm.get_metrics()["kv_blocks_total"]
+
+
+def test_common_prefix_equals_the_token_by_token_scan():
+    """``common_prefix`` (slice comparisons, binary search on a mismatch) gives what a scan
+    token by token gives: for every mismatch position, no mismatch, and limits under both
+    lengths."""
+    from specengine.speculative.drafters.shadow import common_prefix
+
+    def scan(a, b, n):
+        c = 0
+        while c < n and a[c] == b[c]:
+            c += 1
+        return c
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randint(0, 50, (300,), generator=g).tolist()
+    for n in (0, 1, 2, 7, 64, 299, 300):
+        assert common_prefix(base, list(base), n) == n
+        for at in range(n):
+            b = list(base)
+            b[at] += 1  # first mismatch at ``at``
+            if at + 3 < n:
+                b[at + 3] += 1  # later mismatches do not matter
+            assert common_prefix(base, b, n) == scan(base, b, n) == at
+    assert common_prefix([], [1], 0) == 0 and common_prefix([1], [2], -1) == 0

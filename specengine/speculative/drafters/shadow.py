@@ -20,6 +20,26 @@ def new_shadow(seq: Sequence) -> Sequence:
     return Sequence(seq.request_id, seq.index, [], seq.params, seq.noise)
 
 
+def common_prefix(a: list[int], b: list[int], n: int) -> int:
+    """Length of the longest common prefix of ``a[:n]`` and ``b[:n]`` (``n`` at most both
+    lengths; ``n <= 0``: 0). Slice comparisons (C speed) instead of a Python loop over the
+    tokens: all ``n`` match in one comparison in the common case (a shadow's keys are the
+    committed prefix), else a binary search of ``log2 n`` of them. Per decode step the loop
+    took ~27 us per sequence at ~300 tokens, growing with the length."""
+    if n <= 0:
+        return 0
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def sync_shadow(blocks: BlockManager, shadow: Sequence, seq: Sequence, shift: int,
                 extra: int) -> bool:
     """Point ``shadow`` at ``seq``'s committed tokens and reserve KV room in ``blocks``.
@@ -36,9 +56,7 @@ def sync_shadow(blocks: BlockManager, shadow: Sequence, seq: Sequence, shift: in
         (``num_cached`` 0).
     """
     keys = seq.token_ids[shift:]
-    c, cached = 0, min(shadow.num_cached, len(keys) - 1)
-    while c < cached and shadow.token_ids[c] == keys[c]:
-        c += 1
+    c = common_prefix(shadow.token_ids, keys, min(shadow.num_cached, len(keys) - 1))
     shadow.num_cached = c
     shadow.token_ids = keys
     blocks.shrink(shadow, c)
