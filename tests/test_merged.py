@@ -236,6 +236,38 @@ def test_merged_drafter_bases_each_merge_on_the_source_that_matched_best():
     assert seq.seq_id not in m._drafted and seq.seq_id not in m._seq_matched
 
 
+
+def test_a_sequence_takes_another_base_only_on_a_clear_lead():
+    """The overall best part is every merge's base; a sequence switches to another part only
+    when that part's paired lead on its own drafts is ``Z`` standard errors above zero: a
+    noisy lead (it matches 3 tokens, then the base matches 1, in turns) keeps the overall best,
+    a steady one (3 tokens every draft) switches after two drafts."""
+    a = FixedDrafter("a", labelled([1, 2, 3], [-1, 0, 1], [0.5] * 3, "a"))
+    b = FixedDrafter("b", labelled([4, 5, 6], [-1, 0, 1], [0.5] * 3, "b"))
+    m = MergedDrafter([a, b], explore_every=0)
+    strategy = Strategy(3, 1, 3)
+
+    def draft(seq, committed):
+        m.propose([seq], strategy)
+        seq.token_ids += committed
+
+    x = SimpleNamespace(seq_id=1, token_ids=[0])
+    for _ in range(5):
+        draft(x, [1, 2, 3, 9])  # "a" matches 3, "b" 0
+    y = SimpleNamespace(seq_id=2, token_ids=[0])
+    for i in range(6):
+        draft(y, [4, 5, 6, 9] if i % 2 == 0 else [1, 8])  # "b" leads by 3, then trails by 1
+    m.propose([y], strategy)
+    assert m.base_of(y) == "a"  # its own mean favours "b", but the lead 1.0 +- 0.89 is not clear
+    z = SimpleNamespace(seq_id=3, token_ids=[0])
+    draft(z, [4, 5, 6, 9])
+    m.propose([z], strategy)
+    assert m.base_of(z) == "a"  # one draft: no standard error yet
+    z.token_ids += [4, 5, 6, 9]
+    m.propose([z], strategy)
+    assert m.base_of(z) == "b"  # 3 tokens ahead on both drafts
+    assert m.base_of(SimpleNamespace(seq_id=4, token_ids=[0])) == "a"  # overall best
+
 # ---- exactness in the engine ---------------------------------------------------------------
 def make(target_dir, spec=None, **kw):
     kw.setdefault("kv_cache_memory_bytes", 8 << 20)
