@@ -240,7 +240,7 @@ class MergedDrafter(Drafter):
     probability (``merge_trees(explore=True)``), so a source whose calibration is too
     pessimistic still has its best nodes verified and its map corrected.
 
-    The merge is never worse than its best source: every part's tree is scored against what
+    Each merged tree holds its best source's tree: every part's tree is scored against what
     the target then committed (``matched_length``: the tokens it would have had accepted). The
     part with the most per draft over all sequences is the *base* of every merge: its tree
     enters whole and the others fill the rest of the budget (``merge_trees(base=)``); a tree
