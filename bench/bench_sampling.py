@@ -22,8 +22,10 @@ the per-row code suffers most (each small torch op waits on OpenMP's barrier).
 With ``--softmax``: only the softmax of a sampled step, per rows R and vocabulary V
 (``--softmax-rows``, ``--softmax-vocabs``; 151936 is Qwen2.5's), inside a step's thread setting
 (``kernels.kernel_threads``: torch on one thread, the kernel pool on all): ``torch.softmax`` and
-``softmax_rows`` (the extension's), in turns, fewest seconds of ``--repeats`` rounds; freed
-buffers kept in the heap as an engine keeps them (``ops.heap``).
+``softmax_rows`` (the extension's), and the draw after it, ``race(softmax_rows(x))`` against
+``softmax_race(x)`` (one call, no probabilities written; the same tokens), in turns, fewest
+seconds of ``--repeats`` rounds; freed buffers kept in the heap as an engine keeps them
+(``ops.heap``).
 
     python bench/bench_sampling.py --softmax [--softmax-rows 16,32,64] [--out results.json]
 """
@@ -76,30 +78,37 @@ def micro(batch: int, repeats: int, params: SamplingParams) -> dict:
 
 
 def softmax_rows_bench(rows: list[int], vocabs: list[int], repeats: int) -> list[dict]:
-    """Per (R, V): fewest seconds of ``torch.softmax`` and of ``softmax_rows`` on ``[R, V]``
-    float32 logits (four arrays in turn, so each call reads logits not just written), timed in
+    """Per (R, V): fewest seconds of ``torch.softmax``, of ``softmax_rows``, of the draw as two
+    calls (``race(softmax_rows(x))``) and as one (``softmax_race``) on ``[R, V]`` float32
+    logits (four arrays in turn, so each call reads logits not just written), timed in
     alternation inside ``kernel_threads``."""
     from specengine.ops import heap, kernels
-    from specengine.sampling.batched import softmax_rows
+    from specengine.sampling.batched import NoiseStreams, race, softmax_race, softmax_rows
 
     heap.tune_malloc()
     g, out = torch.Generator().manual_seed(0), []
     for V in vocabs:
         for R in rows:
             xs = [torch.randn(R, V, generator=g) * 3 for _ in range(4)]
-            best = {"torch": float("inf"), "softmax_rows": float("inf")}
+            streams = NoiseStreams(list(range(R)), [7] * R)
+            fns = {"torch": lambda x: torch.softmax(x, -1), "softmax_rows": softmax_rows,
+                   "race_of_softmax_rows": lambda x, s=streams: race(softmax_rows(x), s),
+                   "softmax_race": lambda x, s=streams: softmax_race(x, s)}
+            best = dict.fromkeys(fns, float("inf"))
             with kernels.kernel_threads(True):
                 for i in range(repeats * 4):
-                    for name, fn in (("torch", lambda x: torch.softmax(x, -1)),
-                                     ("softmax_rows", softmax_rows)):
+                    for name, fn in (fns.items() if i % 2 else reversed(fns.items())):
                         t0 = time.perf_counter()
                         fn(xs[i % 4])
                         best[name] = min(best[name], time.perf_counter() - t0)
-            out.append({"rows": R, "vocab": V, "torch_s": best["torch"],
-                        "softmax_rows_s": best["softmax_rows"]})
-            print(f"softmax [{R}, {V}]: torch (one thread) {1e3 * best['torch']:.2f} ms, "
-                  f"softmax_rows {1e3 * best['softmax_rows']:.2f} ms "
-                  f"({best['torch'] / best['softmax_rows']:.2f}x)")
+            assert torch.equal(fns["race_of_softmax_rows"](xs[0]), fns["softmax_race"](xs[0]))
+            out.append({"rows": R, "vocab": V, **{f"{k}_s": v for k, v in best.items()}})
+            ms = {k: 1e3 * v for k, v in best.items()}
+            print(f"softmax [{R}, {V}]: torch (one thread) {ms['torch']:.2f} ms, "
+                  f"softmax_rows {ms['softmax_rows']:.2f} ms "
+                  f"({best['torch'] / best['softmax_rows']:.2f}x); draw: race(softmax_rows) "
+                  f"{ms['race_of_softmax_rows']:.2f} ms, softmax_race {ms['softmax_race']:.2f} "
+                  f"ms ({best['race_of_softmax_rows'] / best['softmax_race']:.2f}x)")
     return out
 
 

@@ -98,6 +98,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "[R, V] float32: the softmax of each row of x [R, V] float32, one definition whatever R "
         "or the thread count (fixed 8192-value chunks summed in order), rows and chunks in "
         "parallel on the kernel pool.");
+  m.def("softmax_race", &specengine::softmax_race, py::arg("x"), py::arg("keys"),
+        py::arg("positions"),
+        "[S] int64: exponential_race(softmax_rows(x), keys, positions) bit for bit, the "
+        "probabilities never stored (a row's passes on one thread when rows are many).");
   m.def("coupled_topk", &specengine::coupled_topk, py::arg("logits"), py::arg("k"),
         py::arg("temperature"), py::arg("keys"), py::arg("positions"),
         py::arg("vocab_map") = py::none(),

@@ -552,6 +552,21 @@ at::Tensor softmax_rows(const at::Tensor& x) {
   return out;
 }
 
+at::Tensor softmax_race(const at::Tensor& x, const at::Tensor& keys,
+                        const at::Tensor& positions) {
+  const auto xc = checked_rows(x);
+  check_positions(positions, xc.size(1));
+  check_streams(keys, positions);
+  TORCH_CHECK_VALUE(keys.size(0) == xc.size(0), "x must have one row per key, got ", xc.size(0),
+                    " rows and ", keys.size(0), " keys");
+  const auto k = keys.contiguous();
+  const auto pos = positions.contiguous();
+  auto out = at::empty({xc.size(0)}, at::TensorOptions().dtype(at::kLong));
+  softmax_race_kernel(xc.data_ptr<float>(), k.data_ptr<int64_t>(), pos.data_ptr<int64_t>(),
+                      xc.size(0), xc.size(1), out.data_ptr<int64_t>());
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor> coupled_topk(const at::Tensor& logits, int64_t k,
                                                 const at::Tensor& temperature,
                                                 const at::Tensor& keys,

@@ -79,6 +79,10 @@ at::Tensor argmax_rows(const at::Tensor& x);
 // [R, V] float32: softmax of each row of x [R, V] float32 (softmax_rows_kernel's definition),
 // rows and chunks of rows in parallel.
 at::Tensor softmax_rows(const at::Tensor& x);
+// [S] int64: exponential_race(softmax_rows(x), keys, positions), bit for bit, the probabilities
+// never stored (softmax_race_kernel).
+at::Tensor softmax_race(const at::Tensor& x, const at::Tensor& keys,
+                        const at::Tensor& positions);
 at::Tensor exponential_race(const at::Tensor& probs, const at::Tensor& keys,
                             const at::Tensor& positions);
 std::tuple<at::Tensor, at::Tensor> coupled_topk(const at::Tensor& logits, int64_t k,

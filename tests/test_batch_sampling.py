@@ -26,6 +26,7 @@ from specengine.sampling.batched import (
     noise_batch,
     process_rows,
     race,
+    softmax_race,
     softmax_rows,
     store_noise,
 )
@@ -282,6 +283,38 @@ def test_softmax_rows_one_definition_for_every_batch_and_thread_count():
         assert torch.equal(softmax_rows(x), torch.softmax(x, -1))
     finally:
         b.ext = real
+
+
+def test_softmax_race_is_the_race_of_softmax_rows(monkeypatch):
+    """``softmax_race`` (the softmax and race of a row on one thread, probabilities never
+    stored) draws ``race(softmax_rows(x))``'s tokens on every kind of row, for batches that
+    take either path (fewer than two rows per thread: the two kernels) and any thread count;
+    without the extension call, the two calls."""
+    g, rng = torch.Generator().manual_seed(7), random.Random(7)
+    cases = [x for pair in softmax_cases(g) for x in pair]
+    cases.append(torch.randn(9, 151936, generator=g) * 3)  # Qwen2.5's vocabulary
+    for x in cases:
+        streams = NoiseStreams([rng.randrange(1 << 62) for _ in x],
+                               [rng.randrange(10 ** 6) for _ in x])
+        want = race(softmax_rows(x), streams)
+        assert torch.equal(softmax_race(x, streams), want)
+        with kernels.kernel_threads(True, threads=1):
+            assert torch.equal(softmax_race(x, streams), want)
+        for rows in ([0], [len(x) - 1, 0], list(range(1, len(x)))):
+            sub = NoiseStreams([streams.keys[r] for r in rows],
+                               [streams.positions[r] for r in rows])
+            assert torch.equal(softmax_race(x[rows], sub), want[rows])
+    with pytest.raises(ValueError, match=r"softmax_race takes \[S, V\] logits"):
+        softmax_race(torch.zeros(5), NoiseStreams([1], [0]))
+    with pytest.raises(ValueError, match="noise streams must be 2 .* 1 keys and 1 positions"):
+        softmax_race(x[:2], NoiseStreams([1], [0]))
+    mod = ext()
+    if mod is not None:
+        with pytest.raises(ValueError, match="x must have one row per key"):
+            mod.softmax_race(x[:2], torch.tensor([1, 2, 3]), torch.tensor([0, 0, 0]))
+    streams = NoiseStreams([5, 6], [0, 1])
+    monkeypatch.setattr(batched, "ext", lambda: None)
+    assert torch.equal(softmax_race(x[:2], streams), race(torch.softmax(x[:2], -1), streams))
 
 
 @pytest.mark.skipif(ext() is None, reason="specengine._C is not built")

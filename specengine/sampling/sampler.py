@@ -21,8 +21,7 @@ from specengine.sampling.batched import (
     argmax_rows,
     draw,
     process_rows,
-    race,
-    softmax_rows,
+    softmax_race,
 )
 from specengine.sampling.params import SamplingParams
 from specengine.sampling.penalties import penalize, tree_paths
@@ -120,7 +119,7 @@ class Sampler:
             streams = NoiseStreams(
                 [seqs[t].noise.key for t in sampled for _ in depths[t]],
                 [seqs[t].num_output_tokens + d for t in sampled for d in depths[t]])
-            tokens = race(softmax_rows(self.process(rows, params)), streams).tolist()
+            tokens = softmax_race(self.process(rows, params), streams).tolist()
             at = 0
             for t in sampled:
                 best[t], at = tokens[at:at + len(depths[t])], at + len(depths[t])
