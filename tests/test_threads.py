@@ -256,21 +256,50 @@ def test_pool_counters(two_threads):
 def test_a_new_bucket_probes_after_min_gap_steps_and_flags_its_probe_steps(monkeypatch):
     """The first bucket probes at once; a bucket that starts from a neighbour's count runs
     ``warmup + min_gap`` steps at that count first (a policy's first steps at a new draft size
-    are not a probe's). Inside ``step``, ``probe_step`` is True exactly on the steps run at the
-    probed count."""
+    are not a probe's) when the neighbour's last probe was close; when it lost big, the new
+    bucket takes the neighbour's verdict and interval (no probe for ``backoff * probe_every``
+    steps). Inside ``step``, ``probe_step`` is True exactly on the steps run at the probed
+    count."""
     monkeypatch.setattr(kernels, "packed_covers", lambda rows: True)
+
+    def close(threads):  # 1 thread 5% slower: within drift
+        return {1: 6.3e-3, 2: 6e-3}[threads]
+
     clock = FakeClock()
     t = ThreadTuner(2, clock=clock, probe_every=64, samples=2, min_gap=8, warmup=2)
-    first = run_steps(t, clock, 6, quiet, rows=1)
+    first = run_steps(t, clock, 6, close, rows=1)
     assert first[2:] == [1, 2, 1, 2]  # after warm-up, the first bucket's probe at once
-    used = run_steps(t, clock, 2 + 8, quiet, rows=4)  # new bucket 4-7: no probe yet
+    assert t.buckets[1].backoff == 1
+    used = run_steps(t, clock, 2 + 8, close, rows=4)  # new bucket 4-7: no probe yet
     assert used == [2] * 10 and t.buckets[t.bucket_of(4)].candidate is None
     probe = []
     for _ in range(4):
         with t.step(4):
             probe.append(t.probe_step)
-            clock.now += quiet(1 if t.probe_step else 2)
+            clock.now += close(1 if t.probe_step else 2)
     assert probe == [True, False, True, False] and t.probe_step is False
+    lost = ThreadTuner(2, clock=clock, probe_every=64, samples=2, min_gap=8, warmup=2)
+    run_steps(lost, clock, 6, quiet, rows=1)  # 1 thread 1.67x slower: lost big
+    assert lost.buckets[1].backoff == 2
+    used = run_steps(lost, clock, 2 + 2 * 64, quiet, rows=4)
+    assert used == [2] * (2 + 2 * 64) and lost.buckets[lost.bucket_of(4)].backoff == 2
+    assert run_steps(lost, clock, 1, quiet, rows=4) == [1]  # the interval's probe
+
+
+def test_a_faster_step_at_the_full_count_rebases_and_a_slower_one_probes():
+    """Steps getting faster (a neighbour left, a shorter context) at the full count start no
+    probe (no count above it to try): the reference moves to the new times, and a slowdown
+    beyond ``drift`` from there starts one early; below the full count a speedup does."""
+    clock = FakeClock()
+    t = ThreadTuner(2, clock=clock, probe_every=1000, samples=4, min_gap=16, warmup=0)
+    run_steps(t, clock, 8, lambda n: {1: 20e-3, 2: 12e-3}[n])  # the first probe: 2 stays
+    assert t.probes == 1 and t.buckets[1].ref == pytest.approx(12e-3)
+    used = run_steps(t, clock, 100, lambda n: {1: 12e-3, 2: 6e-3}[n])  # 2x faster
+    assert used == [2] * 100 and t.probes == 1 and t.buckets[1].ref == pytest.approx(6e-3)
+    run_steps(t, clock, 40, lambda n: {1: 7e-3, 2: 9e-3}[n])  # 1.5x slower than 6 ms
+    assert t.probes == 2 and t.buckets[1].current == 1
+    used = run_steps(t, clock, 40, lambda n: {1: 4e-3, 2: 2e-3}[n])  # faster at 1 thread
+    assert t.probes == 3 and t.buckets[1].current == 2 and used[-10:] == [2] * 10
 
 
 def test_probes_that_lose_big_back_off_and_a_change_still_starts_one():
