@@ -344,7 +344,7 @@ def test_catch_up_counts_the_tokens_a_drafter_did_not_see(target_dir):
 def test_default_speculative_config_guards_auto(target_dir):
     llm = LLM(str(target_dir), dtype="float32", block_size=8, kv_cache_memory_bytes=8 << 20,
               speculative_config={"method": "ngram"})
-    assert llm.engine.policy.guard.alpha == 0.02
+    assert llm.engine.policy.guard.alpha == 0.02 * AutoPolicy.GUARD_SHARE  # of the 2% promised
     with pytest.raises(ValueError, match="policy_max_loss"):
         LLM(str(target_dir), dtype="float32", block_size=8, kv_cache_memory_bytes=8 << 20,
             speculative_config={"method": "ngram", "policy_max_loss": 1.5})

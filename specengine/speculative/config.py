@@ -41,7 +41,8 @@ class SpeculativeConfig:
             (None: defaults, see ``spec.policy.candidate_strategies``).
         policy_max_loss: ``auto``: the share of no speculation's speed that speculation may
             risk in each batch-size bucket, in [0, 1) (default 0.02: never below 0.98x of no
-            speculation; ``policy.guard.LossGuard``); None: no guard, the cost model alone
+            speculation; ``policy.guard.LossGuard``, which budgets ``AutoPolicy.GUARD_SHARE``
+            of it); None: no guard, the cost model alone
             decides (it then speculates from the first step).
         suffix_decoding_max_tree_depth: ``suffix``: most draft tokens on a path, whatever the
             strategy's depth (>= 1; vLLM's key, default 24).
