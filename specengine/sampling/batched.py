@@ -225,7 +225,7 @@ def softmax_race(x: torch.Tensor, noise: NoiseStreams) -> torch.Tensor:
     (``softmax_race``, ``csrc/noise.cpp``) that writes no probabilities: with at least two rows
     per kernel thread each row's max, exponentials and race run on one thread while the row is
     in that core's cache (Qwen2.5's 151,936-token vocabulary, 32 rows, 2-core Intel Xeon with
-    AVX-512: 4.2 ms against 5.7 for the two calls; ``python bench/bench_sampling.py
+    AVX-512: 4.5 ms against 5.9 for the two calls; ``python bench/bench_sampling.py
     --softmax``). Without the extension call: the two calls.
 
     Raises:
