@@ -16,7 +16,11 @@ in one run: a step's drafting (prefix feed and the loop over depths) in one exte
 (``eagle_draft``); the Python loop (``_feed_prefix``, ``_grow``) with
 the one-call coupled top-k (``coupled_topk``); and the Python loop with torch's coupled
 log-probabilities and top-k (the drafting before either, noise rows drawn into memory; each
-call's noise cache emptied first, as a new step's positions are not cached).
+call's noise cache emptied first, as a new step's positions are not cached). ``--catch-up N``:
+each call first catches the drafter up on each sequence's last N tokens (as after N steps it sat
+out) and a fourth column runs the Python loop with the whole drafter layer over those rows (the
+prefix feed before catch-up rows only wrote their K/V); ``--draft-model`` another target's
+shipped drafter (e.g. qwen2.5-coder-0.5b-instruct).
 
 With ``--cold`` (and no ``--attention``): all linear layers of one decode step with a weight
 per layer, as an engine step reads them from memory (the table above reuses one weight, which
@@ -30,7 +34,8 @@ batch 1 after a 200-token context: T=1 is a decode step, T=9 a 1+8 token verify 
 
     python bench/bench_kernels.py [--dtype bfloat16|float32] [--ms 1,4,8,16,32] [--threads N]
                                   [--isa generic|avx2|avx512] [--forward [--ts 1,9,17]]
-                                  [--attention] [--draft [--shapes 32x4x1,...] [--out F]]
+                                  [--attention] [--draft [--shapes 32x4x1,...] [--out F]
+                                                         [--catch-up N] [--draft-model M]]
                                   [--peak] [--argmax [--ms 1,4,64]] [--cold]
 
 ``--isa avx2`` caps both sides at AVX2 + FMA, as on a CPU without AVX-512: specengine's dispatch
@@ -114,6 +119,10 @@ def main() -> None:
     ap.add_argument("--draft", action="store_true",
                     help="time the EAGLE draft loop; --shapes BxDxK (batch x depth x top-k)")
     ap.add_argument("--out", default=None, help="--draft: also write the rows to this JSON")
+    ap.add_argument("--catch-up", type=int, default=0,
+                    help="--draft: tokens per sequence the drafter catches up on each call")
+    ap.add_argument("--draft-model", default="smollm2-135m-instruct",
+                    help="--draft: the target whose shipped drafter is timed")
     ap.add_argument("--peak", action="store_true",
                     help="what the AMX tile unit computes per second by operand data and "
                          "alignment (bench/amx_peak.cpp, built with g++) beside the packed AMX "
@@ -144,7 +153,8 @@ def main() -> None:
     if args.draft:
         shapes = (args.shapes if "--shapes" in sys.argv else "8x4x1,32x4x1,32x4x2,32x6x2")
         return bench_draft([tuple(int(v) for v in s.split("x")) for s in shapes.split(",")],
-                           args.out)
+                           args.out, max(160, args.catch_up + 16), args.catch_up,
+                           args.draft_model)
     if args.attention:
         shapes = [tuple(int(v) for v in bc.split("x")) for bc in args.shapes.split(",")]
         return bench_attention(shapes, [int(q) for q in args.queries.split(",")], args.cold)
@@ -307,9 +317,12 @@ def bench_forward(dtype: torch.dtype, ts: list[int], context: int = 200) -> None
         print(f"  T={t:>2}: {sec * 1e3:7.2f} ms")
 
 
-def bench_draft(shapes: list[tuple[int, int, int]], out: str | None, context: int = 160) -> None:
+def bench_draft(shapes: list[tuple[int, int, int]], out: str | None, context: int = 160,
+                catch_up: int = 0, model: str = "smollm2-135m-instruct") -> None:
     """EAGLE ``propose`` per (batch, depth, top-k), greedy and T = 1: the extension loop vs the
-    Python loop (``_grow``), medians of interleaved calls."""
+    Python loop (``_grow``), medians of interleaved calls; each after catching the drafter up on
+    ``catch_up`` tokens per sequence (then also the Python loop with the whole layer over the
+    catch-up rows)."""
     import json
 
     from common import machine_info
@@ -323,16 +336,25 @@ def bench_draft(shapes: list[tuple[int, int, int]], out: str | None, context: in
     # name -> (loop in the extension, coupled_topk's one-call kernel)
     VARIANTS = {"extension": (True, True), "python_loop": (False, True),
                 "torch_topk_loop": (False, False)}
-    llm = LLM("smollm2-135m-instruct", dtype="bfloat16", speculative_config={
+    if catch_up:
+        VARIANTS["python_whole_layer"] = (False, True)
+    llm = LLM(model, dtype="bfloat16", kv_cache_memory_bytes=1 << 29, speculative_config={
         "method": "eagle", "num_speculative_tokens": 4, "policy": "static"})
     drafter = llm.engine.drafter
+    em = drafter.model
+    forward = em.forward
+
+    def whole_layer(ids, feats, pos, kv, meta, backend, out_rows=None):
+        f = forward(ids, feats, pos, kv, meta, backend)
+        return f if out_rows is None else f[out_rows]
     hidden = llm.engine.runner.model.config.hidden_size
     draft = drafter._draft_in_extension
     rows = []
-    print(f"EAGLE draft loop, {context} cached tokens per sequence (bfloat16), ms per call "
-          "[per depth]:")
+    print(f"EAGLE draft loop ({model}), {context} cached tokens per sequence (bfloat16), "
+          f"catching up on {catch_up}, ms per call [per depth]:")
     print(f"{'B':>3} {'d':>2} {'k':>2} {'T':>3} {'extension':>17} {'python loop':>17} "
-          f"{'torch top-k loop':>17} {'speedup':>7}")
+          f"{'torch top-k loop':>17} " + (f"{'whole layer':>17} " if catch_up else "")
+          + f"{'speedup':>7}")
     for b, d, k in shapes:
         for temp in (0.0, 1.0):
             g = torch.Generator().manual_seed(0)
@@ -353,13 +375,16 @@ def bench_draft(shapes: list[tuple[int, int, int]], out: str | None, context: in
                     for name, (in_ext, fused) in VARIANTS.items():
                         drafter._draft_in_extension = draft if in_ext else (lambda *a: None)
                         coupling.ext = ext if fused else (lambda: None)
+                        em.forward = whole_layer if name == "python_whole_layer" else forward
                         for s in seqs:
                             s.noise._cache.clear()
+                            if catch_up:
+                                drafter.states[s.seq_id].shadow.num_cached = context - catch_up
                         t0 = time.perf_counter()
                         drafter.propose(seqs, strategy)
                         if rep:  # the first call of each fills the drafter KV
                             times[name].append(time.perf_counter() - t0)
-            drafter._draft_in_extension, coupling.ext = draft, ext
+            drafter._draft_in_extension, coupling.ext, em.forward = draft, ext, forward
             for s in seqs:
                 drafter.release(s)
             ms = {name: sorted(t)[len(t) // 2] * 1e3 for name, t in times.items()}
@@ -372,7 +397,8 @@ def bench_draft(shapes: list[tuple[int, int, int]], out: str | None, context: in
     if out:
         with open(out + ".tmp", "w") as fh:
             json.dump({"machine": machine_info(), "threads": torch.get_num_threads(),
-                       "context": context, "rows": rows}, fh, indent=1)
+                       "model": model, "context": context, "catch_up": catch_up,
+                       "rows": rows}, fh, indent=1)
         os.replace(out + ".tmp", out)
 
 

@@ -97,13 +97,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> eagle_draft(
   // the drafter forward (EagleModel.forward and DecoderLayer.forward, same ops and order) over
   // rows of token ids `tok` and input features `feats` [R, H] at RoPE positions `pos`, writing
   // their K/V to `slot`; row r attends as sequence qseq[r] over kv_len[r] keys (tree rows: the
-  // keys before tree_base plus those `mask` marks)
+  // keys before tree_base plus those `mask` marks). With `out`, only the rows it lists go on
+  // past the K/V write (the others are a catch-up: their keys are needed, not their outputs)
   auto forward = [&](const at::Tensor& feats, const std::vector<int64_t>& tok,
                      const std::vector<int64_t>& pos, const std::vector<int64_t>& slot,
                      const std::vector<int64_t>& qseq, const std::vector<int64_t>& kv_len,
                      const std::optional<at::Tensor>& tree_base,
-                     const std::optional<at::Tensor>& mask) {
-    const int64_t R = static_cast<int64_t>(tok.size());
+                     const std::optional<at::Tensor>& mask,
+                     const std::vector<int64_t>* out = nullptr) {
+    int64_t R = static_cast<int64_t>(tok.size());
     auto x = at::cat({w.embed.index_select(0, to_tensor(tok, i64)), feats.to(dtype)}, -1);
     x = packed_linear(w.kind, x, w.fc, w.n_fc, w.fc_bias, false, false);
     const auto cs = w.rope.index_select(0, to_tensor(pos, i64)).unsqueeze(1).chunk(2, -1);
@@ -115,8 +117,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> eagle_draft(
     rope_inplace_cpu(qk, cs[0].reshape({R, D}), cs[1].reshape({R, D}));
     write_kv_cpu(k_cache, v_cache, qkv.narrow(1, nq, nkv), qkv.narrow(1, nq + nkv, nkv),
                  to_tensor(slot, i64));
-    const auto attn = paged_attention_cpu(qkv.narrow(1, 0, nq), k_cache, v_cache, block_tables,
-                                          to_tensor(qseq, i32), to_tensor(kv_len, i32), scale,
+    auto q = qkv.narrow(1, 0, nq);
+    auto q_seq = to_tensor(qseq, i32), q_len = to_tensor(kv_len, i32);
+    if (out != nullptr) {
+      const auto rows = to_tensor(*out, i64);
+      q = q.index_select(0, rows);
+      residual = residual.index_select(0, rows);
+      q_seq = q_seq.index_select(0, rows);
+      q_len = q_len.index_select(0, rows);
+      R = static_cast<int64_t>(out->size());
+    }
+    const auto attn = paged_attention_cpu(q, k_cache, v_cache, block_tables, q_seq, q_len, scale,
                                           tree_base, mask);
     h = packed_linear(w.kind, attn.reshape({R, nq * D}), w.o, w.n_o, std::nullopt, false, false);
     std::tie(h, residual) = add_rms_norm_cpu(h, residual, w.post_norm, eps);
@@ -163,9 +174,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> eagle_draft(
       slot[r] = slot_of(prefix_seq[r], prefix_pos[r]);
       kv_len[r] = prefix_pos[r] + 1;
     }
-    const auto f = forward(prefix_feats, prefix_ids, prefix_pos, slot, prefix_seq, kv_len,
-                           std::nullopt, std::nullopt);
-    const auto root = f.index_select(0, to_tensor(last, i64));
+    bool all = B == P;  // one row per sequence, in order: each is its last
+    for (int64_t b = 0; all && b < B; ++b) all = last[b] == b;
+    const auto root = forward(prefix_feats, prefix_ids, prefix_pos, slot, prefix_seq, kv_len,
+                              std::nullopt, std::nullopt, all ? nullptr : &last);
     std::vector<int64_t> seq(B), pos(n_out);
     for (int64_t b = 0; b < B; ++b) seq[b] = b;
     const int64_t k = children(root, seq, pos);

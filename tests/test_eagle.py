@@ -203,65 +203,99 @@ def test_paged_drafting_equals_dense_unroll(target):
             assert vmap[dense_logprobs(seq, chain.tokens[:i]).argmax()] == tok
 
 
+def _propose_rounds(target, dtype, in_extension: bool, whole_layer: bool = False):
+    """Three ``propose`` rounds (a chain and two trees) over five sequences of different
+    lengths (greedy, T = 1, T = 0.7): the whole prefix fed first, then three rows per sequence
+    (two committed tokens and the last row again). ``in_extension``: let ``eagle_draft`` run;
+    ``whole_layer``: the prefix feed runs the whole drafter layer over every row and keeps
+    each sequence's last (as before catch-up rows only wrote their K/V). Returns the trees,
+    the drafter KV and, per round, whether the extension loop ran."""
+    vmap = torch.randperm(512, generator=torch.Generator().manual_seed(1))[:300]
+    em = EagleModel(EagleConfig.for_target(target, 300), target.model, dtype,
+                    vmap).random_init(5)
+    if whole_layer:
+        forward = em.forward
+
+        def whole(ids, feats, pos, kv, meta, backend, out_rows=None):
+            f = forward(ids, feats, pos, kv, meta, backend)
+            return f if out_rows is None else f[out_rows]
+
+        em.forward = whole
+    drafter = EagleDrafter(Strategy(4), em, 128, 8)
+    grow, ran = drafter._draft_in_extension, []
+
+    def spy(*args):
+        cands = grow(*args) if in_extension else None
+        ran.append(cands is not None)
+        return cands
+
+    drafter._draft_in_extension = spy
+    g = torch.Generator().manual_seed(2)
+    seqs, trees = [], []
+    for i, t in enumerate([0.0, 1.0, 0.7, 1.0, 0.0]):
+        tokens = torch.randint(0, 512, (9 + 4 * i,), generator=g).tolist()
+        seq = Sequence("r", i, tokens[:5], SamplingParams(temperature=t, seed=i),
+                       SampleNoise(i, 0))
+        seq.token_ids = tokens
+        drafter.observe(seq, 0, torch.randn(len(tokens), 64, generator=g).to(dtype))
+        seqs.append(seq)
+    for strategy in [Strategy(4), Strategy(4, 3, 12), Strategy(5, 2, 10)]:
+        trees += drafter.propose(seqs, strategy)
+        for seq in seqs:  # two tokens committed: the next prefix feed has 3 rows
+            seq.token_ids += torch.randint(0, 512, (2,), generator=g).tolist()
+            drafter.observe(seq, len(seq.token_ids) - 2,
+                            torch.randn(2, 64, generator=g).to(dtype))
+    return [(t.tokens, t.parents, t.draft_logprobs) for t in trees], drafter.kv.clone(), ran
+
+
 @pytest.mark.skipif(ext() is None or not hasattr(ext(), "eagle_draft"),
                     reason="needs the C++ extension")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("isa", ["native", "avx512", "avx2"])
 def test_draft_loop_in_extension_equals_the_python_loop(target_dir, dtype, isa):
     """``eagle_draft`` (a step's drafting in one extension call: the prefix feed and the loop
-    over depths) gives the trees and drafter KV the Python loop gives, bit for bit: greedy,
-    T = 1 and T = 0.7 sequences of different lengths in one batch, a chain and two trees, with
-    the whole prefix fed first and then three rows per sequence (two committed tokens and the
-    last row again); under the CPU's own kernels and the AVX-512 and AVX2 caps (the generic
-    cap packs nothing, so the Python loop runs there)."""
+    over depths) gives the trees and drafter KV the Python loop gives, bit for bit
+    (``_propose_rounds``), under the CPU's own kernels and the AVX-512 and AVX2 caps (the
+    generic cap packs nothing, so the Python loop runs there)."""
     prev = kernels.ISAS[ext().isa_cap()]
     if isa != "native" and kernels.set_isa(isa) != isa:
         pytest.skip(f"this CPU cannot run the {isa} kernels")
     try:
         target = load_model(target_dir, dtype=dtype)
-        vmap = torch.randperm(512, generator=torch.Generator().manual_seed(1))[:300]
-
-        def run(in_extension: bool):
-            em = EagleModel(EagleConfig.for_target(target, 300), target.model, dtype,
-                            vmap).random_init(5)
-            drafter = EagleDrafter(Strategy(4), em, 128, 8)
-            grow = drafter._draft_in_extension
-
-            def spy(*args):
-                cands = grow(*args) if in_extension else None
-                ran.append(cands is not None)
-                return cands
-
-            drafter._draft_in_extension = spy
-            g = torch.Generator().manual_seed(2)
-            seqs, trees = [], []
-            for i, t in enumerate([0.0, 1.0, 0.7, 1.0, 0.0]):
-                tokens = torch.randint(0, 512, (9 + 4 * i,), generator=g).tolist()
-                seq = Sequence("r", i, tokens[:5], SamplingParams(temperature=t, seed=i),
-                               SampleNoise(i, 0))
-                seq.token_ids = tokens
-                drafter.observe(seq, 0, torch.randn(len(tokens), 64, generator=g).to(dtype))
-                seqs.append(seq)
-            for strategy in [Strategy(4), Strategy(4, 3, 12), Strategy(5, 2, 10)]:
-                trees += drafter.propose(seqs, strategy)
-                for seq in seqs:  # two tokens committed: the next prefix feed has 3 rows
-                    seq.token_ids += torch.randint(0, 512, (2,), generator=g).tolist()
-                    drafter.observe(seq, len(seq.token_ids) - 2,
-                                    torch.randn(2, 64, generator=g).to(dtype))
-            return ([(t.tokens, t.parents, t.draft_logprobs) for t in trees],
-                    drafter.kv.clone())
-
         if kernels.prepack(torch.zeros(64, 64, dtype=dtype)).kind is None:
             pytest.skip("no packed kernel for this dtype here: the extension loop does not apply")
-        ran: list[bool] = []
-        fast, kv_fast = run(True)
+        fast, kv_fast, ran = _propose_rounds(target, dtype, True)
         assert ran == [True] * 3  # every propose took the extension loop
-        slow, kv_slow = run(False)
+        slow, kv_slow, _ = _propose_rounds(target, dtype, False)
         assert len(fast) == 15 and all(len(t[0]) > 0 for t in fast)
         assert fast == slow
         assert torch.equal(kv_fast, kv_slow)
     finally:
         kernels.set_isa(prev)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("isa", ["native", "generic"])
+def test_catch_up_rows_only_write_their_kv(target_dir, dtype, isa):
+    """A prefix feed runs attention, ``o_proj`` and the MLP only for each sequence's last row
+    (the others are a catch-up: only their K/V is needed); the trees and the drafter KV are
+    those of running the whole layer over every row and keeping the last, bit for bit, in the
+    Python loop and in the extension's (``_propose_rounds``: prefix feeds of 1 to 29 rows per
+    sequence). Under the generic cap (no packed kernels: torch's) the Python loop runs."""
+    prev = kernels.ISAS[ext().isa_cap()] if ext() is not None else None
+    if isa != "native" and (ext() is None or kernels.set_isa(isa) != isa):
+        pytest.skip(f"cannot cap the kernels at {isa} here")
+    try:
+        target = load_model(target_dir, dtype=dtype)
+        want, kv_want, _ = _propose_rounds(target, dtype, False, whole_layer=True)
+        assert len(want) == 15 and all(len(t[0]) > 0 for t in want)
+        for in_extension in (False, True):
+            got, kv_got, _ = _propose_rounds(target, dtype, in_extension)
+            assert got == want
+            assert torch.equal(kv_got, kv_want)
+    finally:
+        if prev is not None:
+            kernels.set_isa(prev)
 
 
 def test_checkpoint_round_trip(target, tmp_path):

@@ -128,10 +128,16 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, backend: AttentionBackend
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                meta: AttentionMetadata, backend: AttentionBackend,
+                out_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden``/``residual`` ``[T, hidden]`` -> (layer output, residual); the caller adds
-        them (fused into the next norm). ``residual`` is None for the first layer."""
+        them (fused into the next norm). ``residual`` is None for the first layer.
+
+        ``out_rows`` (``[R]`` int64, optional): the rows whose output is wanted; the others
+        only write their K/V (a drafter catching up on tokens it did not see: their keys are
+        needed, their outputs are not). Output and residual are then ``[R, hidden]``, the
+        same values bit for bit as those rows of the whole layer's (every kernel here works
+        row by row), at R rows' cost of attention, ``o_proj`` and MLP instead of T's."""
         if residual is None:
             residual = hidden
             hidden = kernels.rms_norm(hidden, self.input_norm, self.eps)
@@ -145,6 +151,14 @@ class DecoderLayer(nn.Module):
         q, k, v = qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:]
         k_cache, v_cache = kv_cache
         backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        if out_rows is not None:
+            q, residual, T = q[out_rows], residual[out_rows], out_rows.shape[0]
+            kv_lens = meta.kv_lens[out_rows]
+            tree = meta.tree_mask is not None
+            meta = AttentionMetadata(meta.slot_mapping[out_rows], meta.block_tables,
+                                     meta.query_seq[out_rows], kv_lens, int(kv_lens.max()),
+                                     meta.tree_base[out_rows] if tree else None,
+                                     meta.tree_mask[out_rows] if tree else None)
         attn = backend.forward(q, k_cache, v_cache, meta, self.scale)
         hidden = kernels.linear(attn.reshape(T, self.q_size), self.packed("o_proj"), self.o_bias)
 

@@ -258,13 +258,16 @@ class EagleDrafter(Drafter):
 
     def _feed_prefix(self, shadows: list[Sequence], prefix: _Prefix) -> torch.Tensor:
         """Forward 1 over the ``prefix`` rows. Returns ``[b, H]``: per sequence the predicted
-        feature of position n (the depth-1 distribution), n = ``len(seq) - 1``."""
+        feature of position n (the depth-1 distribution), n = ``len(seq) - 1``. The rows
+        before each sequence's last only write their K/V (a catch-up after the drafter sat
+        out costs a K/V projection per token, not a layer)."""
         meta = self._meta(shadows, prefix.qseq, prefix.pos, [p + 1 for p in prefix.pos])
         dev = self.kv.device
-        f = self.model(torch.tensor(prefix.ids, device=dev), prefix.feats,
-                       torch.tensor(prefix.pos, device=dev),
-                       (self.kv[0], self.kv[1]), meta, self.backend)
-        return f[prefix.last]
+        return self.model(torch.tensor(prefix.ids, device=dev), prefix.feats,
+                          torch.tensor(prefix.pos, device=dev),
+                          (self.kv[0], self.kv[1]), meta, self.backend,
+                          torch.tensor(prefix.last, device=dev)
+                          if len(prefix.last) < len(prefix.ids) else None)
 
     def _feed_depth(self, seqs: list[Sequence], shadows: list[Sequence],
                     cands: list[list[Candidate]],

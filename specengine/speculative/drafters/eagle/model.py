@@ -176,14 +176,16 @@ class EagleModel(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                backend) -> torch.Tensor:
+                backend, out_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Predicted next features ``[T, H]`` for ``T`` packed rows: token ids ``[T]`` int64,
-        features ``[T, H]``, RoPE positions ``[T]`` int64; writes the rows' K/V into ``kv``."""
+        features ``[T, H]``, RoPE positions ``[T]`` int64; writes the rows' K/V into ``kv``.
+        With ``out_rows`` (``[R]`` int64) only those rows' features ``[R, H]`` are computed;
+        the others write their K/V alone (``DecoderLayer.forward``)."""
         t = self.target
         x = torch.cat([t.embed_tokens[input_ids], feats.to(self.fc.dtype)], dim=-1)
         x = kernels.linear(x, self._packed("fc", self.fc), self.fc_bias)
         cos, sin = self.rope[positions].unsqueeze(1).chunk(2, dim=-1)
-        h, res = self.layer(x, None, cos, sin, kv, meta, backend)
+        h, res = self.layer(x, None, cos, sin, kv, meta, backend, out_rows)
         out, _ = add_rms_norm(h, res, t.norm.to(h.dtype), self.eps)
         return out
 
