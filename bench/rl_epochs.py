@@ -142,17 +142,27 @@ def tail_seconds(steps: list[tuple], tail_batch: int) -> float:
     return 0.0
 
 
-def bucket_rates(steps: list[tuple]) -> dict[int, tuple[float, float]]:
-    """Per running-batch bucket (upper edge in ``BUCKETS``): (seconds, tokens committed)."""
+def bucket_rates(steps: list[tuple]) -> dict[int, tuple[float, float, int]]:
+    """Per running-batch bucket (upper edge in ``BUCKETS``): (seconds, tokens committed,
+    steps)."""
     out: dict[int, list[float]] = {}
     prev = 0.0
     for end, running, tokens in steps:
         b = next(x for x in BUCKETS + (10**9,) if running <= x)
-        acc = out.setdefault(b, [0.0, 0.0])
+        acc = out.setdefault(b, [0.0, 0.0, 0])
         acc[0] += end - prev
         acc[1] += tokens
+        acc[2] += 1
         prev = end
-    return {b: (s, t) for b, (s, t) in out.items()}
+    return {b: (s, t, n) for b, (s, t, n) in out.items()}
+
+
+def bucket_ratios(mine: dict, theirs: dict) -> dict[int, float]:
+    """Per bucket in both ``bucket_rates``: the committed tokens/s of ``mine`` over
+    ``theirs``."""
+    return {b: (mine[b][1] / mine[b][0]) / (theirs[b][1] / theirs[b][0])
+            for b in mine if b in theirs and mine[b][0] > 0 and theirs[b][0] > 0
+            and theirs[b][1] > 0}
 
 
 def counters(llm: LLM) -> dict:
@@ -190,10 +200,9 @@ def epoch_row(name: str, run: dict, before: dict, after: dict, base: dict | None
         bt, rt = tail_seconds(base["steps"], tail_batch), row["tail_s"]
         row["tail_speedup"] = bt / rt if rt else None
         mine, theirs = bucket_rates(run["steps"]), bucket_rates(base["steps"])
-        ratios = {b: (mine[b][1] / mine[b][0]) / (theirs[b][1] / theirs[b][0])
-                  for b in mine if b in theirs and mine[b][0] > 0 and theirs[b][0] > 0
-                  and theirs[b][1] > 0}
+        ratios = bucket_ratios(mine, theirs)
         row["bucket_ratio"] = ratios
+        row["bucket_rates"], row["off_bucket_rates"] = mine, theirs  # (s, tokens, steps)
         row["slowest_bucket"] = min(ratios.items(), key=lambda kv: kv[1]) if ratios else None
         row["mismatch"] = sum(a != b for ra, rb in zip(run["outputs"], base["outputs"])
                               for a, b in zip(ra, rb))
@@ -325,7 +334,8 @@ def main(argv=None) -> int:
                                     for k, v in row["accepted_per_step_by_source"].items()),
                           f"{row.get('speedup', 1.0):.2f}",
                           f"{row['tail_speedup']:.2f}" if row.get("tail_speedup") else "-",
-                          f"{sb[1]:.2f} (b<={sb[0]})" if sb else "-",
+                          f"{sb[1]:.2f} (b<={sb[0]}, {row['bucket_rates'][sb[0]][2]} steps)"
+                          if sb else "-",
                           row.get("mismatch", 0),
                           f"{row['memory_bytes'] / 2**20:.1f}" if row["memory_bytes"] else "-",
                           f"{row['gpu_projection'].get('as-logged', {}).get('speedup', 0):.2f}"])
@@ -336,10 +346,13 @@ def main(argv=None) -> int:
     if summary:
         print(markdown_table(
             ["row", "epochs", "speedup mean +- sd", "vs mean of off and off-control",
-             "speedup min", "slowest bucket min", "spec steps"],
+             "speedup min", "slowest bucket min", "slowest bucket, epochs pooled",
+             "spec steps"],
             [[name, v["epochs"], f"{v['speedup_mean']:.3f} +- {v['speedup_sd']:.3f}",
               f"{v['vs_baselines_mean']:.3f}",
-              f"{v['speedup_min']:.3f}", f"{v['slowest_bucket_min']:.3f}", v["spec_steps"]]
+              f"{v['speedup_min']:.3f}", f"{v['slowest_bucket_min']:.3f}",
+              "{:.3f} (b<={}, {} steps)".format(*v["slowest_bucket_pooled"])
+              if v["slowest_bucket_pooled"] else "-", v["spec_steps"]]
              for name, v in summary.items()]))
     if a.out:
         write_json(a.out, {"bench": "rl_epochs", "machine": machine_info(), "args": vars(a),
@@ -350,8 +363,11 @@ def main(argv=None) -> int:
 def over_epochs(results: list[dict]) -> dict[str, dict]:
     """Per row but ``off``, across the epochs: the mean, standard deviation and least of its
     speedup over ``off``, the mean of its speedup over the mean seconds of ``off`` and
-    ``off-control`` (built first and last), the least of its slowest bucket, and its
-    speculative steps in all.
+    ``off-control`` (built first and last), the least of its slowest bucket, its slowest
+    bucket with the epochs pooled (seconds and tokens per bucket summed over the epochs, then
+    the ratio: a bucket an epoch spends one step in is one sample, which loses whenever that
+    step's draft is rejected; the loss guard keeps its promise over a bucket's last steps,
+    whatever the epoch), and its speculative steps in all.
     The ``off-control`` row's spread is the run's noise: a row within it of 1.0 is as fast
     as no speculation as far as this machine can tell."""
     rows: dict[str, list[dict]] = {}
@@ -373,8 +389,29 @@ def over_epochs(results: list[dict]) -> dict[str, dict]:
                      "speedup_min": min(sp),
                      "slowest_bucket_min": min(x["slowest_bucket"][1] if x.get("slowest_bucket")
                                                else x.get("speedup", 1.0) for x in rs),
+                     "slowest_bucket_pooled": _slowest_pooled(rs),
                      "spec_steps": sum(x["spec_steps"] for x in rs)}
     return out
+
+
+def _slowest_pooled(rows: list[dict]) -> tuple[float, int, int] | None:
+    """The slowest bucket of ``rows`` (one row's epochs) with their seconds and tokens per
+    bucket summed over the epochs, against ``off``'s summed alike: (ratio, bucket, the row's
+    steps in it); None without buckets."""
+    mine: dict[int, list] = {}
+    theirs: dict[int, list] = {}
+    for x in rows:
+        for pooled, rates in ((mine, x.get("bucket_rates", {})),
+                              (theirs, x.get("off_bucket_rates", {}))):
+            for b, v in rates.items():
+                acc = pooled.setdefault(b, [0.0, 0.0, 0])
+                for i in range(3):
+                    acc[i] += v[i]
+    ratios = bucket_ratios(mine, theirs)
+    if not ratios:
+        return None
+    b = min(ratios, key=ratios.get)
+    return ratios[b], b, mine[b][2]
 
 
 if __name__ == "__main__":
