@@ -603,6 +603,7 @@ def test_refine_leaves_one_tree_in_k_whole_rotating():
     rng = np.random.default_rng(3)
     seqs = [SimpleNamespace(calib_accepted=0.0, calib_predicted=0.0) for _ in range(4)]
     p = AutoPolicy(CHAINS + TREES)
+    p.cutter.explore_share = 1.0  # exploring costs 3-4% of the step: within this share
     p.latency = fit_latency(lambda n, c: 0.01 + 5e-4 * n, np.random.default_rng(2), steps=200)
     p.context_per_seq = 100
     p._predicted = 400.0
@@ -614,6 +615,37 @@ def test_refine_leaves_one_tree_in_k_whole_rotating():
         assert sum(o.num_nodes if o else 0 for o in out) < sum(t.num_nodes for t in trees)
     # calls 1..8: sequence i is left whole when (call + i) % 8 == 0
     assert whole == [[], [], [], [], [3], [2], [1], [0]]
+
+
+def test_whole_trees_cost_at_most_the_exploration_share():
+    """A tree is left whole only while ``explore_share`` of the modelled forward seconds
+    covers its cut nodes at the marginal seconds per node: compute-bound (a node costs 2% of
+    the step) the trees due to be left whole are cut until the credit covers them, so their
+    extra nodes cost at most that share of the steps' seconds over the run; with free nodes,
+    one tree in ``verify_whole_every`` is left whole as before."""
+    from specengine.speculative.policy.cutter import TreeCutter
+
+    rng = np.random.default_rng(4)
+    seqs = [SimpleNamespace(calib_accepted=0.0, calib_predicted=0.0)]
+    trees = [scored_tree(rng, 3, 3) for _ in range(64)]
+    cuts = [TreeCutter(verify_whole_every=0).cut(seqs, [t], [0], 0.5)[0] for t in trees]
+    extra = [t.num_nodes - (c.num_nodes if c else 0) for t, c in zip(trees, cuts)]
+    assert sum(e > 0 for e in extra[3::4]) >= 12  # most trees due to stay whole lose nodes
+    for node_seconds, share in ((0.0, 0.02), (2e-3, 0.02), (2e-3, 0.0)):
+        cutter = TreeCutter(verify_whole_every=4, explore_share=share)
+        whole = spent = 0
+        for t, e in zip(trees, extra):
+            out = cutter.cut(seqs, [t], [0], 0.5, node_seconds, step_seconds=0.1)
+            if out[0] is t and e:
+                whole += 1
+                spent += e * node_seconds
+        assert spent <= share * 0.1 * len(trees) + 1e-12
+        if node_seconds == 0.0:
+            assert whole == sum(e > 0 for e in extra[3::4])
+        elif share == 0.0:
+            assert whole == 0 and cutter.whole_refused == 16
+        else:
+            assert 0 < whole < 16 and cutter.whole_refused == 16 - whole
 
 
 def test_probe_schedule_restarts_only_when_speculation_turns_on_or_off():

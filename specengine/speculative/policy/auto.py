@@ -340,7 +340,9 @@ class AutoPolicy(Policy):
         per second and ``dT/dn`` the latency model's marginal seconds per forward token at this
         step's size (``base_tokens``: the forward's tokens besides draft nodes). Memory-bound,
         the bar is near 0 and trees stay whole; compute-bound, only confident nodes stay. The
-        cut itself, and the tree in ``verify_whole_every`` left whole, are ``cutter``'s.
+        cut itself, and the tree in ``verify_whole_every`` left whole (while what its cut
+        nodes cost at ``dT/dn`` each fits ``cutter``'s share of the modelled forward seconds),
+        are ``cutter``'s.
 
         With remaining-length weights that differ (``weights``), the nodes that pay form the
         step's budget and ``budget.allocate`` hands it out by ``p * w`` in one greedy pass over
@@ -356,14 +358,15 @@ class AutoPolicy(Policy):
         tokens = base_tokens + sum(t.num_nodes for t in trees if t is not None)
         ctx = self.context_per_seq * n
         lat = self.latency
-        bar = rate * max(lat.forward_time(tokens + 1, ctx, n) - lat.forward_time(tokens, ctx, n),
-                         0.0)
+        step = lat.forward_time(tokens, ctx, n)
+        node = max(lat.forward_time(tokens + 1, ctx, n) - step, 0.0)  # seconds per node
+        bar = rate * node
         known = self._step_weights
         if not all(id(s) in known for s in seqs):
             self.weights(seqs)  # refine without select (this step): weights of these alone
             known = self._step_weights
         out = self.cutter.cut_weighted(seqs, trees, scored, bar,
-                                       [known[id(s)][1] for s in seqs])
+                                       [known[id(s)][1] for s in seqs], node, step)
         self.decision_time += self.clock() - t0
         return out
 
