@@ -356,7 +356,8 @@ def test_default_speculative_config_guards_auto(target_dir):
 def test_progress_counts_what_moves_the_batch_finish():
     """A speculative step's savings count the drop of the longest remaining output (the
     makespan), not the tokens: acceptance on a sequence that ends early anyway counts nothing,
-    on the longest one all of it; where several tie for the longest, the mean of theirs."""
+    on the longest one all of it; where several tie for the longest, the mean of theirs, or,
+    where the estimate has them all running to ``max_tokens``, the least of theirs."""
     from types import SimpleNamespace
 
     from specengine.sampling.params import SamplingParams
@@ -388,6 +389,17 @@ def test_progress_counts_what_moves_the_batch_finish():
     lagging = seqs([11, 13, 12, 4])  # the fourth (3 before, 1 committed) is longest alone
     pol.weights(lagging)
     assert pol._progress(rec(lagging, [0, 2, 1, 0])) == 1
+    # estimated from finished lengths: three tie at 80 tokens left, below their max_tokens
+    group = seqs([11, 13, 12, 30])
+    left = {id(group[0]): 80.0, id(group[1]): 80.0, id(group[2]): 80.0, id(group[3]): 40.0}
+    pol.remaining = SimpleNamespace(observed=True, expected=lambda s: left[id(s)])
+    pol.weights(group)
+    assert pol._progress(rec(group, [0, 2, 1, 5])) == 2  # each as likely last: their mean
+    # the three run to max_tokens (90 left before the step): each ends last, the least moves
+    left.update({id(s): 90.0 for s in group[:3]})
+    pol.weights(group)
+    assert pol._progress(rec(group, [0, 2, 1, 5])) == 1
+    assert pol._progress(rec(group, [2, 2, 1, 5])) == 2
 
 
 class ProbedSim(Sim):
