@@ -357,7 +357,7 @@ def test_progress_counts_what_moves_the_batch_finish():
     """A speculative step's savings count the drop of the longest remaining output (the
     makespan), not the tokens: acceptance on a sequence that ends early anyway counts nothing,
     on the longest one all of it; where several tie for the longest, the mean of theirs, or,
-    where the estimate has them all running to ``max_tokens``, the least of theirs."""
+    where their group's finished outputs all ran to ``max_tokens``, the least of theirs."""
     from types import SimpleNamespace
 
     from specengine.sampling.params import SamplingParams
@@ -392,11 +392,17 @@ def test_progress_counts_what_moves_the_batch_finish():
     # estimated from finished lengths: three tie at 80 tokens left, below their max_tokens
     group = seqs([11, 13, 12, 30])
     left = {id(group[0]): 80.0, id(group[1]): 80.0, id(group[2]): 80.0, id(group[3]): 40.0}
-    pol.remaining = SimpleNamespace(observed=True, expected=lambda s: left[id(s)])
+    capped: set[int] = set()
+    pol.remaining = SimpleNamespace(observed=True, expected=lambda s: left[id(s)],
+                                    runs_to_cap=lambda s: id(s) in capped)
     pol.weights(group)
     assert pol._progress(rec(group, [0, 2, 1, 5])) == 2  # each as likely last: their mean
-    # the three run to max_tokens (90 left before the step): each ends last, the least moves
+    # estimated at max_tokens (90 left before the step) from a guess, not from their group
     left.update({id(s): 90.0 for s in group[:3]})
+    pol.weights(group)
+    assert pol._progress(rec(group, [0, 2, 1, 5])) == 2
+    # their group's finished outputs all ran to max_tokens: each ends last, the least moves
+    capped.update(id(s) for s in group[:3])
     pol.weights(group)
     assert pol._progress(rec(group, [0, 2, 1, 5])) == 1
     assert pol._progress(rec(group, [2, 2, 1, 5])) == 2
@@ -475,3 +481,30 @@ def test_savings_are_counted_against_a_plain_step_measured_lately():
     gaps = np.diff([-1, *plain_at, len(picks)])
     assert gaps.max() <= pol.PLAIN_EVERY + 1, gaps.max()
     assert np.median(pol._plain_seconds[sim.batch]) == pytest.approx(0.015)
+
+
+def test_runs_to_cap_needs_the_group_to_have_reached_max_tokens():
+    """``RemainingLength.runs_to_cap``: a sequence's group has finished outputs longer than
+    its own and all of them reached its ``max_tokens``; a guess from the prior (no group
+    lengths past it) is not enough."""
+    from types import SimpleNamespace
+
+    from specengine.sampling.params import SamplingParams
+    from specengine.speculative.policy.remaining import RemainingLength
+
+    est = RemainingLength()
+    params = SamplingParams(max_tokens=256)
+
+    def seq(prompt, out):
+        return SimpleNamespace(seq_id=id(object()), prompt_token_ids=prompt,
+                               num_output_tokens=out, params=params)
+
+    est.add(est.group_key([1, 2]), 256)
+    est.add(est.group_key([1, 2]), 256)
+    est.add(est.group_key([3]), 200)
+    est.add(est.group_key([3]), 256)
+    assert est.runs_to_cap(seq([1, 2], 100))
+    assert not est.runs_to_cap(seq([3], 100))  # one sibling stopped at 200
+    assert est.runs_to_cap(seq([3], 210))  # the one past 210 ran to the cap
+    assert not est.runs_to_cap(seq([9], 10))  # no group lengths: the prior's guess only
+    assert est.expected(seq([9], 200)) == 56.0  # though the estimate puts it at the cap

@@ -145,6 +145,7 @@ class AutoPolicy(Policy):
         # this step's decoding sequences (``select``): id -> (expected remaining, weight)
         self._step_weights: dict[int, tuple[float | None, float]] = {}
         self._step_seqs: list = []  # and the sequences themselves
+        self._step_capped: set[int] = set()  # ids of those running to max_tokens (``weights``)
         self.current: Strategy | None = None
         self.context_per_seq = 0.0  # context tokens per decode sequence, last step
         self.last_scores: dict[Strategy | None, float] = {}
@@ -284,7 +285,9 @@ class AutoPolicy(Policy):
     def weights(self, seqs: list) -> list[float]:
         """This step's weight per decoding sequence of ``seqs``: ``length_weights`` of their
         expected remaining output (``remaining``), relative to the batch; 1 for all before any
-        sequence finished or with ``length_weight`` 0. Kept for ``refine`` and ``record``."""
+        sequence finished or with ``length_weight`` 0. Kept for ``refine`` and ``record``, with
+        the sequences whose group's finished outputs all ran to ``max_tokens``
+        (``RemainingLength.runs_to_cap``, for ``_progress``)."""
         est, n = self.remaining, len(seqs)
         rem = None
         if self.length_weight and n and est.observed:
@@ -293,6 +296,7 @@ class AutoPolicy(Policy):
         self._step_seqs = seqs
         self._step_weights = {id(s): (None if rem is None else r, x)
                               for s, r, x in zip(seqs, rem or [None] * n, w)}
+        self._step_capped = {id(s) for s in seqs if est.runs_to_cap(s)} if rem else set()
         return w
 
     def finished(self, seq) -> None:
@@ -393,7 +397,7 @@ class AutoPolicy(Policy):
         self._offered = None
         if rec.strategy is not None and rec.num_decode:
             self.budget.observe_step(rec, self._step_weights)
-        self._step_weights, self._step_seqs = {}, []
+        self._step_weights, self._step_seqs, self._step_capped = {}, [], set()
         if rec.is_decode_only:  # the steps the re-scoring is spread over
             self.rescore.observe_step(rec.step_time)
         idle = rec.strategy is None and self._was_idle  # spec: learnt soon
@@ -456,8 +460,10 @@ class AutoPolicy(Policy):
         committed (taking the least of them, as the maximum over the ties does, credited a
         chain of 1 at 16 sequences with a drop of 1 unless all 16 accepted, 0.65^16 at tau
         1.65, so the guard counted nearly every such step a loss). Not so for sequences the
-        estimate has running to ``max_tokens`` (every finished length of their group reached
-        it): each of them ends last, so their remaining after the step is exact and the finish
+        estimate has running to ``max_tokens`` because every finished output of their group
+        that got as far reached it (``RemainingLength.runs_to_cap``; not the prior's guess
+        that a sequence outliving every length seen goes on as long again): each of them ends
+        last, so their remaining after the step is exact and the finish
         moves by the least they committed; the mean had credited steps that accepted tokens for
         a few of 16 such sequences with savings that never came (SmolLM2 quick epochs: 16
         samples of 256 tokens, suffix drafting at 0.97x by the wall clock while its books saw
@@ -474,7 +480,7 @@ class AutoPolicy(Policy):
             c = 1 + accepted.get(id(s), 0)
             cap = s.params.max_tokens - s.num_output_tokens + c  # max_tokens left, before
             rem = self._step_weights.get(id(s), (None, 1.0))[0]  # expected, before the step
-            to_cap = rem is not None and rem >= cap - 0.5
+            to_cap = id(s) in self._step_capped and rem is not None and rem >= cap - 0.5
             if rem is None:
                 rem = cap
             rows.append((rem, 0.0 if s.finish_reason is not None else rem - c, to_cap))

@@ -159,6 +159,16 @@ class RemainingLength:
         c = seq.num_output_tokens
         return self.estimate(self.key(seq), c, seq.params.max_tokens - c)
 
+    def runs_to_cap(self, seq) -> bool:
+        """True when ``seq``'s group has finished outputs longer than ``seq``'s so far and every
+        one of them reached ``seq``'s ``max_tokens``: its siblings that got this far all ran
+        to the cap (not a guess from the prior)."""
+        g = self.groups.get(self.key(seq))
+        if g is None:
+            return False
+        count, _ = g.residual(seq.num_output_tokens)
+        return count > 0 and g._sorted[-count] >= seq.params.max_tokens
+
     def stats(self) -> dict:
         """``groups`` remembered, ``lengths`` held (groups and prior), ``observed`` in all."""
         return {"groups": len(self.groups),
