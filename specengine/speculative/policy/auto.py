@@ -463,9 +463,9 @@ class AutoPolicy(Policy):
         estimate has running to ``max_tokens`` because every finished output of their group
         that got as far reached it (``RemainingLength.runs_to_cap``; not the prior's guess
         that a sequence outliving every length seen goes on as long again): each of them ends
-        last, so their remaining after the step is exact and the finish
-        moves by the least they committed; the mean had credited steps that accepted tokens for
-        a few of 16 such sequences with savings that never came (SmolLM2 quick epochs: 16
+        last, so their remaining after the step is exact and the finish moves by the least
+        they committed; the mean had credited steps that accepted tokens for a few of 16 such
+        sequences with savings that never came (SmolLM2 quick epochs: 16
         samples of 256 tokens, suffix drafting at 0.97x by the wall clock while its books saw
         gains). Over the steps this is the drop of the longest remaining output: those that
         accepted lead, the rest tie, and theirs moves it next. At batch 1 it is the tokens
