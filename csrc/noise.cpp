@@ -220,8 +220,7 @@ SE_CLONES void race_chunk_scaled(uint64_t row, const float* e, int64_t n, float 
 // cols[i] (kColMul * (token + 1), column_offsets), 16 tokens at a time (exp_noise's steps on 16
 // lanes); cols holds Vd rounded up to 16 entries.
 SE_CLONES void log_noise_row(uint64_t row, const uint64_t* cols, int64_t Vd, float* out) {
-  for (int64_t i = 0; i < Vd; i += 16) {
-    const int64_t n = std::min<int64_t>(16, Vd - i);
+  const auto block = [&](int64_t i) SE_INLINE_LAMBDA {
     u64x8 lo, hi;
     std::memcpy(&lo, cols + i, sizeof(lo));
     std::memcpy(&hi, cols + i + 8, sizeof(hi));
@@ -229,8 +228,18 @@ SE_CLONES void log_noise_row(uint64_t row, const uint64_t* cols, int64_t Vd, flo
     const f32x8v b = uniform_of(vmix64(row + hi));
     const f32x16 v = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
                                              14, 15);
-    const f32x16 log_e = -neg_log_t<f32x16, i32x16>(exp_noise_of<f32x16, i32x16>(v));
-    std::memcpy(out + i, &log_e, n * sizeof(float));
+    return -neg_log_t<f32x16, i32x16>(exp_noise_of<f32x16, i32x16>(v));
+  };
+  int64_t i = 0;
+  for (; i + 32 <= Vd; i += 32) {  // two independent blocks: their polynomials overlap
+    const f32x16 e0 = block(i), e1 = block(i + 16);
+    store16(out + i, e0);
+    store16(out + i + 16, e1);
+  }
+  for (; i + 16 <= Vd; i += 16) store16(out + i, block(i));
+  if (i < Vd) {  // cols is padded to a multiple of 16
+    const f32x16 e = block(i);
+    std::memcpy(out + i, &e, (Vd - i) * sizeof(float));
   }
 }
 
@@ -291,57 +300,62 @@ SE_CLONES void argmax_chunk(const float* p, int64_t n, float* best_out, int64_t*
 // One row of coupled_topk_kernel: z_i = logits[i] (log_e null: greedy) or logits[i] / t -
 // log_e[i]; then the k largest z_i - lse(z) (ties: the lower index first; NaN never taken),
 // written to values / indices (-inf / 0 when the row has fewer than k finite entries). z is
-// scratch of Vd floats.
+// scratch of Vd floats (unused when greedy: z is the logits). Two passes over the row: z and
+// its maximum, then the sum of exp(z - max) with the top-k insertions in the same loop (the
+// sum's lanes and order, so its value, as in three passes).
 SE_CLONES void coupled_topk_row(const float* logits, int64_t Vd, float t, const float* log_e,
                                 int64_t k, float* z, float* values, int64_t* indices) {
   const float inf = __builtin_inff();
+  f32x16 mx = f32x16{} - inf;
   int64_t i = 0;
   if (log_e == nullptr) {
-    std::memcpy(z, logits, Vd * sizeof(float));
+    z = const_cast<float*>(logits);  // read only below
+    for (; i + 16 <= Vd; i += 16) {
+      const f32x16 v = load16(z + i);
+      mx = v > mx ? v : mx;
+    }
   } else {
     const f32x16 tv = f32x16{} + t;
-    for (; i + 16 <= Vd; i += 16) store16(z + i, load16(logits + i) / tv - load16(log_e + i));
-    for (; i < Vd; ++i) z[i] = logits[i] / t - log_e[i];
-  }
-  f32x16 mx = f32x16{} - inf;
-  for (i = 0; i + 16 <= Vd; i += 16) {
-    const f32x16 v = load16(z + i);
-    mx = v > mx ? v : mx;
+    for (; i + 16 <= Vd; i += 16) {
+      const f32x16 v = load16(logits + i) / tv - load16(log_e + i);
+      store16(z + i, v);
+      mx = v > mx ? v : mx;
+    }
+    for (int64_t j = i; j < Vd; ++j) z[j] = logits[j] / t - log_e[j];
   }
   float m = -inf;
   for (int l = 0; l < 16; ++l) m = mx[l] > m ? mx[l] : m;
   for (; i < Vd; ++i) m = z[i] > m ? z[i] : m;
   for (int64_t j = 0; j < k; ++j) values[j] = -inf, indices[j] = 0;
   if (!(m > -inf)) return;  // nothing finite (or only NaN)
-  f32x16 acc = {};
-  const f32x16 mv = f32x16{} + m;
-  for (i = 0; i + 16 <= Vd; i += 16) {
-    const f32x16 d = load16(z + i) - mv;
-    acc += d > -87.f ? vexp(d) : f32x16{};
-  }
-  float sum = hsum(acc);
-  for (; i < Vd; ++i) sum += z[i] - m > -87.f ? std::exp(z[i] - m) : 0.f;
-  const float lse = m + std::log(sum);
-  // top-k by insertion into values (descending); a vector of 16 is skipped when no lane beats
+  // top-k by insertion into values (descending), skipping the lanes of a vector when none beats
   // the k-th best so far
-  for (i = 0; i < Vd; i += 16) {
-    const int64_t n = std::min<int64_t>(16, Vd - i);
-    if (n == 16) {
-      const auto beat = load16(z + i) > (f32x16{} + values[k - 1]);
-      bool any = false;
-      for (int l = 0; l < 16; ++l) any |= beat[l] != 0;
-      if (!any) continue;
-    }
+  auto insert = [&](int64_t at, int64_t n) {
     for (int64_t l = 0; l < n; ++l) {
-      const float v = z[i + l];
+      const float v = z[at + l];
       if (!(v > values[k - 1])) continue;
       int64_t j = k - 1;
       for (; j > 0 && v > values[j - 1]; --j) {
         values[j] = values[j - 1], indices[j] = indices[j - 1];
       }
-      values[j] = v, indices[j] = i + l;
+      values[j] = v, indices[j] = at + l;
     }
+  };
+  f32x16 acc = {};
+  const f32x16 mv = f32x16{} + m;
+  for (i = 0; i + 16 <= Vd; i += 16) {
+    const f32x16 v = load16(z + i);
+    const f32x16 d = v - mv;
+    acc += d > -87.f ? vexp(d) : f32x16{};
+    const auto beat = v > (f32x16{} + values[k - 1]);
+    bool any = false;
+    for (int l = 0; l < 16; ++l) any |= beat[l] != 0;
+    if (any) insert(i, 16);
   }
+  float sum = hsum(acc);
+  for (int64_t j = i; j < Vd; ++j) sum += z[j] - m > -87.f ? std::exp(z[j] - m) : 0.f;
+  insert(i, Vd - i);
+  const float lse = m + std::log(sum);
   for (int64_t j = 0; j < k; ++j) values[j] -= lse;
 }
 
