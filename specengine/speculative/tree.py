@@ -57,18 +57,23 @@ class DraftTree:
                              f"tokens {m}")
         if self.sources is not None and len(self.sources) != m:
             raise ValueError(f"DraftTree.sources has {len(self.sources)} entries, tokens {m}")
-        self.depths = []
-        self._children = [[] for _ in range(m + 1)]  # slot 0 = root, slot 1 + i = node i
-        for i, (tok, par) in enumerate(zip(self.tokens, self.parents)):
+        tokens, depths = self.tokens, []
+        children: list[list[int]] = [[] for _ in range(m + 1)]  # 0 = root, 1 + i = node i
+        pairs = set()  # (parent, token) of the nodes so far: siblings must differ
+        for i, par in enumerate(self.parents):
+            tok = tokens[i]
             if not -1 <= par < i:
                 raise ValueError(f"DraftTree.parents[{i}]={par}: must be -1 or a node < {i}")
             if tok < 0:
                 raise ValueError(f"DraftTree.tokens[{i}]={tok}: must be >= 0")
-            siblings = self._children[par + 1]
-            if self._distinct_siblings and any(self.tokens[s] == tok for s in siblings):
-                raise ValueError(f"DraftTree.tokens[{i}]={tok} repeats a sibling's token")
-            siblings.append(i)
-            self.depths.append(1 if par < 0 else self.depths[par] + 1)
+            if self._distinct_siblings:
+                n = len(pairs)
+                pairs.add((par, tok))
+                if len(pairs) == n:
+                    raise ValueError(f"DraftTree.tokens[{i}]={tok} repeats a sibling's token")
+            children[par + 1].append(i)
+            depths.append(depths[par] + 1 if par >= 0 else 1)
+        self.depths, self._children = depths, children
 
     def subset(self, keep: list[int]) -> DraftTree | None:
         """The tree restricted to node indices ``keep`` (ascending, every kept node's parent
