@@ -10,6 +10,7 @@ from specengine.engine.batch import BatchEntry
 from specengine.kv.block_manager import BlockManager
 from specengine.ops import kernels
 from specengine.ops.heap import advise_huge_pages
+from specengine.ops.lists import ancestor_mask, int_tensor
 
 
 class ModelRunner:
@@ -75,7 +76,7 @@ class ModelRunner:
             (the last token of a prefill; the root and every node of a decode entry).
         """
         ids, pos, slots, qseq, kv_lens, rows = [], [], [], [], [], []
-        base, masks = [], []
+        base, trees_at = [], []  # trees_at: (row of node 0, parents) per tree
         width = max((e.tree.num_nodes for e in entries if e.tree is not None), default=0)
         for row, e in enumerate(entries):
             s, t = e.seq, e.tree
@@ -88,7 +89,6 @@ class ModelRunner:
                 pos.extend(range(start, start + n))
                 kv_lens.extend(range(start + 1, start + n + 1))
                 base.extend(range(start + 1, start + n + 1))
-                masks.extend([None] * n)
                 rows.append(len(ids) - 1)
                 continue
             ctx = start + 1  # L: committed tokens including the root
@@ -98,30 +98,25 @@ class ModelRunner:
             kv_lens.append(ctx)
             kv_lens.extend(range(ctx + 1, ctx + t.num_nodes + 1))
             base.extend([ctx] * n)
-            tm = t.tree_mask()
-            masks.append(None)
-            masks.extend(tm[i] for i in range(t.num_nodes))
+            trees_at.append((len(ids) - t.num_nodes, t.parents))
             rows.extend(range(len(ids) - n, len(ids)))
         width_tables = max(len(e.seq.block_table) for e in entries)
-        tables = [e.seq.block_table + [0] * (width_tables - len(e.seq.block_table))
-                  for e in entries]
+        tables = []
+        for e in entries:
+            tables += e.seq.block_table
+            tables += [0] * (width_tables - len(e.seq.block_table))
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            query_seq=torch.tensor(qseq, dtype=torch.int32, device=dev),
-            kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=dev),
+            slot_mapping=int_tensor(slots, torch.int64, dev),
+            block_tables=int_tensor(tables, torch.int32, dev).view(len(entries), width_tables),
+            query_seq=int_tensor(qseq, torch.int32, dev),
+            kv_lens=int_tensor(kv_lens, torch.int32, dev),
             max_kv_len=max(kv_lens))
         if width:
-            mask = torch.zeros(len(ids), width, dtype=torch.bool)
-            for i, m in enumerate(masks):
-                if m is not None:
-                    mask[i, :len(m)] = m
-            meta.tree_base = torch.tensor(base, dtype=torch.int32, device=dev)
-            meta.tree_mask = mask.to(dev)
-        return (torch.tensor(ids, dtype=torch.int64, device=dev),
-                torch.tensor(pos, dtype=torch.int64, device=dev), meta,
-                torch.tensor(rows, dtype=torch.int64, device=dev))
+            meta.tree_base = int_tensor(base, torch.int32, dev)
+            meta.tree_mask = ancestor_mask(trees_at, len(ids), width).to(dev)
+        return (int_tensor(ids, torch.int64, dev), int_tensor(pos, torch.int64, dev), meta,
+                int_tensor(rows, torch.int64, dev))
 
     @torch.inference_mode()
     def run(self, entries: list[BatchEntry], blocks: BlockManager):

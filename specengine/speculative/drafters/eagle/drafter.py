@@ -23,6 +23,7 @@ from specengine.kv.block_manager import BlockManager
 from specengine.ops import kernels
 from specengine.ops.extension import ext
 from specengine.ops.heap import advise_huge_pages
+from specengine.ops.lists import int_tensor
 from specengine.speculative.drafters.base import Drafter
 from specengine.speculative.drafters.coupling import coupled_topk, plain_params
 from specengine.speculative.drafters.eagle.checkpoint import (
@@ -211,18 +212,21 @@ class EagleDrafter(Drafter):
     def _block_tables(shadows: list[Sequence]) -> torch.Tensor:
         """``[b, W]`` int32: the shadows' block tables, zero-padded to the longest."""
         width = max(len(sh.block_table) for sh in shadows)
-        return torch.tensor([sh.block_table + [0] * (width - len(sh.block_table))
-                             for sh in shadows], dtype=torch.int32)
+        flat: list[int] = []
+        for sh in shadows:
+            flat += sh.block_table
+            flat += [0] * (width - len(sh.block_table))
+        return int_tensor(flat, torch.int32).view(len(shadows), width)
 
     def _meta(self, shadows, qseq, slot_pos, kv_lens, base=None, mask=None):
         bs = self.blocks.block_size
         slots = [shadows[q].block_table[p // bs] * bs + p % bs for q, p in zip(qseq, slot_pos)]
         dev = self.kv.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            slot_mapping=int_tensor(slots, torch.int64, dev),
             block_tables=self._block_tables(shadows).to(dev),
-            query_seq=torch.tensor(qseq, dtype=torch.int32, device=dev),
-            kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=dev),
+            query_seq=int_tensor(qseq, torch.int32, dev),
+            kv_lens=int_tensor(kv_lens, torch.int32, dev),
             max_kv_len=max(kv_lens))
         if base is not None:
             meta.tree_base = torch.tensor(base, dtype=torch.int32, device=dev)
