@@ -17,6 +17,7 @@ from specengine.models.loader import save_random_model
 from specengine.ops import kernels
 from specengine.ops.extension import ext
 from specengine.sampling import batched
+from specengine.sampling import sampler as sampler_mod
 from specengine.sampling.batched import (
     TOP_P_WINDOW,
     NoiseStreams,
@@ -407,10 +408,14 @@ def random_tree(rng: random.Random, root_row: torch.Tensor, vocab: int) -> Draft
 
 
 @pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
-def test_verify_trees_matches_the_per_tree_verification(mode):
+def test_verify_trees_matches_the_per_tree_verification(mode, monkeypatch):
     rng, g = random.Random(4), torch.Generator().manual_seed(4)
     sampler = Sampler(None, mode, lambda s: [EOS])
     vocab, accepted = 600, 0
+    raced = []  # rows per softmax_race call: only the rows the walks reach are drawn
+    real_race = sampler_mod.softmax_race
+    monkeypatch.setattr(sampler_mod, "softmax_race",
+                        lambda x, noise: raced.append(x.shape[0]) or real_race(x, noise))
     for _ in range(12):
         seqs = make_seqs(rng, 8)
         rows = torch.randn(len(seqs), vocab, generator=g) * 6  # peaked: drafts get accepted
@@ -418,9 +423,12 @@ def test_verify_trees_matches_the_per_tree_verification(mode):
         logits = [rows[i:i + 1].repeat(t.num_nodes + 1, 1) for i, t in enumerate(trees)]
         logits = [lg + torch.randn(lg.shape, generator=g) * 0.5 for lg in logits]
         want = [ref.sampler_verify(sampler, s, t, lg) for s, t, lg in zip(seqs, trees, logits)]
+        raced.clear()
         got = sampler.verify_trees(seqs, trees, logits)
         assert got == want
         accepted += sum(len(a) for a, _, _ in got)
+        walked = [1 + len(a) for (a, _, _), s in zip(got, seqs) if not s.params.greedy]
+        assert sum(raced) == sum(walked) and len(raced) == max(walked, default=0)
         # the noise was raced, never stored: no SampleNoise cache holds a row
         assert all(s.noise.cached(s.num_output_tokens + d, vocab) is None
                    for s, t in zip(seqs, trees) for d in range(t.max_depth + 1))

@@ -89,10 +89,12 @@ class Sampler:
                      ) -> list[tuple[list[int], list[int], list[LogprobEntry | None]]]:
         """Verify every token tree of a step (each drafted after its sequence's last token)
         against the target's logits: the committed tokens are exactly what ``sample`` would
-        have drawn one position at a time. The rows of all sampled trees are processed
-        together and their softmax raced against each row's noise (its sequence's stream at
+        have drawn one position at a time. Sampled trees are walked depth by depth
+        (``race_walk``): per depth, the rows the walks reach, of all trees together, are
+        processed and their softmax raced against each row's noise (its sequence's stream at
         the row's depth) in one extension call (``argmax(softmax(process(rows)) / E_depth)``);
-        greedy trees take each row's argmax; then each tree's ``sampling.verify.walk``.
+        rows no walk reaches are never computed (their draws could not change a commit).
+        Greedy trees take each row's argmax; then each tree's ``sampling.verify.walk``.
 
         Args:
             seqs, trees: the sequence of each tree and the tree.
@@ -114,15 +116,10 @@ class Sampler:
         best: list[list[int] | None] = [None] * len(trees)  # the target's token of each row
         sampled = [t for t, s in enumerate(seqs) if not s.params.greedy]
         if sampled:
-            rows = joined([masked[t] for t in sampled])
-            params = [seqs[t].params for t in sampled for _ in depths[t]]
-            streams = NoiseStreams(
-                [seqs[t].noise.key for t in sampled for _ in depths[t]],
-                [seqs[t].num_output_tokens + d for t in sampled for d in depths[t]])
-            tokens = softmax_race(self.process(rows, params), streams).tolist()
-            at = 0
-            for t in sampled:
-                best[t], at = tokens[at:at + len(depths[t])], at + len(depths[t])
+            for t, b in zip(sampled, self.race_walk([seqs[t] for t in sampled],
+                                                    [trees[t] for t in sampled],
+                                                    [masked[t] for t in sampled])):
+                best[t] = b
         out = []
         for t, (seq, tree) in enumerate(zip(seqs, trees)):
             if best[t] is None:
@@ -133,6 +130,45 @@ class Sampler:
             out.append((accepted, tokens, self.logprob_entries(
                 logits[t], masked[t], [seq.params] * len(depths[t]), rows, tokens)))
         return out
+
+    def race_walk(self, seqs: list[Sequence], trees: list[DraftTree],
+                  masked: list[torch.Tensor]) -> list[list[int]]:
+        """The exponential-race draws of sampled trees' rows, only where ``walk`` reads them.
+
+        A walk reads the row of the root, then of each node it accepts (``verify.walk``), so
+        the rows are drawn depth by depth: per depth one ``softmax_race`` over the rows the
+        walks reached, of all trees, each row ``process``-ed with its sequence's params and
+        raced against its sequence's noise at output position ``num_output_tokens + depth``.
+        A row's draw depends on that row alone (the processing and the race are row-wise), so
+        the draws equal those of every row computed at once (what the SpecInfer-style verify,
+        arXiv 2305.09781, does), in at most ``max depth + 1`` calls over ~``tau`` rows per
+        tree instead of one over ``1 + m``.
+
+        Args:
+            seqs, trees: sampled sequences and their trees.
+            masked: per tree ``[1 + m, V]`` float32 logits after ``mask_tree``.
+
+        Returns:
+            Per tree ``1 + m`` token ids: the draw of each row a walk reached, -1 elsewhere.
+        """
+        best = [[-1] * (1 + t.num_nodes) for t in trees]
+        frontier = [(t, -1) for t in range(len(trees))]  # (tree, node whose row is next)
+        depth = 0
+        while frontier:
+            rows = [masked[t][node + 1:node + 2] for t, node in frontier]
+            params = [seqs[t].params for t, _ in frontier]
+            streams = NoiseStreams([seqs[t].noise.key for t, _ in frontier],
+                                   [seqs[t].num_output_tokens + depth for t, _ in frontier])
+            drawn = softmax_race(self.process(joined(rows), params), streams).tolist()
+            reached = []
+            for (t, node), token in zip(frontier, drawn):
+                best[t][node + 1] = token
+                tree = trees[t]
+                child = next((c for c in tree.children(node) if tree.tokens[c] == token), None)
+                if child is not None:
+                    reached.append((t, child))
+            frontier, depth = reached, depth + 1
+        return best
 
     def mask_tree(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> torch.Tensor:
         """A tree's ``logits`` ``[1 + m, V]`` after ``mask_stop_ids`` (row r at the output
