@@ -179,6 +179,7 @@ class Group:
         out: list[tuple[float, list[int]]] = []
         seen: set[int] = set()
         found, scale = 0, 1.0
+        docs, limit = self.docs, 4 * max_matches
         for j in range(len(INDEX_NS) - 1, -1, -1):
             n = INDEX_NS[j]
             if n > len(tail):
@@ -186,15 +187,17 @@ class Group:
             key = tail[-1] if n == 1 else hash(tuple(tail[-n:]))
             code = self.heads[j].get(key, -1)
             steps = 0
-            while code >= 0 and len(out) < max_matches and steps < 4 * max_matches:
+            while code >= 0 and len(out) < max_matches and steps < limit:
                 steps += 1
-                doc = self.docs[code >> _SHIFT]
+                doc = docs[code >> _SHIFT]
                 pos = code & _MASK
-                if doc.weight > 0.0 and pos + 1 < doc.length and code not in seen:
+                length = doc.length
+                if doc.weight > 0.0 and pos + 1 < length and code not in seen:
                     seen.add(code)
-                    end = min(pos + 1 + depth, doc.length)
-                    out.append((doc.weight * scale, doc.tokens[pos + 1:end].tolist()))
-                code = int(doc.prev[j, pos])
+                    end = pos + 1 + depth
+                    out.append((doc.weight * scale,
+                                doc.tokens[pos + 1:end if end < length else length].tolist()))
+                code = doc.prev.item(j, pos)
             if out and not found:
                 found = n
             if found:
