@@ -95,3 +95,10 @@ def test_strategy():
     with pytest.raises(AttributeError):
         s.depth = 2  # frozen
     assert Strategy(3, 2) == Strategy(3, 2, 6) and len({Strategy(3, 2), Strategy(3, 2, 6)}) == 1
+
+
+def test_child_with_finds_the_child_carrying_a_token():
+    t = from_paths([[5, 6], [5, 7], [8]])  # root -> 5 -> {6, 7}; root -> 8
+    assert [t.child_with(-1, 5), t.child_with(-1, 8), t.child_with(-1, 6)] == [0, 3, None]
+    assert [t.child_with(0, 6), t.child_with(0, 7), t.child_with(0, 5)] == [1, 2, None]
+    assert t.child_with(1, 6) is None  # a leaf

@@ -163,8 +163,7 @@ class Sampler:
             reached = []
             for (t, node), token in zip(frontier, drawn):
                 best[t][node + 1] = token
-                tree = trees[t]
-                child = next((c for c in tree.children(node) if tree.tokens[c] == token), None)
+                child = trees[t].child_with(node, token)
                 if child is not None:
                     reached.append((t, child))
             frontier, depth = reached, depth + 1

@@ -68,7 +68,7 @@ def walk(tree: DraftTree, best: list[int]) -> tuple[list[int], int]:
     node = -1
     while True:
         want = best[node + 1]
-        node = next((c for c in tree.children(node) if tree.tokens[c] == want), None)
+        node = tree.child_with(node, want)
         if node is None:
             return accepted, want
         accepted.append(node)

@@ -102,6 +102,11 @@ class DraftTree:
         """Children of node ``i`` (``-1`` = the root), in the order the verifier tries them."""
         return self._children[i + 1]
 
+    def child_with(self, i: int, token: int) -> int | None:
+        """The child of node ``i`` (``-1`` = the root) carrying ``token``, or None (siblings
+        carry distinct tokens, so there is at most one)."""
+        return next((c for c in self._children[i + 1] if self.tokens[c] == token), None)
+
     def path_to(self, i: int) -> list[int]:
         """Node indices from the root's child down to node ``i`` (``[]`` for the root)."""
         path = []

@@ -223,7 +223,7 @@ def matched_length(tree: DraftTree | None, tokens: list[int]) -> int:
     if tree is None:
         return 0
     for t in tokens:
-        node = next((c for c in tree.children(node) if tree.tokens[c] == t), None)
+        node = tree.child_with(node, t)
         if node is None:
             break
         depth += 1
