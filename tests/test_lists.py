@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from specengine.ops.lists import ancestor_mask, int_tensor
+from specengine.ops.lists import ancestor_mask, int_tensor, padded_tensor
 from specengine.speculative.tree import DraftTree
 
 
@@ -45,3 +45,11 @@ def test_ancestor_mask_places_each_trees_mask_at_its_rows():
         want[r0:r0 + t.num_nodes, :t.num_nodes] = t.tree_mask()
     assert got.dtype == torch.bool and torch.equal(got, want)
     assert torch.equal(ancestor_mask([], 4, 0), torch.zeros(4, 0, dtype=torch.bool))
+
+
+def test_padded_tensor_zero_pads_each_row_to_the_longest():
+    got = padded_tensor([[3, 1], [], [7, 8, 9]], torch.int32)
+    assert got.dtype == torch.int32
+    assert torch.equal(got, torch.tensor([[3, 1, 0], [0, 0, 0], [7, 8, 9]], dtype=torch.int32))
+    with pytest.raises(ValueError, match="no rows"):
+        padded_tensor([])

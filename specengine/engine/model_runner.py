@@ -10,7 +10,7 @@ from specengine.engine.batch import BatchEntry
 from specengine.kv.block_manager import BlockManager
 from specengine.ops import kernels
 from specengine.ops.heap import advise_huge_pages
-from specengine.ops.lists import ancestor_mask, int_tensor
+from specengine.ops.lists import ancestor_mask, int_tensor, padded_tensor
 
 
 class ModelRunner:
@@ -100,15 +100,10 @@ class ModelRunner:
             base.extend([ctx] * n)
             trees_at.append((len(ids) - t.num_nodes, t.parents))
             rows.extend(range(len(ids) - n, len(ids)))
-        width_tables = max(len(e.seq.block_table) for e in entries)
-        tables = []
-        for e in entries:
-            tables += e.seq.block_table
-            tables += [0] * (width_tables - len(e.seq.block_table))
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=int_tensor(slots, torch.int64, dev),
-            block_tables=int_tensor(tables, torch.int32, dev).view(len(entries), width_tables),
+            block_tables=padded_tensor([e.seq.block_table for e in entries], torch.int32, dev),
             query_seq=int_tensor(qseq, torch.int32, dev),
             kv_lens=int_tensor(kv_lens, torch.int32, dev),
             max_kv_len=max(kv_lens))

@@ -31,6 +31,24 @@ def int_tensor(values, dtype: torch.dtype = torch.int64,
     return t if torch.device(device).type == "cpu" else t.to(device)
 
 
+def padded_tensor(rows: list[list[int]], dtype: torch.dtype = torch.int32,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[len(rows), W]`` of ``dtype``: each row zero-padded to the longest (W), as block
+    tables are passed to the attention kernels; built like ``int_tensor``.
+
+    Raises:
+        ValueError: ``rows`` is empty.
+    """
+    if not rows:
+        raise ValueError("padded_tensor: no rows")
+    width = max(len(r) for r in rows)
+    flat: list[int] = []
+    for r in rows:
+        flat += r
+        flat += [0] * (width - len(r))
+    return int_tensor(flat, dtype, device).view(len(rows), width)
+
+
 def ancestor_mask(trees_at: list[tuple[int, list[int]]], rows: int, width: int) -> torch.Tensor:
     """Tree attention mask of a flat batch: ``mask[r0 + i, j]`` True iff node j of the tree
     whose node 0 is at row ``r0`` is node i or one of its ancestors (``DraftTree.tree_mask``

@@ -23,7 +23,7 @@ from specengine.kv.block_manager import BlockManager
 from specengine.ops import kernels
 from specengine.ops.extension import ext
 from specengine.ops.heap import advise_huge_pages
-from specengine.ops.lists import int_tensor
+from specengine.ops.lists import int_tensor, padded_tensor
 from specengine.speculative.drafters.base import Drafter
 from specengine.speculative.drafters.coupling import coupled_topk, plain_params
 from specengine.speculative.drafters.eagle.checkpoint import (
@@ -211,12 +211,7 @@ class EagleDrafter(Drafter):
     @staticmethod
     def _block_tables(shadows: list[Sequence]) -> torch.Tensor:
         """``[b, W]`` int32: the shadows' block tables, zero-padded to the longest."""
-        width = max(len(sh.block_table) for sh in shadows)
-        flat: list[int] = []
-        for sh in shadows:
-            flat += sh.block_table
-            flat += [0] * (width - len(sh.block_table))
-        return int_tensor(flat, torch.int32).view(len(shadows), width)
+        return padded_tensor([sh.block_table for sh in shadows], torch.int32)
 
     def _meta(self, shadows, qseq, slot_pos, kv_lens, base=None, mask=None):
         bs = self.blocks.block_size
@@ -229,7 +224,7 @@ class EagleDrafter(Drafter):
             kv_lens=int_tensor(kv_lens, torch.int32, dev),
             max_kv_len=max(kv_lens))
         if base is not None:
-            meta.tree_base = torch.tensor(base, dtype=torch.int32, device=dev)
+            meta.tree_base = int_tensor(base, torch.int32, dev)
             meta.tree_mask = mask.to(dev)
         return meta
 
