@@ -99,9 +99,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "or the thread count (fixed 8192-value chunks summed in order), rows and chunks in "
         "parallel on the kernel pool.");
   m.def("softmax_race", &specengine::softmax_race, py::arg("x"), py::arg("keys"),
-        py::arg("positions"),
+        py::arg("positions"), py::arg("rows") = py::none(),
         "[S] int64: exponential_race(softmax_rows(x), keys, positions) bit for bit, the "
-        "probabilities never stored (a row's passes on one thread when rows are many).");
+        "probabilities never stored (a row's passes on one thread when rows are many); with "
+        "rows ([S] int64 row indices), the race of x[rows] without gathering them.");
   m.def("coupled_topk", &specengine::coupled_topk, py::arg("logits"), py::arg("k"),
         py::arg("temperature"), py::arg("keys"), py::arg("positions"),
         py::arg("vocab_map") = py::none(),

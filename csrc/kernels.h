@@ -151,9 +151,10 @@ void argmax_rows_kernel(const float* x, int64_t R, int64_t V, int64_t* out);
 void softmax_rows_kernel(const float* x, int64_t R, int64_t V, float* out);
 // out[r] = exponential_race_kernel's token of softmax_rows_kernel's row r of x [S, V] float32,
 // bit for bit, without the probabilities in memory: with at least two rows per pool thread
-// each row's softmax and race run on one thread, so the row stays in its core's cache.
-void softmax_race_kernel(const float* x, const int64_t* keys, const int64_t* positions,
-                         int64_t S, int64_t V, int64_t* out);
+// each row's softmax and race run on one thread, so the row stays in its core's cache. With
+// `rows` (S row indices), race r reads row rows[r] of x instead of row r (no gathered copy).
+void softmax_race_kernel(const float* x, const int64_t* rows, const int64_t* keys,
+                         const int64_t* positions, int64_t S, int64_t V, int64_t* out);
 // Per row r of logits [R, Vd] float32: the k largest of z - logsumexp(z), best first (ties:
 // lower index; -inf / 0 past the row's finite entries), into values [R, k] / indices [R, k],
 // with z = logits[r] when temperature[r] == 0, else logits[r] / temperature[r] - log E, E the

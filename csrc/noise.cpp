@@ -534,12 +534,19 @@ void softmax_rows_kernel(const float* x, int64_t R, int64_t V, float* out) {
   });
 }
 
-void softmax_race_kernel(const float* x, const int64_t* keys, const int64_t* positions,
-                         int64_t S, int64_t V, int64_t* out) {
+void softmax_race_kernel(const float* x, const int64_t* rows, const int64_t* keys,
+                         const int64_t* positions, int64_t S, int64_t V, int64_t* out) {
   const int64_t chunk = 8192;  // softmax_rows_kernel's and exponential_race_kernel's chunks
   const int64_t per_row = (V + chunk - 1) / chunk;
   if (S < 2 * static_cast<int64_t>(pool_threads())) {  // too few rows to share: split them
     const std::unique_ptr<float[]> probs(new float[S * V]);  // not zeroed: all written
+    if (rows != nullptr) {  // the few rows gathered first (the probabilities' buffer holds them)
+      for (int64_t r = 0; r < S; ++r)
+        std::memcpy(probs.get() + r * V, x + rows[r] * V, V * sizeof(float));
+      softmax_rows_kernel(probs.get(), S, V, probs.get());
+      exponential_race_kernel(probs.get(), keys, positions, S, V, out);
+      return;
+    }
     softmax_rows_kernel(x, S, V, probs.get());
     exponential_race_kernel(probs.get(), keys, positions, S, V, out);
     return;
@@ -550,7 +557,7 @@ void softmax_race_kernel(const float* x, const int64_t* keys, const int64_t* pos
     thread_local std::vector<float> probs, part;
     if (static_cast<int64_t>(probs.size()) < V) probs.resize(V);
     part.resize(per_row);
-    const float* xr = x + r * V;
+    const float* xr = x + (rows != nullptr ? rows[r] : r) * V;
     float m = -__builtin_inff();
     for (int64_t j = 0; j < per_row; ++j) {  // softmax_rows_kernel's max, NaN first
       const float c = softmax_max_chunk(xr + j * chunk, std::min(chunk, V - j * chunk));

@@ -553,17 +553,30 @@ at::Tensor softmax_rows(const at::Tensor& x) {
 }
 
 at::Tensor softmax_race(const at::Tensor& x, const at::Tensor& keys,
-                        const at::Tensor& positions) {
+                        const at::Tensor& positions, const std::optional<at::Tensor>& rows) {
   const auto xc = checked_rows(x);
   check_positions(positions, xc.size(1));
   check_streams(keys, positions);
-  TORCH_CHECK_VALUE(keys.size(0) == xc.size(0), "x must have one row per key, got ", xc.size(0),
-                    " rows and ", keys.size(0), " keys");
+  at::Tensor rc;
+  if (rows.has_value()) {
+    TORCH_CHECK_VALUE(rows->dim() == 1 && rows->scalar_type() == at::kLong,
+                      "rows must be a [S] int64 tensor, got ", rows->sizes(), " ",
+                      rows->scalar_type());
+    rc = rows->contiguous();
+    const int64_t* r = rc.data_ptr<int64_t>();
+    for (int64_t i = 0; i < rc.size(0); ++i)
+      TORCH_CHECK_VALUE(r[i] >= 0 && r[i] < xc.size(0), "rows[", i, "]=", r[i],
+                        " is not a row of x (", xc.size(0), " rows)");
+  }
+  const int64_t S = rc.defined() ? rc.size(0) : xc.size(0);
+  TORCH_CHECK_VALUE(keys.size(0) == S, "x must have one row per key (or rows one entry per "
+                    "key), got ", S, " rows and ", keys.size(0), " keys");
   const auto k = keys.contiguous();
   const auto pos = positions.contiguous();
-  auto out = at::empty({xc.size(0)}, at::TensorOptions().dtype(at::kLong));
-  softmax_race_kernel(xc.data_ptr<float>(), k.data_ptr<int64_t>(), pos.data_ptr<int64_t>(),
-                      xc.size(0), xc.size(1), out.data_ptr<int64_t>());
+  auto out = at::empty({S}, at::TensorOptions().dtype(at::kLong));
+  softmax_race_kernel(xc.data_ptr<float>(), rc.defined() ? rc.data_ptr<int64_t>() : nullptr,
+                      k.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), S, xc.size(1),
+                      out.data_ptr<int64_t>());
   return out;
 }
 

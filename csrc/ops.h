@@ -80,9 +80,10 @@ at::Tensor argmax_rows(const at::Tensor& x);
 // rows and chunks of rows in parallel.
 at::Tensor softmax_rows(const at::Tensor& x);
 // [S] int64: exponential_race(softmax_rows(x), keys, positions), bit for bit, the probabilities
-// never stored (softmax_race_kernel).
+// never stored (softmax_race_kernel); with `rows` ([S] int64), of x[rows] without the copy.
 at::Tensor softmax_race(const at::Tensor& x, const at::Tensor& keys,
-                        const at::Tensor& positions);
+                        const at::Tensor& positions,
+                        const std::optional<at::Tensor>& rows = std::nullopt);
 at::Tensor exponential_race(const at::Tensor& probs, const at::Tensor& keys,
                             const at::Tensor& positions);
 std::tuple<at::Tensor, at::Tensor> coupled_topk(const at::Tensor& logits, int64_t k,

@@ -305,6 +305,16 @@ def test_softmax_race_is_the_race_of_softmax_rows(monkeypatch):
             sub = NoiseStreams([streams.keys[r] for r in rows],
                                [streams.positions[r] for r in rows])
             assert torch.equal(softmax_race(x[rows], sub), want[rows])
+            assert torch.equal(softmax_race(x, sub, rows), want[rows])  # in place, no gather
+            with kernels.kernel_threads(True, threads=1):
+                assert torch.equal(softmax_race(x, sub, rows), want[rows])
+        twice = [len(x) - 1] * 5  # one row raced under five streams
+        sub = NoiseStreams([rng.randrange(1 << 62) for _ in twice], [3] * 5)
+        assert torch.equal(softmax_race(x, sub, twice), race(softmax_rows(x[twice]), sub))
+    with pytest.raises(ValueError, match=r"rows must index the 9 rows of x"):
+        softmax_race(x, NoiseStreams([1], [0]), [9])
+    with pytest.raises(ValueError, match="noise streams must be 2 .* 1 keys"):
+        softmax_race(x, NoiseStreams([1], [0]), [0, 1])
     with pytest.raises(ValueError, match=r"softmax_race takes \[S, V\] logits"):
         softmax_race(torch.zeros(5), NoiseStreams([1], [0]))
     with pytest.raises(ValueError, match="noise streams must be 2 .* 1 keys and 1 positions"):
@@ -313,9 +323,14 @@ def test_softmax_race_is_the_race_of_softmax_rows(monkeypatch):
     if mod is not None:
         with pytest.raises(ValueError, match="x must have one row per key"):
             mod.softmax_race(x[:2], torch.tensor([1, 2, 3]), torch.tensor([0, 0, 0]))
+        with pytest.raises(ValueError, match=r"rows\[1\]=2 is not a row of x"):
+            mod.softmax_race(x[:2], torch.tensor([1, 2]), torch.tensor([0, 0]),
+                             torch.tensor([0, 2]))
     streams = NoiseStreams([5, 6], [0, 1])
     monkeypatch.setattr(batched, "ext", lambda: None)
     assert torch.equal(softmax_race(x[:2], streams), race(torch.softmax(x[:2], -1), streams))
+    assert torch.equal(softmax_race(x, streams, [3, 1]),
+                       race(torch.softmax(x[[3, 1]], -1), streams))
 
 
 @pytest.mark.skipif(ext() is None, reason="specengine._C is not built")
@@ -415,7 +430,10 @@ def test_verify_trees_matches_the_per_tree_verification(mode, monkeypatch):
     raced = []  # rows per softmax_race call: only the rows the walks reach are drawn
     real_race = sampler_mod.softmax_race
     monkeypatch.setattr(sampler_mod, "softmax_race",
-                        lambda x, noise: raced.append(x.shape[0]) or real_race(x, noise))
+                        lambda x, noise, rows=None: raced.append(
+                            x.shape[0] if rows is None else len(rows))
+                        or in_place.append(rows is not None) or real_race(x, noise, rows))
+    in_place = []  # per call: raced in the forward's logits (no gather)
     for _ in range(12):
         seqs = make_seqs(rng, 8)
         rows = torch.randn(len(seqs), vocab, generator=g) * 6  # peaked: drafts get accepted
@@ -433,7 +451,10 @@ def test_verify_trees_matches_the_per_tree_verification(mode, monkeypatch):
         assert all(s.noise.cached(s.num_output_tokens + d, vocab) is None
                    for s, t in zip(seqs, trees) for d in range(t.max_depth + 1))
         assert verify_tree(sampler, seqs[0], trees[0], logits[0]) == want[0]
-    assert accepted >= 20
+        # as the engine hands them: views of one forward's [R, V] logits
+        views = list(torch.cat(logits).split([t.num_nodes + 1 for t in trees]))
+        assert sampler.verify_trees(seqs, trees, views) == want
+    assert accepted >= 20 and any(in_place) and not all(in_place)
     with pytest.raises(ValueError, match=r"logits\[0\] must be \[m \+ 1 = 2, V\]"):
         sampler.verify_trees(seqs[:1], [DraftTree([1], [-1])], [torch.zeros(3, vocab)])
     with pytest.raises(ValueError, match="tree 0: a draft token 600 is outside the vocabulary"):

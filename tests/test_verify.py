@@ -321,24 +321,24 @@ def test_coupled_sampling_with_shared_noise_fails_the_test():
 
 
 @pytest.mark.parametrize("inference", [False, True])
-def test_joined_rows_are_the_concatenation_and_a_view_only_when_consecutive(inference):
-    from specengine.sampling.sampler import joined
+def test_shared_rows_index_the_rows_in_place_and_copy_only_when_they_must(inference):
+    from specengine.sampling.sampler import shared_rows
 
     torch.set_grad_enabled(True)
     with torch.inference_mode(inference):  # the engine's logits are inference tensors
-        _check_joined(joined, torch.randn(9, 7))
+        _check_shared_rows(shared_rows, torch.randn(9, 7))
 
 
-def _check_joined(joined, logits):
-    parts = [logits[0:3], logits[3:4], logits[4:9]]
-    view = joined(parts)
-    assert torch.equal(view, torch.cat(parts))
-    assert view.data_ptr() == logits.data_ptr()  # no copy
-    for case in ([logits[0:3], logits[4:9]],  # a gap
-                 [logits[3:4], logits[0:3]],  # out of order
-                 [logits[0:3], logits[3:4].clone()],  # a masked clone
-                 [logits[0:2, :5], logits[2:4, :5]],  # column slices
-                 [logits[0:1, :5], logits[1:2, :5]]):  # contiguous one-row column slices
-        out = joined(case)
-        assert torch.equal(out, torch.cat(case))
-        assert out.data_ptr() != logits.data_ptr()
+def _check_shared_rows(shared_rows, logits):
+    for case in ([logits[3:4], logits[0:1], logits[7:8]],  # out of order, with gaps
+                 [logits[5:6]],
+                 [logits[2:3], logits[2:3]],  # one row twice
+                 [logits[0:1, :5], logits[5:6, :5]]):  # column slices at whole-row offsets
+        x, rows = shared_rows(case)
+        assert rows is not None and torch.equal(x[rows], torch.cat(case))
+        assert x.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()  # no copy
+    for case in ([logits[0:1], logits[3:4].clone()],  # a masked clone
+                 [logits[0:2], logits[4:5]],  # a block of two rows
+                 [logits[0:1, :5], logits[1:2, :5]]):  # column slices off the row grid
+        x, rows = shared_rows(case)
+        assert rows is None and torch.equal(x, torch.cat(case))

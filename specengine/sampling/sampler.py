@@ -20,6 +20,7 @@ from specengine.sampling.batched import (
     NoiseStreams,
     argmax_rows,
     draw,
+    is_plain,
     process_rows,
     softmax_race,
 )
@@ -159,7 +160,10 @@ class Sampler:
             params = [seqs[t].params for t, _ in frontier]
             streams = NoiseStreams([seqs[t].noise.key for t, _ in frontier],
                                    [seqs[t].num_output_tokens + depth for t, _ in frontier])
-            drawn = softmax_race(self.process(joined(rows), params), streams).tolist()
+            x, at = shared_rows(rows)
+            if at is None or not all(is_plain(p, x.shape[1]) for p in params):
+                x, at = self.process(x if at is None else x[at], params), None
+            drawn = softmax_race(x, streams, at).tolist()
             reached = []
             for (t, node), token in zip(frontier, drawn):
                 best[t][node + 1] = token
@@ -296,20 +300,22 @@ class Sampler:
         return out
 
 
-def joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.cat(parts)`` of ``[r_i, V]`` row blocks, without the copy when they are
-    consecutive rows of one storage (the trees of a step whose logits no mask changed:
-    slices of the forward's ``[R, V]`` logits): then one view of those rows. The values are
-    the same either way; callers must not modify the result."""
-    if len(parts) == 1:
-        return parts[0]
+def shared_rows(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[int] | None]:
+    """``parts`` (``[1, V]`` rows) as ``(x, rows)`` with ``x[rows]`` equal to
+    ``torch.cat(parts)``: when every part is a contiguous row of one storage, at whole-row
+    offsets (the rows of a step's trees whose logits no mask changed: rows of the forward's
+    ``[R, V]`` logits), ``x`` is a view of the rows from the first to the last of them and
+    ``rows`` their indices in it, nothing copied; else ``(torch.cat(parts), None)``. Callers
+    must not modify ``x``."""
     first = parts[0]
-    storage, at = first.untyped_storage().data_ptr(), first.storage_offset()
-    for p in parts:
-        if (p.dim() != 2 or p.shape[1] != first.shape[1] or not p.is_contiguous()
-                or p.untyped_storage().data_ptr() != storage or p.storage_offset() != at
-                or p.dtype != first.dtype):
-            return torch.cat(parts)
-        at += p.numel()
-    return first.as_strided((sum(p.shape[0] for p in parts), first.shape[1]),
-                            (first.shape[1], 1), first.storage_offset())
+    V = first.shape[-1]
+    storage = first.untyped_storage().data_ptr()
+    if not all(p.dim() == 2 and p.shape == (1, V) and p.is_contiguous() and p.dtype == first.dtype
+               and p.untyped_storage().data_ptr() == storage for p in parts):
+        return torch.cat(parts), None
+    offsets = [p.storage_offset() for p in parts]
+    low = min(offsets)
+    if any((o - low) % V for o in offsets):
+        return torch.cat(parts), None
+    rows = [(o - low) // V for o in offsets]
+    return first.as_strided((max(rows) + 1, V), (V, 1), low), rows
