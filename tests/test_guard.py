@@ -65,9 +65,10 @@ def test_one_loss_beyond_the_noise_does_not_lock_a_bucket():
 
 
 def test_guard_backs_off_where_speculation_keeps_losing():
-    """Each modelled speculative step that lost halves the rate at which the bucket earns
-    allowance (down to 1/max_backoff of alpha); one that saved restores it. Allowance already
-    earned is kept, and other buckets are not touched."""
+    """Each modelled speculative step that lost while the bucket's recent ones lost on balance
+    halves the rate at which the bucket earns allowance (down to 1/max_backoff of alpha); once
+    they saved on balance it is restored. Allowance already earned is kept, and other buckets
+    are not touched."""
     g = LossGuard(alpha=0.02, horizon=10**9, max_backoff=4)
     for _ in range(100):
         g.observe(8, 0.01, 0.0)  # 20 ms allowed
@@ -86,13 +87,33 @@ def test_guard_backs_off_where_speculation_keeps_losing():
     assert g.slack(8) - before == pytest.approx(0.02 / 4, rel=1e-6)
     g.observe(1, 0.01, -0.001, worst_loss=0.01)
     assert g.backoff == {4: 4, 1: 2}
-    g.observe(8, 0.01, 0.004, worst_loss=0.01)  # saved: back to alpha
+    g.observe(8, 0.01, 0.001, worst_loss=0.01)  # saved, but the recent steps lost 6.4 ms
+    assert g.backoff == {4: 4, 1: 2} and g.recent[4] == pytest.approx(-0.00472, rel=1e-3)
+    g.observe(8, 0.01, 0.006, worst_loss=0.01)  # saved on balance: back to alpha
     assert g.backoff == {1: 2} and g.stats()["buckets"]["8-15"]["backoff"] == 1
     before = g.slack(8)
     g.observe(8, 0.01, 0.0)
     assert g.slack(8) - before == pytest.approx(0.02 * 0.01, rel=1e-6)
     g.observe(8, 0.01, -0.5)  # a step the policy did not model (a thread probe's): no change
     assert 4 not in g.backoff
+
+
+def test_losses_of_a_winning_bucket_do_not_back_it_off():
+    """One sequence's chain either wins a few tokens or is rejected at its first node: where
+    speculation pays on balance (here +10 ms, -6 ms in turn, 1.3x), its losses are draws of
+    the acceptance, not a losing bucket, so ``backoff`` stays 1 after the first win; where it
+    loses on balance (+4, -6), each loss doubles it as before. ``memory=1`` is the old rule:
+    every loss doubles, the next win resets."""
+    for memory, outcomes, settled in ((10, [0.01, -0.006] * 20, [1] * 36),
+                                      (10, [-0.006, 0.01] * 20, [1] * 36),
+                                      (10, [0.004, -0.006] * 12, [8] * 10),
+                                      (1, [0.01, -0.006] * 20, [1, 2] * 18)):
+        g = LossGuard(alpha=0.02, horizon=10**9, memory=memory)
+        backoffs = []
+        for saved in outcomes:
+            g.observe(1, 0.05, saved, worst_loss=0.008)
+            backoffs.append(g.backoff.get(1, 1))
+        assert backoffs[-len(settled):] == settled, (memory, outcomes[:2], backoffs)
 
 
 def test_a_loss_within_a_plain_steps_noise_is_charged_but_teaches_nothing():
@@ -154,7 +175,7 @@ def test_guard_forgets_old_savings():
 
 
 @pytest.mark.parametrize("kw", [{"alpha": 1.0}, {"alpha": -0.1}, {"horizon": 0},
-                                {"max_backoff": 0}, {"confirm": 0}])
+                                {"max_backoff": 0}, {"confirm": 0}, {"memory": 0}])
 def test_guard_rejects_bad_arguments(kw):
     with pytest.raises(ValueError):
         LossGuard(**kw)

@@ -41,13 +41,21 @@ class LossGuard:
     smallest of their ratios is learnt); every loss is charged to ``saved`` all the same.
 
     Where speculation keeps losing, exploring costs ``alpha`` for nothing; so per bucket each
-    modelled speculative step that lost (beyond the noise) doubles ``backoff`` (up to
-    ``max_backoff``) and one that saved resets it to 1, and the allowance grows by ``alpha /
-    backoff`` of a step's seconds (beyond the step's fixed ``overhead``, which it earns back in
-    full, up to ``alpha`` of a step; a step's overhead beyond that, as when the policy learns
-    from 64 steps at once, is earned back over the next steps): after a run of losses the
-    bucket tries again ``backoff`` times less often, and loses that much less (as the
-    kernels' thread tuner backs off its probes, ``ops.threads``).
+    modelled speculative step that lost (beyond the noise) while the bucket's recent
+    speculative steps lost on balance (``recent``: their savings, fading by ``1 / memory``
+    per such step) doubles ``backoff`` (up to ``max_backoff``), and it is reset to 1 once
+    they saved on balance; the allowance grows by ``alpha / backoff`` of a step's seconds
+    (beyond the step's fixed ``overhead``, which it earns back in full, up to ``alpha`` of a
+    step; a step's overhead beyond that, as when the policy learns from 64 steps at once, is
+    earned back over the next steps): after a run of losses the bucket tries again
+    ``backoff`` times less often, and loses that much less (as the kernels' thread tuner
+    backs off its probes, ``ops.threads``). On balance, not step by step: a step's saving is
+    one draw of its acceptance (one sequence's chain is rejected at its first node about one
+    step in three even where speculation pays 1.4x), and doubling on each such loss, reset
+    by the next win, had left a batch-1 bucket at backoff 4-8 after a few unlucky steps, its
+    slack growing 4-8x slower: in qwen2.5-0.5B rollouts (``bench/rl_epochs.py``) a batch-1
+    tail ran idle for most of its steps (1.00x over 356 steps in one epoch); counted on
+    balance, 215 of the 227 steps at batch 1 of the same rollout speculated.
 
     Args:
         alpha: the share of no speculation's speed that may be lost (0.02: at least 0.98x).
@@ -55,10 +63,12 @@ class LossGuard:
         max_backoff: the largest divisor of ``alpha`` (>= 1; 1: no backing off).
         confirm: modelled speculative steps in a row whose losses ``underestimate`` learns
             from (>= 1; 1: every step's ratio alone).
+        memory: modelled speculative steps per bucket ``recent`` remembers (its fading time
+            constant, >= 1; 1: the last step alone, each loss doubling ``backoff``).
     """
 
     def __init__(self, alpha: float = 0.02, horizon: int = 2000, max_backoff: int = 8,
-                 confirm: int = 2):
+                 confirm: int = 2, memory: int = 10):
         if not 0.0 <= alpha < 1.0:
             raise ValueError(f"LossGuard alpha={alpha}: must be in [0, 1)")
         if horizon < 1:
@@ -67,6 +77,8 @@ class LossGuard:
             raise ValueError(f"LossGuard max_backoff={max_backoff}: must be >= 1")
         if confirm < 1:
             raise ValueError(f"LossGuard confirm={confirm}: must be >= 1")
+        if memory < 1:
+            raise ValueError(f"LossGuard memory={memory}: must be >= 1")
         self.alpha, self.fade = alpha, 1.0 - 1.0 / horizon
         self.max_backoff = max_backoff
         self.saved: dict[int, float] = {}  # bucket -> seconds saved by speculation (faded)
@@ -78,6 +90,8 @@ class LossGuard:
         self.underestimate: dict[int, float] = {}  # bucket -> real / modelled worst loss
         self.confirm = confirm
         self._ratios: dict[int, deque] = {}  # bucket -> the last ``confirm`` steps' ratios
+        self.recent: dict[int, float] = {}  # bucket -> recent speculative steps' savings
+        self._recent_fade = 1.0 - 1.0 / memory
 
     def slack(self, batch: int) -> float:
         """Seconds a step of ``batch`` sequences may still lose: ``saved + allowance``."""
@@ -142,9 +156,11 @@ class LossGuard:
         if worst_loss is None:
             return
         excess = -saved_seconds - max(noise, 0.0)  # the loss no plain step's spread explains
-        if excess > 0:
+        recent = self.recent.get(b, 0.0) * self._recent_fade + saved_seconds
+        self.recent[b] = recent
+        if excess > 0 and recent < 0:
             self.backoff[b] = min(self.max_backoff, 2 * self.backoff.get(b, 1))
-        elif saved_seconds > 0:
+        elif recent > 0:
             self.backoff.pop(b, None)
         if worst_loss > 0:
             ratios = self._ratios.setdefault(b, deque(maxlen=self.confirm))
