@@ -15,7 +15,11 @@ A step costs drafting + one target forward + everything else (verify, sampling, 
   not drafting for the sequences it drafts for now (``StepRecord.num_catch_up``), which a
   stateful drafter feeds through its layers first: the price of turning speculation on
   (``catch_up_time``), 0 in a run of speculative steps.
-- **other** = ``o0 + o1*B + o2*nodes + o3*committed``.
+- **other** = ``o0 + o1*B + o2*nodes + o3*committed + o4*[nodes > 0]``: a step that verifies a
+  tree pays a fixed price besides its nodes (building the verify's inputs, sampling it by
+  depth); without its own term that price was fitted per node from the few probe steps of 4
+  nodes (2 ms a node at 16 qwen2.5-0.5B sequences, where 16 nodes cost 3 ms in all) and a
+  depth-1 chain at 16 sequences was priced 30 ms too dear.
 
 Each part is a weighted least-squares fit on relative error (weight 1/y^2), kept as sufficient
 statistics: a fixed prior from the start-up profile (``profiling.py``) plus online statistics
@@ -184,8 +188,9 @@ def draft_x(batch, depth, nodes, catch_up=0.0) -> np.ndarray:
 
 
 def other_x(batch, nodes, committed) -> np.ndarray:
-    """Features of the verify/sample/bookkeeping-time fit, ``[..., 4]``."""
-    return _features(1.0, batch, nodes, committed)
+    """Features of the verify/sample/bookkeeping-time fit, ``[..., 5]``."""
+    nodes = np.asarray(nodes, dtype=float)
+    return _features(1.0, batch, nodes, committed, nodes > 0)
 
 
 class LatencyModel:
@@ -201,7 +206,7 @@ class LatencyModel:
         self.knees = np.array(KNEES, dtype=float)
         self.forward = WeightedLeastSquares(5, decay, copies=len(KNEES), refit_every=8)
         self.draft = WeightedLeastSquares(6, decay, refit_every=8)
-        self.other = WeightedLeastSquares(4, decay, refit_every=8)
+        self.other = WeightedLeastSquares(5, decay, refit_every=8)
         self.knee_index = 0
         self.num_forward = 0  # forward observations (profile included)
         self.num_draft = 0
@@ -285,12 +290,15 @@ class LatencyModel:
     # ---- prediction -------------------------------------------------------------------------
     # scalar predictions in plain float arithmetic: called per step, where small-array numpy
     # costs more than the arithmetic
-    def learn(self, recs: list) -> None:
+    def learn(self, recs: list, forward: list[bool] | None = None) -> None:
         """Fit the forward, draft and other-time models on the decode-only steps of ``recs``
-        (``StepRecord``s; the draft model on the speculative ones)."""
+        (``StepRecord``s; the draft model on the speculative ones; the forward model on those
+        ``forward`` marks, default all)."""
         fwd = [r for r in recs if r.is_decode_only]
-        self.add_forwards([r.num_forward_tokens for r in fwd], [r.context_tokens for r in fwd],
-                          [r.num_decode for r in fwd], [r.forward_time for r in fwd])
+        timed = [r for r, f in zip(recs, forward or [True] * len(recs)) if f and r.is_decode_only]
+        self.add_forwards([r.num_forward_tokens for r in timed],
+                          [r.context_tokens for r in timed], [r.num_decode for r in timed],
+                          [r.forward_time for r in timed])
         spec = [r for r in fwd if r.strategy is not None]
         self.add_drafts([r.num_decode for r in spec], [r.strategy.depth for r in spec],
                         [r.num_drafted if r.num_proposed is None else r.num_proposed
@@ -335,8 +343,9 @@ class LatencyModel:
 
     def other_time(self, batch: float, nodes: float, committed: float) -> float:
         """Predicted seconds of verify/sampling/bookkeeping."""
-        o0, o1, o2, o3 = self.other.theta().tolist()
-        return max(o0 + o1 * batch + o2 * nodes + o3 * committed, 0.0)
+        o0, o1, o2, o3, o4 = self.other.theta().tolist()
+        return max(o0 + o1 * batch + o2 * nodes + o3 * committed + (o4 if nodes > 0 else 0.0),
+                   0.0)
 
     def step_times(self, batch: float, context: float, depth: np.ndarray, nodes: np.ndarray,
                    committed: np.ndarray, proposed: np.ndarray | None = None) -> np.ndarray:

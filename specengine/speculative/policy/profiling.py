@@ -38,7 +38,8 @@ def profile_forward(runner, blocks, model: LatencyModel, budget_s: float = 1.5,
 
     # (sequences, chain nodes per sequence, context per sequence)
     grid = [(1, 0, 32), (1, 0, 32), (1, 3, 32), (1, 7, 512), (4, 3, 64), (16, 0, 64),
-            (1, 0, 1024), (16, 7, 64), (64, 3, 64), (8, 0, 512), (64, 7, 128), (128, 3, 64)]
+            (1, 0, 1024), (16, 1, 64), (16, 3, 64), (16, 7, 64), (64, 3, 64), (8, 0, 512),
+            (64, 7, 128), (128, 3, 64)]
     params = SamplingParams(temperature=0.0)
     start = clock()
     added = 0
