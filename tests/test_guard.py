@@ -3,11 +3,14 @@ turning a stateful drafter on (catch-up tokens in the step record and the latenc
 the correction table's fast learning, each alone and together in ``AutoPolicy`` on simulated
 steps whose true costs the policy's models get wrong."""
 
+from collections import deque
+
 import numpy as np
 import pytest
 
 from specengine import LLM, SamplingParams
 from specengine.speculative.policy import AutoPolicy, Policy, StaticPolicy, StepRecord
+from specengine.speculative.policy.base import batch_bucket
 from specengine.speculative.policy.correction import CorrectionTable
 from specengine.speculative.policy.guard import LossGuard
 from specengine.speculative.policy.latency import LatencyModel
@@ -529,3 +532,51 @@ def test_runs_to_cap_needs_the_group_to_have_reached_max_tokens():
     assert est.runs_to_cap(seq([3], 210))  # the one past 210 ran to the cap
     assert not est.runs_to_cap(seq([9], 10))  # no group lengths: the prior's guess only
     assert est.expected(seq([9], 200)) == 56.0  # though the estimate puts it at the cap
+
+
+def test_a_step_of_many_tied_sequences_is_afforded_on_its_likely_acceptance():
+    """The guard's worst case for a step counts the accepted tokens' lower confidence bound
+    (``AutoPolicy._assured``): 16 sequences tied for the longest remaining output, a depth-1
+    chain measured at 0.69 accepted tokens per sequence, a 67 ms plain step: a step that
+    would lose 25 ms with nothing accepted all but surely saves 30 ms, so it needs slack only
+    for ``GUARD_FLOOR`` of the 25 ms. Not so when one sequence alone decides the finish, nor
+    on an estimate from 4 sequences (a third of the credit)."""
+    chain = Strategy(1)
+
+    class Seq:
+        def __init__(self, out):
+            self.num_output_tokens, self.params = out, SamplingParams(max_tokens=256)
+            self.num_cached, self.catch_up = 100, 0
+
+        def __len__(self):
+            return 101
+
+    def policy(outputs, drafted):
+        pol = AutoPolicy([chain], clock=lambda: 0.0)
+        seqs = [Seq(o) for o in outputs]
+        pol._running = lambda: seqs
+        pol._plain_seconds[16] = deque([0.067] * 9, maxlen=9)
+        for _ in range(drafted // 16 or 1):
+            n = min(drafted, 16)
+            pol.acceptance.observe(chain, [1] * round(0.69 * n) + [0] * (n - round(0.69 * n)),
+                                   n, n, n)
+        pol._ties = pol._tied(16)
+        return pol
+
+    tied = policy([10] * 16, 320)
+    assert tied._ties == 16
+    assured = tied._assured(16)[chain]
+    a = tied.acceptance.expected_accepted(chain)
+    assert 0.4 * 0.067 < assured < a * 0.067
+    assert tied._worst_loss(0.025, assured) == pytest.approx(AutoPolicy.GUARD_FLOOR * 0.025)
+    guard = tied.guard
+    guard.allowance[batch_bucket(16)] = 0.005  # 5 ms of slack
+    assert guard.covers(16, tied._worst_loss(0.025, assured)) and not guard.covers(16, 0.025)
+    one = policy([10 + i for i in range(16)], 320)  # the longest sequence alone decides
+    assert one._ties == 1 and one._assured(16)[chain] == 0.0
+    # an off probe drafts for every tied sequence (its mean commit is what moves the finish),
+    # else for the few (probe_seqs) with the least catch-up
+    assert tied._probe(16)[0] == 1.0 and tied._probe(16)[2]
+    assert one._probe(16)[0] == pytest.approx(4 / 16)
+    few = policy([10] * 16, 4)  # 4 sequences measured: too little to count on
+    assert few._ties == 16 and few._assured(16)[chain] < 0.35 * assured

@@ -528,7 +528,7 @@ def test_probe_drafts_for_the_few_sequences_with_the_least_catch_up():
                     probe_seqs=3)
     seqs = [SimpleNamespace(num_accepted=0, num_drafted=0, catch_up=200 + i % 2)
             for i in range(16)]
-    kept = []
+    kept, forwards = [], lm.num_forward
     for _ in range(10):
         s = pol.choose(16)
         keep = pol.select(seqs, s) if s is not None else None
@@ -543,12 +543,17 @@ def test_probe_drafts_for_the_few_sequences_with_the_least_catch_up():
                                   accepted_per_seq=[s.depth] * 3, draft_time=1e-5,
                                   forward_time=0.001 * (16 + 3 * s.depth), other_time=1e-4))
     assert kept == [(4, 6, 8), (4, 6, 8)]  # the least behind (200), then the same three again
+    pol.flush()  # 3 of 16 sequences' nodes: too few tokens to time what a token costs
+    assert lm.num_forward == forwards and lm.num_draft > 0
     # among equals, the next few along at each probe
     probes = pol.probes
     assert probes.drafted([7] * 8) == [i in (6, 7, 0) for i in range(8)]  # count = 2: from 6
     probes.count += 1
     assert probes.drafted([7] * 8) == [i in (1, 2, 3) for i in range(8)]
-    assert probes.least([5, 1, 9, 2, 3]) == 6
+    # sequences tied for the longest remaining output first, then the least behind
+    assert probes.drafted([7, 1, 7, 7, 2, 7, 7, 7], [i == 2 for i in range(8)]) == \
+        [i in (1, 2, 4) for i in range(8)]
+    assert probes.drafted([7] * 8, [i < 6 for i in range(8)]) == [i < 6 for i in range(8)]
     # every probed sequence accepted everything: the chain rate rises towards 1 (3 of 3, not
     # 3 of 16)
     assert pol.acceptance.rates(Strategy(1))[0] > 0.7

@@ -13,6 +13,7 @@ spread of the step's node budget in ``budget.py``.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import deque
@@ -62,8 +63,10 @@ class AutoPolicy(Policy):
     - ``guard`` (``LossGuard``): per batch bucket, the seconds speculation saved against the
       no-speculation rate plus ``max_loss`` of the time spent there; a speculative step
       (probes included) whose worst case, its modelled extra seconds over a plain step plus
-      the drafter's catch-up on the tokens it did not see (``LatencyModel.catch_up_time``),
-      exceeds that slack is not run (the best candidate it covers is, or none), so each
+      the drafter's catch-up on the tokens it did not see (``LatencyModel.catch_up_time``)
+      less what its accepted tokens save with high probability (``_assured``, a lower
+      confidence bound), exceeds that slack is not run (the best candidate it covers is, or
+      none), so each
       bucket stays at least ``1 - max_loss`` as fast as no speculation, the policy's own time
       counted as loss (the conservative bandit's rule); a speculative step's savings are
       counted against a plain step's measured seconds at its batch size, so while
@@ -103,6 +106,12 @@ class AutoPolicy(Policy):
     # of no speculation on SmolLM2's quick RL epochs (bench/rl_epochs.py --quick, 2-core Xeon)
     # against a 0.98 promise, the guard's own books at 2% and one run's noise ~0.5%
     GUARD_SHARE = 0.75
+    # the lower confidence bound on a step's accepted tokens the guard counts on: this many
+    # standard deviations below their mean (``_assured``)
+    GUARD_Z = 2.0
+    # and whatever that bound, a speculative step needs slack for this share of its loss with
+    # nothing accepted (so the guard's ``underestimate`` still learns from its losses)
+    GUARD_FLOOR = 0.1
 
     def __init__(self, candidates: list[Strategy | None], hysteresis: float = 0.05,
                  probe_every: int = 50, probe_seqs: int = 4,
@@ -136,6 +145,8 @@ class AutoPolicy(Policy):
         self._was_idle = False  # the step chosen last was idle
         self._idle_worst: float | None = None  # the worst case ``_idle`` priced last
         self._worst = 0.0  # the modelled worst loss of the step chosen last (seconds)
+        self._ties = 1  # decoding sequences tied for the longest remaining output (``_tied``)
+        self._tied_ids: set[int] = set()  # and their ids, as last counted
         self._plain_seconds: dict[int, deque] = {}  # batch size -> recent plain steps' seconds
         self._plain_age: dict[int, int] = {}  # batch size -> decode steps since its last plain
         # a plain step's noise over its median (``_spread``), last measured; None before any
@@ -207,7 +218,8 @@ class AutoPolicy(Policy):
             self.rescore.age()  # the scores grow older all the same
             self.decision_time += self.clock() - t0
             return None
-        if self.rescore.reuse(batch, bool(self.last_scores)):
+        fresh = not self.rescore.reuse(batch, bool(self.last_scores))
+        if not fresh:
             scores = self.last_scores  # re-scored when the batch changes, else every few steps
         else:
             self.flush()
@@ -220,10 +232,15 @@ class AutoPolicy(Policy):
         pool = scores  # the candidates this step may run: all, or what the guard covers
         worst: dict[Strategy | None, float] = {}
         if self.guard is not None:
-            # the worst case: nothing accepted; the extra seconds and the catch-up are lost
+            # the worst case: the extra seconds and the catch-up, less what the accepted tokens
+            # all but surely save (their lower confidence bound, ``_assured``)
             catch_ups = self._pending_catch_up()
             catch_up = self.latency.catch_up_time(sum(catch_ups))
-            worst = {c: self._extra.get(c, 0.0) + catch_up for c in scores if c is not None}
+            if fresh:
+                self._ties = self._tied(batch)
+            assured = self._assured(batch)
+            worst = {c: self._worst_loss(self._extra.get(c, 0.0) + catch_up, assured[c])
+                     for c in scores if c is not None}
             known = self._noise_frac is not None  # else no loss could be judged yet
             pool = {c: v for c, v in scores.items()
                     if c is None or known and self.guard.covers(batch, worst[c])}
@@ -238,9 +255,11 @@ class AutoPolicy(Policy):
         choice = self.probes.pick(self.current, current, scores)
         if choice is not None and worst:
             self._worst = worst[choice]
-            if self.probes.active:  # a few sequences, those with the least to catch up on
-                self._worst = (min(1.0, self.probes.seqs / batch) * self._extra.get(choice, 0.0)
-                               + self.latency.catch_up_time(self.probes.least(catch_ups)))
+            if self.probes.active:  # the tied sequences, or a few with the least catch-up
+                share, probe_catch_up, tied = self._probe(batch)
+                self._worst = self._worst_loss(
+                    share * self._extra.get(choice, 0.0) + probe_catch_up,
+                    assured[choice] if tied else 0.0)
             if self._noise_frac is None or not self.guard.affords(batch, self._worst) or \
                     self._plain_age.get(batch, 0) >= self.PLAIN_EVERY:  # measure one now
                 choice, self.probes.active = None, False
@@ -264,23 +283,112 @@ class AutoPolicy(Policy):
     def _idle(self, batch: int) -> bool:
         """True when the guard's slack for ``batch`` sequences covers not even the cheapest
         candidate's worst case at the last scoring of this batch size (its extra seconds plus
-        the drafter's catch-up, as ``choose`` prices them; a probe's share of them): no step
+        the drafter's catch-up less its ``_assured`` saving, as ``choose`` prices them; or a
+        probe's share of them, ``_probe``): no step
         could speculate, so none is scored, and ``record`` learns in bigger batches (the
         policy's own time is the guard's loss too)."""
         self._idle_worst = None
         if self.guard is None or not self._extra or self.rescore.scored_for[0] != batch:
             return False
-        cheapest = min(v for s, v in self._extra.items() if s is not None)
-        catch_up = self.latency.catch_up_time(self.probes.least(self._pending_catch_up()))
-        self._idle_worst = cheapest * min(1.0, self.probes.seqs / batch) + catch_up
+        everyone = self.latency.catch_up_time(sum(self._pending_catch_up()))  # all drafted
+        share, probe_catch_up, tied = self._probe(batch)
+        assured = self._assured(batch)
+        self._idle_worst = min(
+            min(self._worst_loss(share * v + probe_catch_up, assured[c] if tied else 0.0),
+                self._worst_loss(v + everyone, assured[c]))
+            for c, v in self._extra.items() if c is not None)
         return not self.guard.covers(batch, self._idle_worst)
+
+    def _probe(self, batch: int) -> tuple[float, float, bool]:
+        """What an off probe at ``batch`` sequences would draft for (``probes.drafted``: the
+        sequences tied for the longest remaining output, ``_tied``, else a few with the least
+        catch-up): ``(share, catch_up, tied)``, the share of the batch (of a step's extra
+        seconds), the seconds of its catch-up and whether it drafts for tied sequences (so
+        the ``_assured`` saving counts)."""
+        seqs = self._decoding()
+        if not seqs:
+            return min(1.0, self.probes.seqs / max(batch, 1)), 0.0, False
+        tied = [id(s) in self._tied_ids for s in seqs]
+        catch_ups = [s.catch_up for s in seqs]
+        drafted = self.probes.drafted(catch_ups, tied)
+        catch_up = sum(c for c, d in zip(catch_ups, drafted) if d)
+        return (min(1.0, sum(drafted) / max(batch, 1)), self.latency.catch_up_time(catch_up),
+                any(tied))
+
+    def _worst_loss(self, nothing_accepted: float, assured: float) -> float:
+        """The loss a speculative step is allowed on (seconds): its loss with nothing accepted
+        less the seconds its accepted tokens all but surely save, at least ``GUARD_FLOOR`` of
+        the former."""
+        return max(nothing_accepted - assured, self.GUARD_FLOOR * nothing_accepted)
+
+    def _assured(self, batch: int) -> dict[Strategy | None, float]:
+        """Per candidate, the seconds of plain steps a step of ``batch`` sequences saves by its
+        accepted tokens with high probability: a plain step's seconds at this batch size
+        (``_plain_seconds``' median; none measured: 0) times a lower confidence bound on the
+        mean accepted tokens over the ``_ties`` sequences whose mean ``_progress`` counts,
+        ``GUARD_Z`` standard deviations below the ``acceptance`` model's mean ``a``. The
+        variance counts both the step's draw over those sequences and the estimate's own error
+        (over the sequences it was measured on, the depth-1 trials; a tree never run has none
+        of its own, hence no credit); a count in ``[0, depth]`` with mean ``a`` varies by at
+        most ``a (depth - a)``. The conservative bandit's rule plays an arm on the lower
+        confidence bound of its reward (Wu et al., "Conservative Bandits", ICML 2016); with
+        nothing accepted as the worst case, a depth-1 chain at 16 qwen2.5-0.5B sequences
+        (+19-30 ms over a 67 ms plain step, 1.64 tokens per sequence: 1.2x measured with the
+        chain forced) was never affordable, and the whole full-batch phase of the rollout ran
+        plain."""
+        plain = self._plain_seconds.get(batch)
+        t_off = statistics.median(plain) if plain else 0.0
+        out = dict.fromkeys(self.candidates, 0.0)
+        if not t_off:
+            return out
+        acc, ties = self.acceptance, max(self._ties, 1)
+        for c in self.candidates:
+            if c is None:
+                continue
+            rates = acc.chain if c.is_chain else acc.trees.get(c)
+            trials = float(rates.trials[0]) if rates is not None else 0.0
+            if trials < 1.0:
+                continue
+            a = acc.expected_accepted(c)
+            sd = math.sqrt(a * max(c.depth - a, 0.0) * (1.0 / ties + 1.0 / trials))
+            out[c] = t_off * max(a - self.GUARD_Z * sd, 0.0)
+        return out
+
+    def _tied(self, batch: int) -> int:
+        """Of the engine's decoding sequences, how many tie for the longest expected remaining
+        output (within half a token) as ``_progress`` will count them: the step moves the
+        batch's finish by the mean of what those commit; 1 where one of them runs to
+        ``max_tokens`` (its own count is what moves it) or the sequences are not known."""
+        seqs = self._decoding()
+        self._tied_ids = set()
+        if len(seqs) != batch:
+            return 1
+        est = self.remaining
+        if self.length_weight and est.observed:
+            rem = [est.expected(s) for s in seqs]
+            if any(r is None for r in rem):
+                rem = None
+        else:
+            rem = None
+        if rem is None:
+            rem = [s.params.max_tokens - s.num_output_tokens for s in seqs]
+        top = max(rem)
+        tied = [s for s, r in zip(seqs, rem) if r >= top - 0.5]
+        self._tied_ids = {id(s) for s in tied}
+        if est.observed and any(est.runs_to_cap(s) for s in tied):
+            return 1
+        return len(tied)
+
+    def _decoding(self) -> list:
+        """The engine's decoding sequences (none before ``warm_start`` connected it)."""
+        if self._running is None:
+            return []
+        return [s for s in self._running() if s.num_cached >= len(s) - 1]
 
     def _pending_catch_up(self) -> list[int]:
         """Per decoding sequence, the tokens the drafter would catch up on if it were drafted
-        for now (``Sequence.catch_up``; none before ``warm_start`` connected the engine)."""
-        if self._running is None:
-            return []
-        return [s.catch_up for s in self._running() if s.num_cached >= len(s) - 1]
+        for now (``Sequence.catch_up``)."""
+        return [s.catch_up for s in self._decoding()]
 
     def weights(self, seqs: list) -> list[float]:
         """This step's weight per decoding sequence of ``seqs``: ``length_weights`` of their
@@ -320,7 +428,8 @@ class AutoPolicy(Policy):
         weight = self.weights(seqs)
         rate = self._predicted
         if self.probes.active:  # a probe drafts for the few with the least to catch up on
-            keep = self.probes.drafted([s.catch_up for s in seqs])
+            keep = self.probes.drafted([s.catch_up for s in seqs],
+                                       [id(s) in self._tied_ids for s in seqs])
         elif self.per_sequence and len(seqs) > 1 and rate and self.accept_ratio > 0:
             acc, n = self.acceptance, len(seqs)
             need = rate * self.latency.sequence_seconds(
@@ -498,7 +607,15 @@ class AutoPolicy(Policy):
         self.cutter.learn([rec for rec, *_ in pending])
         for rec, probing, offered, raw in pending:
             self._learn(rec, probing, offered, raw)
-        self.latency.learn([rec for rec, *_ in pending if not rec.thread_probe])
+        # a probe that drafted for a few of the sequences adds too few tokens to measure what
+        # a token costs: its forward is one noisy step a few tokens off the plain ones, and a
+        # handful of them set the slope (2-3 ms a token at 16 qwen2.5-0.5B sequences, where a
+        # whole depth-1 chain measured 0.7): the forward fit learns from the other steps
+        recs = [(rec, probing, offered) for rec, probing, offered, _ in pending
+                if not rec.thread_probe]
+        self.latency.learn([rec for rec, *_ in recs], [
+            not (probing and offered is not None and offered < rec.num_decode)
+            for rec, probing, offered in recs])
 
     def _learn(self, rec: StepRecord, probing: bool, offered: int | None,
                raw: float | None) -> None:

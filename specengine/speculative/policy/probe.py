@@ -12,9 +12,12 @@ class ProbeSchedule:
 
     Probes fall 4, 8, 16, ... steps after speculation was switched on or off (not between two
     strategies), then every ``every`` steps. While speculation is off, a probe runs the best
-    chain for ``seqs`` of the sequences only (``drafted``: those the drafter has the least to
-    catch up on), so the acceptance statistics stay current at the cost of a few forward tokens
-    and a short catch-up, not a speculative step of the whole batch. While speculating and
+    chain for the sequences tied for the longest remaining output (as the policy counts them)
+    and at least ``seqs`` in all (``drafted``: the rest those the drafter has the least to
+    catch up on), so the acceptance statistics stay current at the cost of a few forward
+    tokens and a short catch-up where the batch's finish hangs on a few sequences, and a probe
+    of a batch that ends together (a GRPO group before any sample finished) is a step that can
+    pay for itself. While speculating and
     predicted less than ``margin`` better than no speculation, a probe runs a step without it,
     so the latency model sees both sides of a close call instead of extrapolating to the one
     not taken.
@@ -22,7 +25,7 @@ class ProbeSchedule:
     Args:
         candidates: the policy's candidates; an off probe runs the best chain among them.
         every: steps between probes once the schedule has spread out (0: never probe).
-        seqs: sequences drafted for in an off probe.
+        seqs: the fewest sequences drafted for in an off probe.
         margin: relative margin below which speculation versus none is a close call.
     """
 
@@ -56,22 +59,23 @@ class ProbeSchedule:
             return None
         return current
 
-    def drafted(self, catch_up: list[int]) -> list[bool]:
+    def drafted(self, catch_up: list[int], tied: list[bool] | None = None) -> list[bool]:
         """Which decoding sequences (``catch_up``: per sequence, the tokens a stateful
         drafter would catch up on before drafting for it, ``Sequence.catch_up``; at least
-        one) an off probe drafts for: the ``seqs`` with the least catch-up, so after the first
-        probe the next ones feed the drafter only the tokens since the last (not each
-        sequence's whole history); among equals, the next few along at each probe."""
+        one) an off probe drafts for: every sequence ``tied`` marks (those tied for the
+        longest expected remaining output, whose mean commit moves the batch's finish: a
+        probe for a few of 16 tied sequences moved it by a few sixteenths of their acceptance
+        and paid a verify's fixed costs in full, so each lost 10-25 ms in qwen2.5-0.5B
+        rollouts and measured nothing a whole step would do), then up to ``seqs`` in all
+        those with the least catch-up, so after the first probe the next ones feed the
+        drafter only the tokens since the last (not each sequence's whole history); among
+        equals, the next few along at each probe."""
         n = len(catch_up)
+        keep = list(tied) if tied is not None else [False] * n
         k = min(self.seqs, n)
         first = self.count * k % n
-        order = sorted(range(n), key=lambda i: (catch_up[i], (i - first) % n))
-        keep = [False] * n
-        for i in order[:k]:
+        order = sorted((i for i in range(n) if not keep[i]),
+                       key=lambda i: (catch_up[i], (i - first) % n))
+        for i in order[:max(k - sum(keep), 0)]:
             keep[i] = True
         return keep
-
-    def least(self, catch_up: list[int]) -> int:
-        """Tokens an off probe catches the drafter up on: the ``seqs`` smallest of
-        ``catch_up`` (as ``drafted`` picks them)."""
-        return sum(sorted(catch_up)[:self.seqs])
