@@ -421,13 +421,13 @@ class AutoPolicy(Policy):
         ``E[accepted_i]`` is the batch estimate scaled by the request's own accepted-per-drafted
         ratio against the global one (``prior_steps`` pseudo-steps of the global ratio);
         ``w_i`` is its remaining-length weight (``weights``; 1 when all are equal, the
-        unweighted choice). A probe drafts for the few sequences ``probes.drafted`` names (the
-        least catch-up)."""
+        unweighted choice). A probe drafts for the sequences ``probes.drafted`` names (those
+        tied for the longest remaining output, ``_tied``, then the least catch-up)."""
         t0 = self.clock()
         keep = [True] * len(seqs)
         weight = self.weights(seqs)
         rate = self._predicted
-        if self.probes.active:  # a probe drafts for the few with the least to catch up on
+        if self.probes.active:  # the tied sequences, then the few with the least catch-up
             keep = self.probes.drafted([s.catch_up for s in seqs],
                                        [id(s) in self._tied_ids for s in seqs])
         elif self.per_sequence and len(seqs) > 1 and rate and self.accept_ratio > 0:

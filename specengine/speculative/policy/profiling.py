@@ -25,8 +25,9 @@ def profile_forward(runner, blocks, model: LatencyModel, budget_s: float = 1.5,
     ``clock`` (seconds) times the forwards and spends the budgets; tests pass a fake one, so
     the points that fit a budget are known exactly.
 
-    The points span 1 .. 512 forward tokens, chains of 0, 3 and 7 nodes per sequence and short
-    and long contexts, so each feature of the forward fit is seen. The KV contents are whatever
+    The points span 1 .. 512 forward tokens, chains of 0, 1, 3 and 7 nodes per sequence (16
+    sequences with 1 and 3: a chain's verify at an RL batch) and short and long contexts, so
+    each feature of the forward fit is seen. The KV contents are whatever
     the pool holds (timing does not depend on them); the engine's sequences are not touched.
     """
     import torch
