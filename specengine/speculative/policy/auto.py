@@ -112,6 +112,9 @@ class AutoPolicy(Policy):
     # and whatever that bound, a speculative step needs slack for this share of its loss with
     # nothing accepted (so the guard's ``underestimate`` still learns from its losses)
     GUARD_FLOOR = 0.1
+    # expected remaining outputs (tokens) this close to the longest tie for it (``_progress``,
+    # ``_tied``)
+    TIE = 0.5
 
     def __init__(self, candidates: list[Strategy | None], hysteresis: float = 0.05,
                  probe_every: int = 50, probe_seqs: int = 4,
@@ -373,7 +376,7 @@ class AutoPolicy(Policy):
         if rem is None:
             rem = [s.params.max_tokens - s.num_output_tokens for s in seqs]
         top = max(rem)
-        tied = [s for s, r in zip(seqs, rem) if r >= top - 0.5]
+        tied = [s for s, r in zip(seqs, rem) if r >= top - self.TIE]
         self._tied_ids = {id(s) for s in tied}
         if est.observed and any(est.runs_to_cap(s) for s in tied):
             return 1
@@ -589,14 +592,14 @@ class AutoPolicy(Policy):
             c = 1 + accepted.get(id(s), 0)
             cap = s.params.max_tokens - s.num_output_tokens + c  # max_tokens left, before
             rem = self._step_weights.get(id(s), (None, 1.0))[0]  # expected, before the step
-            to_cap = id(s) in self._step_capped and rem is not None and rem >= cap - 0.5
+            to_cap = id(s) in self._step_capped and rem is not None and rem >= cap - self.TIE
             if rem is None:
                 rem = cap
             rows.append((rem, 0.0 if s.finish_reason is not None else rem - c, to_cap))
         before = max(r for r, _, _ in rows)
-        tied = [r - a for r, a, cap in rows if r >= before - 0.5 and not cap]
+        tied = [r - a for r, a, cap in rows if r >= before - self.TIE and not cap]
         after = max(([before - sum(tied) / len(tied)] if tied else []) +
-                    [a for r, a, cap in rows if r < before - 0.5 or cap])
+                    [a for r, a, cap in rows if r < before - self.TIE or cap])
         return before - after
 
     def flush(self) -> None:
