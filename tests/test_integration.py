@@ -54,25 +54,42 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
-def test_greedy_equals_transformers_generate(hf_model, prompts, greedy_outputs):
-    exact = 0
+def test_greedy_is_transformers_argmax_at_every_position(hf_model, prompts, greedy_outputs):
+    """Every greedy token of the 20 prompts is transformers' argmax after the same prefix (one
+    forward per prompt over the prompt and our output), except at most twice in all a near-tie
+    (our token's logit within ``TIE_GAP`` of the largest); and for a chat and a code prompt,
+    ``generate`` itself gives our tokens up to such a tie. (Each prompt through ``generate``
+    took 82 s of the suite; the forwards check every position along our output, also after a
+    tie, where a comparison with ``generate`` stops.)"""
+    eos = hf_model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos)
+    ties = 0
     for p, out in zip(prompts, greedy_outputs):
+        ours = out.outputs[0].token_ids
+        assert len(ours) == NEW_TOKENS
+        with torch.inference_mode():
+            logits = hf_model(torch.tensor([p + ours[:-1]])).logits[0, len(p) - 1:].float()
+            logits[:, eos] = -torch.inf  # min_tokens masks them, as min_new_tokens does
+        top = logits.max(dim=-1)
+        for j, t in enumerate(ours):
+            if t != int(top.indices[j]):
+                gap = float(top.values[j] - logits[j, t])
+                print(f"token {j}: not transformers' argmax, top logit {gap:.2e} above ours")
+                assert gap < TIE_GAP, f"token {j} is not the argmax and no near-tie ({gap})"
+                ties += 1
+    assert ties <= 2
+    for p, out in (zip(prompts[::len(prompts) - 1], greedy_outputs[::len(prompts) - 1])):
         ours = out.outputs[0].token_ids
         with torch.inference_mode():
             ref = hf_model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS,
                                     min_new_tokens=NEW_TOKENS, do_sample=False,
                                     pad_token_id=0)[0, len(p):].tolist()
         i = first_divergence(ours, ref)
-        if i is None:
-            exact += 1
-            continue
-        with torch.inference_mode():
-            logits = hf_model(torch.tensor([p + ref[:i]])).logits[0, -1]
-        top2 = torch.topk(logits, 2).values
-        gap = float(top2[0] - top2[1])
-        print(f"divergence at token {i}: top-2 logit gap {gap:.2e}")
-        assert gap < TIE_GAP, f"mismatch at token {i} without a near-tie (gap {gap})"
-    assert exact >= len(prompts) - 2
+        if i is not None:  # a near-tie of transformers' own, as above
+            with torch.inference_mode():
+                logits = hf_model(torch.tensor([p + ref[:i]])).logits[0, -1]
+            top2 = torch.topk(logits, 2).values
+            assert float(top2[0] - top2[1]) < TIE_GAP, f"mismatch at token {i} without a near-tie"
 
 
 def test_logprobs_equal_transformers_log_softmax(hf_model, prompts, greedy_outputs):
