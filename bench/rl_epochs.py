@@ -17,6 +17,10 @@ each round steps every row's engine once, in turn, so all rows see the machine a
 moments, and each row's wall time counts only its own steps:
 ``off`` (no speculation), ``suffix`` (rollout memory: siblings + history + own text),
 ``eagle`` (the shipped drafter, frozen), ``suffix+eagle`` (one merged tree), and on request
+``eagle-online`` (the shipped drafter trained further after each epoch, as an RL trainer's
+step would leave time for: ``--online-steps`` AdamW steps, ``DrafterTrainer.train_now``, on the
+finished samples of its own rollouts so far with their target features, harvested while it
+decodes; the training seconds are reported apart, not in the rollout's wall time),
 ``ngram`` and ``off-control`` (a second engine without speculation: engines in one process
 differ by where their memory landed, so its ratio to ``off``, ideally 1.00, is the run's noise
 floor for the other rows' ratios). Each engine sees
@@ -36,6 +40,7 @@ the row's most used strategy run statically. ``--trace DIR`` keeps the traces.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import time
@@ -68,6 +73,8 @@ def rows(spec_depth: int, policy: str = "auto", topk: int | None = None,
             "ngram": {"method": "ngram", **common},
             "suffix": {"method": "suffix", **common},
             "eagle": {"method": "eagle", **common},
+            # the shipped drafter trained further between epochs on the row's own rollouts
+            "eagle-online": {"method": "eagle", **common},
             "suffix+eagle": {"method": ["suffix", "eagle"], **common}}
 
 
@@ -96,8 +103,38 @@ class Drift:
             loss.backward()
             self.opt.step()
             self.done += 1
+        self.opt.zero_grad(set_to_none=True)  # the gradients' memory until the next epoch
         self.model.eval()
         return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+
+class Online:
+    """The ``eagle-online`` row's drafter training: every finished sample of the row's rollouts
+    goes into a ``HiddenBuffer`` with its target features (``harvest``: the features decoding
+    computed anyway), and ``train`` runs a ``DrafterTrainer``'s AdamW steps on them (one
+    cosine schedule of ``total_steps`` over the epochs, peak ``lr``) and hands the weights to
+    the engine's drafter as its next version."""
+
+    def __init__(self, llm: LLM, total_steps: int, lr: float, batch_tokens: int = 2048):
+        from specengine.speculative.training.fit import TrainConfig
+        from specengine.speculative.training.harvest import HiddenBuffer, harvest
+        from specengine.speculative.training.online import DrafterTrainer
+
+        self.buffer = HiddenBuffer(max_items=4096, max_bytes=2 << 30)
+        drafter = harvest(llm, self.buffer).inner
+        self.trainer = DrafterTrainer(drafter, self.buffer, TrainConfig(
+            steps=max(total_steps, 1), warmup=min(10, max(total_steps // 10, 1)), lr=lr,
+            batch_tokens=batch_tokens, seed=0), min_rollouts=1)
+
+    def train(self, steps: int) -> dict:
+        """``steps`` training steps now; returns what they did (seconds, samples, loss)."""
+        t0 = time.perf_counter()
+        done = self.trainer.train_now(steps)
+        gc.collect()  # the step's activations before the next allocations (drift, rollout)
+        return {"steps": done, "seconds": time.perf_counter() - t0,
+                "samples": len(self.buffer.snapshot()), "version": self.trainer.version,
+                "last": {k: float(v) for k, v in self.trainer.last.items()
+                         if isinstance(v, (int, float))}}
 
 
 def rollout(llms: dict[str, LLM], prompts: list[list[int]],
@@ -246,10 +283,18 @@ def main(argv=None) -> int:
     ap.add_argument("--drift-steps", type=int, default=4)
     ap.add_argument("--drift-lr", type=float, default=1e-5)
     ap.add_argument("--tail-batch", type=int, default=8)
+    ap.add_argument("--online-steps", type=int, default=100,
+                    help="eagle-online: drafter training steps after each epoch but the last")
+    ap.add_argument("--online-lr", type=float, default=5e-4,
+                    help="eagle-online: the peak learning rate of that training")
+    ap.add_argument("--online-batch-tokens", type=int, default=2048,
+                    help="eagle-online: tokens per training step (its memory grows with them: "
+                         "the target's full-vocabulary distributions of every row)")
     ap.add_argument("--rows", default="off,suffix,eagle,suffix+eagle",
-                    help="comma-separated: off, off-control, ngram, suffix, eagle, suffix+eagle "
-                         "(eagle rows need the model's EAGLE drafter; off-control is a second "
-                         "engine without speculation, whose ratio to off is the run's noise floor)")
+                    help="comma-separated: off, off-control, ngram, suffix, eagle, eagle-online, "
+                         "suffix+eagle (eagle rows need the model's EAGLE drafter; off-control "
+                         "is a second engine without speculation, whose ratio to off is the "
+                         "run's noise floor; eagle-online trains its drafter between epochs)")
     ap.add_argument("--model", default=MODEL,
                     help="target model alias or directory (e.g. qwen2.5-coder-0.5b-instruct)")
     ap.add_argument("--quick", action="store_true", help="4 prompts x 4 samples, 256 tokens")
@@ -269,6 +314,9 @@ def main(argv=None) -> int:
     if bad or len(set(names)) != len(names) or "off" not in names:
         ap.error(f"--rows {a.rows!r}: a comma-separated subset of {','.join(known)} without "
                  "repeats, including off (the baseline)")
+    if a.online_steps < 0 or not a.online_lr > 0 or a.online_batch_tokens < 1:
+        ap.error(f"--online-steps {a.online_steps} / --online-lr {a.online_lr} / "
+                 f"--online-batch-tokens {a.online_batch_tokens}: need >= 0 / > 0 / >= 1")
     for name in ("epochs", "prompts", "n", "max_tokens", "spec_depth"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} {getattr(a, name)}: must be >= 1")
@@ -299,8 +347,13 @@ def main(argv=None) -> int:
                    kv_cache_memory_bytes=kv)
             for k, v in specs.items()}
     drift = Drift(model_dir, tok, a.drift_lr) if a.epochs > 1 and a.drift_steps else None
+    online = Online(llms["eagle-online"], a.online_steps * (a.epochs - 1), a.online_lr,
+                    a.online_batch_tokens) if "eagle-online" in llms else None
     results = []
     for epoch in range(a.epochs):
+        train = {}
+        if epoch and online is not None:
+            train = online.train(a.online_steps)
         if epoch and drift is not None:
             weights = drift.step(a.drift_steps)
             for llm in llms.values():
@@ -319,6 +372,8 @@ def main(argv=None) -> int:
             rows_out.append(epoch_row(name, runs[name], before[name], counters(llm),
                                       None if name == "off" else runs["off"], a.tail_batch))
             rows_out[-1]["gpu_projection"] = projection(trace, gpu)
+            if name == "eagle-online":
+                rows_out[-1]["online_training"] = train
             print(f"epoch {epoch} {name}: {runs[name]['wall_s']:.1f} s, "
                   f"tau {rows_out[-1]['tau']:.2f}", flush=True)
         lengths = [len(s) for r in runs["off"]["outputs"] for s in r]
