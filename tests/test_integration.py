@@ -58,9 +58,9 @@ def test_greedy_is_transformers_argmax_at_every_position(hf_model, prompts, gree
     """Every greedy token of the 20 prompts is transformers' argmax after the same prefix (one
     forward per prompt over the prompt and our output), except at most twice in all a near-tie
     (our token's logit within ``TIE_GAP`` of the largest); and for a chat and a code prompt,
-    ``generate`` itself gives our tokens up to such a tie. (Each prompt through ``generate``
-    took 82 s of the suite; the forwards check every position along our output, also after a
-    tie, where a comparison with ``generate`` stops.)"""
+    ``generate`` itself gives our tokens up to such a tie. (All 20 through ``generate`` took
+    82 s of the suite; the forwards check every position of our output, also past a tie,
+    where a comparison with ``generate`` stops.)"""
     eos = hf_model.generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos)
     ties = 0
@@ -78,7 +78,7 @@ def test_greedy_is_transformers_argmax_at_every_position(hf_model, prompts, gree
                 assert gap < TIE_GAP, f"token {j} is not the argmax and no near-tie ({gap})"
                 ties += 1
     assert ties <= 2
-    for p, out in (zip(prompts[::len(prompts) - 1], greedy_outputs[::len(prompts) - 1])):
+    for p, out in zip(prompts[::len(prompts) - 1], greedy_outputs[::len(prompts) - 1]):
         ours = out.outputs[0].token_ids
         with torch.inference_mode():
             ref = hf_model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS,
