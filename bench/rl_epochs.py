@@ -30,8 +30,10 @@ counts samples that differ from ``off``; bfloat16 near-ties can flip one).
 Per epoch and row: wall seconds of the rollout; tau (tokens committed per verify step) and,
 per draft source, accepted draft tokens per verify step; speedup over ``off`` for the whole
 rollout and for its tail (from the step at which at most ``--tail-batch`` samples are still
-running to the end); per running-batch bucket the committed tokens/s ratio against ``off`` and
-the slowest bucket's; the rollout memory's bytes; and the replay projection of the row's trace
+running to the end); per running-batch bucket the committed tokens/s ratio against ``off``,
+the slowest bucket's and the seconds spent in buckets ``off`` never ran (no ratio covers them:
+with every sample at the cap, ``off`` runs the full batch to the end); the rollout memory's
+bytes; and the replay projection of the row's trace
 under a GPU cost table (``--gpu-table``, default the H200-class roofline: a projection, not a
 measurement; ``bench/replay.py``): predicted speedup over ``off`` of the steps as logged and of
 the row's most used strategy run statically. ``--trace DIR`` keeps the traces.
@@ -241,6 +243,9 @@ def epoch_row(name: str, run: dict, before: dict, after: dict, base: dict | None
         row["bucket_ratio"] = ratios
         row["bucket_rates"], row["off_bucket_rates"] = mine, theirs  # (s, tokens, steps)
         row["slowest_bucket"] = min(ratios.items(), key=lambda kv: kv[1]) if ratios else None
+        # seconds in buckets off never ran (its samples all ran to the end together): no
+        # ratio covers them, though they are part of this row's wall time
+        row["unmatched_s"] = sum(v[0] for b, v in mine.items() if b not in ratios)
         row["mismatch"] = sum(a != b for ra, rb in zip(run["outputs"], base["outputs"])
                               for a, b in zip(ra, rb))
     return row
@@ -390,7 +395,8 @@ def main(argv=None) -> int:
                           f"{row.get('speedup', 1.0):.2f}",
                           f"{row['tail_speedup']:.2f}" if row.get("tail_speedup") else "-",
                           f"{sb[1]:.2f} (b<={sb[0]}, {row['bucket_rates'][sb[0]][2]} steps)"
-                          if sb else "-",
+                          + (f"; {row['unmatched_s']:.1f} s in buckets off never ran"
+                             if row.get("unmatched_s") else "") if sb else "-",
                           row.get("mismatch", 0),
                           f"{row['memory_bytes'] / 2**20:.1f}" if row["memory_bytes"] else "-",
                           f"{row['gpu_projection'].get('as-logged', {}).get('speedup', 0):.2f}"])
