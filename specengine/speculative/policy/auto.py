@@ -367,20 +367,23 @@ class AutoPolicy(Policy):
         if len(seqs) != batch:
             return 1
         est = self.remaining
-        if self.length_weight and est.observed:
-            rem = [est.expected(s) for s in seqs]
-            if any(r is None for r in rem):
-                rem = None
-        else:
-            rem = None
-        if rem is None:
-            rem = [s.params.max_tokens - s.num_output_tokens for s in seqs]
+        rem = self._expected_remaining(seqs) or \
+            [s.params.max_tokens - s.num_output_tokens for s in seqs]
         top = max(rem)
         tied = [s for s, r in zip(seqs, rem) if r >= top - self.TIE]
         self._tied_ids = {id(s) for s in tied}
         if est.observed and any(est.runs_to_cap(s) for s in tied):
             return 1
         return len(tied)
+
+    def _expected_remaining(self, seqs: list) -> list[float] | None:
+        """Per sequence, ``remaining``'s expected remaining output (tokens); None before any
+        sequence finished, with ``length_weight`` 0 or without sequences."""
+        est = self.remaining
+        if not (self.length_weight and seqs and est.observed):
+            return None
+        rem = [est.expected(s) for s in seqs]
+        return None if any(r is None for r in rem) else rem
 
     def _decoding(self) -> list:
         """The engine's decoding sequences (none before ``warm_start`` connected it)."""
@@ -400,9 +403,7 @@ class AutoPolicy(Policy):
         the sequences whose group's finished outputs all ran to ``max_tokens``
         (``RemainingLength.runs_to_cap``, for ``_progress``)."""
         est, n = self.remaining, len(seqs)
-        rem = None
-        if self.length_weight and n and est.observed:
-            rem = [est.expected(s) for s in seqs]
+        rem = self._expected_remaining(seqs)
         w = length_weights(rem, self.length_weight) if rem else [1.0] * n
         self._step_seqs = seqs
         self._step_weights = {id(s): (None if rem is None else r, x)
