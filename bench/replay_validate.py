@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from common import machine_info, quiet_transformers, write_json
-from step_costs import QUICK, TABLES, measure_table
+from step_costs import QUICK, gpu_table, measure_table
 
 from specengine import LLM, SamplingParams
 from specengine.data.prompt_sets import gsm_questions
@@ -82,7 +82,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--table", default=None, help="a measured cost table (default: measure)")
-    ap.add_argument("--gpu-table", default=str(TABLES / "h200_roofline.json"))
+    ap.add_argument("--gpu-table", default=None,
+                    help="cost table of the GPU projection, made for --model (default: the "
+                         "H200-class roofline of --model, a projection, not a measurement)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -109,7 +111,7 @@ def main(argv=None) -> int:
         doc = measure_table(args.model, args.dtype, QUICK, [args.drafter], log)
         table = CostTable(doc)
         table.save(out.parent / f"{out.stem}_table.json")
-    gpu = CostTable.load(args.gpu_table)
+    gpu = gpu_table(args.gpu_table, args.model)
     cfg = {"prompts": args.prompts, "n": args.n, "max_tokens": args.max_tokens}
     d = args.depth
     specs = {"off": None,

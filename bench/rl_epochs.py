@@ -34,9 +34,9 @@ running to the end); per running-batch bucket the committed tokens/s ratio again
 the slowest bucket's and the seconds spent in buckets ``off`` never ran (no ratio covers them:
 with every sample at the cap, ``off`` runs the full batch to the end); the rollout memory's
 bytes; and the replay projection of the row's trace
-under a GPU cost table (``--gpu-table``, default the H200-class roofline: a projection, not a
-measurement; ``bench/replay.py``): predicted speedup over ``off`` of the steps as logged and of
-the row's most used strategy run statically. ``--trace DIR`` keeps the traces.
+under a GPU cost table (``--gpu-table``, default the H200-class roofline of ``--model``: a
+projection, not a measurement; ``bench/replay.py``): predicted speedup over ``off`` of the steps
+as logged and of the row's most used strategy run statically. ``--trace DIR`` keeps the traces.
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ import gc
 import random
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from common import machine_info, markdown_table, quiet_transformers, write_json
@@ -260,7 +259,10 @@ def projection(trace, table) -> dict:
     from specengine.replay.projection import replay
 
     out = {"table": table.label}
-    base = replay(trace, table, "off").seconds
+    off = replay(trace, table, "off")
+    base = off.seconds
+    if off.warnings:
+        out["warnings"] = off.warnings
     for pol in default_policies(trace):
         try:
             secs = replay(trace, table, pol).seconds
@@ -307,10 +309,9 @@ def main(argv=None) -> int:
                     help="KV cache per engine, GiB (default: the engine's, 1 GiB); less lets "
                          "more engines of a larger model share the machine's memory")
     ap.add_argument("--trace", help="directory for per-epoch rollout traces (replay input)")
-    ap.add_argument("--gpu-table", default=str(Path(__file__).parent / "cost_tables" /
-                                               "h200_roofline.json"),
-                    help="cost table of the replay projection (default: the H200-class "
-                         "roofline, a projection, not a measurement)")
+    ap.add_argument("--gpu-table", default=None,
+                    help="cost table of the replay projection, made for --model (default: the "
+                         "H200-class roofline of --model, a projection, not a measurement)")
     ap.add_argument("--out", help="write results as JSON here")
     a = ap.parse_args(argv)
     known = rows(a.spec_depth, a.policy, a.topk, a.budget)
@@ -325,9 +326,12 @@ def main(argv=None) -> int:
     for name in ("epochs", "prompts", "n", "max_tokens", "spec_depth"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} {getattr(a, name)}: must be >= 1")
-    from specengine.replay.cost_table import CostTable
+    from step_costs import gpu_table
 
-    gpu = CostTable.load(a.gpu_table)
+    try:
+        gpu = gpu_table(a.gpu_table, a.model)
+    except (OSError, ValueError) as e:
+        ap.error(str(e))
     if a.quick:
         a.prompts, a.n, a.max_tokens = 4, 4, 256
     quiet_transformers()

@@ -297,6 +297,26 @@ def h200_roofline(model: str) -> dict:
     return roofline_table(cfg, model=model, draft=draft)
 
 
+def gpu_table(path: str | None, model: str) -> CostTable:
+    """The table a GPU projection of ``model``'s rollouts is priced with: the one at ``path``,
+    or without a path the H200-class roofline for ``model`` built from its config
+    (``h200_roofline``; a projection, not a measurement).
+
+    Raises:
+        ValueError: the table at ``path`` prices another model (its ``model`` field; the
+            shipped ``cost_tables/h200_roofline.json`` is SmolLM2-135M's).
+        FileNotFoundError: no file at ``path``.
+    """
+    if path is None:
+        return CostTable(h200_roofline(model), f"H200-class roofline for {model}")
+    table = CostTable.load(path)
+    if not table.prices(model):
+        raise ValueError(f"--gpu-table {path}: prices {table.model!r}, not {model!r}; leave it "
+                         f"out for the roofline of {model!r}, or make one with `python "
+                         f"bench/step_costs.py --roofline --model {model} --out FILE`")
+    return table
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)

@@ -151,6 +151,41 @@ def test_shipped_h200_table_is_a_labelled_projection():
     assert 5e-5 < t.forward_seconds(1, 100) < 6e-5
 
 
+
+def test_a_table_for_another_model_is_named_in_the_replay_warnings():
+    """A table names the model it prices (an alias also prices a directory of that name);
+    replaying another model's trace with it says so, the same model's does not."""
+    t = CostTable(dict(TABLE, model="smollm2-135m-instruct"))
+    assert t.prices("smollm2-135m-instruct") and t.prices("/cache/models/smollm2-135m-instruct")
+    assert not t.prices("qwen2.5-coder-0.5b-instruct")
+    assert t.prices(None) and CostTable(TABLE).prices("qwen2.5-coder-0.5b-instruct")
+    trace = synthetic_trace()
+    assert replay(trace, t, "off").warnings == []  # the trace names no model
+    trace.meta["model"] = "qwen2.5-coder-0.5b-instruct"
+    warnings = replay(trace, t, "as-logged").warnings
+    assert len(warnings) == 1 and "prices 'smollm2-135m-instruct'" in warnings[0]
+    trace.meta["model"] = "smollm2-135m-instruct"
+    assert replay(trace, t, "as-logged").warnings == []
+
+
+def test_bench_gpu_table_defaults_to_the_roofline_of_the_run_model(tiny_llama_dir, monkeypatch):
+    """``bench/step_costs.gpu_table`` (the GPU projection of ``rl_epochs`` and
+    ``replay_validate``): without a path, the H200-class roofline of the run's model; the
+    shipped table, SmolLM2-135M's, for another model is an error naming both."""
+    bench = Path(__file__).parent.parent / "bench"
+    monkeypatch.syspath_prepend(str(bench))
+    import step_costs
+
+    shipped = bench / "cost_tables" / "h200_roofline.json"
+    t = step_costs.gpu_table(None, str(tiny_llama_dir))
+    assert t.kind == "projection" and t.model == str(tiny_llama_dir)
+    # the tiny model's weights read far faster than SmolLM2's 269 MB
+    assert t.forward_seconds(1, 100) < CostTable.load(shipped).forward_seconds(1, 100) / 100
+    with pytest.raises(ValueError, match="prices 'smollm2-135m-instruct', not"):
+        step_costs.gpu_table(str(shipped), str(tiny_llama_dir))
+    assert step_costs.gpu_table(str(shipped), "smollm2-135m-instruct").model == \
+        "smollm2-135m-instruct"
+
 @pytest.fixture(scope="module")
 def traced(tiny_llama_dir):
     """A seeded T = 1 rollout on the tiny model with n-gram chains of depth 3, the trees'

@@ -39,6 +39,7 @@ from __future__ import annotations
 import bisect
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from specengine.data.jsonl import read_json, write_json_atomic
 
@@ -169,6 +170,21 @@ class CostTable:
     @property
     def label(self) -> str:
         return self.doc.get("label", self.what)
+
+    @property
+    def model(self) -> str | None:
+        """The model the table prices (its ``model`` field), None when it names none."""
+        return self.doc.get("model")
+
+    def prices(self, model: str | os.PathLike | None) -> bool:
+        """False when the table names a model and ``model`` (an alias or a directory) is
+        another one: the two names differ and so do their last path components (a table made
+        for the alias ``qwen2.5-coder-0.5b-instruct`` prices its directory too); True when
+        either names none."""
+        if not self.model or not model:
+            return True
+        a, b = str(self.model), os.fspath(model)
+        return a == b or Path(a).name == Path(b).name
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> CostTable:

@@ -252,6 +252,9 @@ def replay(trace: RolloutTrace, table: CostTable, policy: str,
     """
     kind, strategy, source = parse_policy(policy)
     warnings = []
+    if not table.prices(trace.meta.get("model")):
+        warnings.append(f"the table prices {table.model!r} but the trace ran "
+                        f"{trace.meta.get('model')!r}: its seconds are another model's")
     if trace.meta.get("preemptions"):
         warnings.append(f"the trace had {trace.meta['preemptions']} preemptions; the replay "
                         "does not model KV-cache limits")
