@@ -17,6 +17,7 @@ each round steps every row's engine once, in turn, so all rows see the machine a
 moments, and each row's wall time counts only its own steps:
 ``off`` (no speculation), ``suffix`` (rollout memory: siblings + history + own text),
 ``eagle`` (the shipped drafter, frozen), ``suffix+eagle`` (one merged tree), and on request
+``eagle-dir`` (the EAGLE drafter at ``--drafter-dir``, to compare two drafters in one run),
 ``eagle-online`` (the shipped drafter trained further after each epoch, as an RL trainer's
 step would leave time for: ``--online-steps`` AdamW steps, ``DrafterTrainer.train_now``, on the
 finished samples of its own rollouts so far with their target features, harvested while it
@@ -46,6 +47,7 @@ import gc
 import random
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from common import machine_info, markdown_table, quiet_transformers, write_json
@@ -60,10 +62,11 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def rows(spec_depth: int, policy: str = "auto", topk: int | None = None,
-         budget: int | None = None) -> dict[str, dict | None]:
+         budget: int | None = None, drafter_dir: str | None = None) -> dict[str, dict | None]:
     """Row name -> speculative_config (None: no speculation). ``policy="static"`` verifies
     the same tree shape (depth, ``topk``, ``budget`` nodes) in every row and step, so the
-    rows' tau compare at the same verify budget."""
+    rows' tau compare at the same verify budget. ``drafter_dir``: the EAGLE checkpoint of
+    the ``eagle-dir`` row."""
     common = {"num_speculative_tokens": spec_depth, "policy": policy}
     if topk is not None:
         common["topk"] = topk
@@ -76,6 +79,8 @@ def rows(spec_depth: int, policy: str = "auto", topk: int | None = None,
             "eagle": {"method": "eagle", **common},
             # the shipped drafter trained further between epochs on the row's own rollouts
             "eagle-online": {"method": "eagle", **common},
+            # another EAGLE drafter (a checkpoint directory) beside the shipped one
+            "eagle-dir": {"method": "eagle", "model": drafter_dir, **common},
             "suffix+eagle": {"method": ["suffix", "eagle"], **common}}
 
 
@@ -299,9 +304,14 @@ def main(argv=None) -> int:
                          "the target's full-vocabulary distributions of every row)")
     ap.add_argument("--rows", default="off,suffix,eagle,suffix+eagle",
                     help="comma-separated: off, off-control, ngram, suffix, eagle, eagle-online, "
-                         "suffix+eagle (eagle rows need the model's EAGLE drafter; off-control "
-                         "is a second engine without speculation, whose ratio to off is the "
-                         "run's noise floor; eagle-online trains its drafter between epochs)")
+                         "eagle-dir, suffix+eagle (eagle rows need the model's EAGLE drafter; "
+                         "off-control is a second engine without speculation, whose ratio to "
+                         "off is the run's noise floor; eagle-online trains its drafter between "
+                         "epochs; eagle-dir drafts with --drafter-dir)")
+    ap.add_argument("--drafter-dir", default=None,
+                    help="eagle-dir: an EAGLE drafter checkpoint directory (model.safetensors "
+                         "and config.json, as `specengine train-drafter` writes), to compare "
+                         "with the shipped drafter's eagle row in one run")
     ap.add_argument("--model", default=MODEL,
                     help="target model alias or directory (e.g. qwen2.5-coder-0.5b-instruct)")
     ap.add_argument("--quick", action="store_true", help="4 prompts x 4 samples, 256 tokens")
@@ -314,7 +324,7 @@ def main(argv=None) -> int:
                          "H200-class roofline of --model, a projection, not a measurement)")
     ap.add_argument("--out", help="write results as JSON here")
     a = ap.parse_args(argv)
-    known = rows(a.spec_depth, a.policy, a.topk, a.budget)
+    known = rows(a.spec_depth, a.policy, a.topk, a.budget, a.drafter_dir)
     names = [r for r in a.rows.split(",") if r]
     bad = [r for r in names if r not in known]
     if bad or len(set(names)) != len(names) or "off" not in names:
@@ -326,6 +336,10 @@ def main(argv=None) -> int:
     for name in ("epochs", "prompts", "n", "max_tokens", "spec_depth"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} {getattr(a, name)}: must be >= 1")
+    if ("eagle-dir" in names) != (a.drafter_dir is not None):
+        ap.error("--drafter-dir and the eagle-dir row go together: name both or neither")
+    if a.drafter_dir is not None and not (Path(a.drafter_dir) / "config.json").is_file():
+        ap.error(f"--drafter-dir {a.drafter_dir}: no EAGLE checkpoint there (config.json missing)")
     from step_costs import gpu_table
 
     try:
