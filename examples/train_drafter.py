@@ -2,8 +2,8 @@
 
     python examples/train_drafter.py --out specengine/data/drafters/smollm2-135m-instruct
     python examples/train_drafter.py --model qwen2.5-coder-0.5b-instruct \
-        --out specengine/data/drafters/qwen2.5-coder-0.5b-instruct --gen-gsm 1200 --gen-chat 400 \
-        --sharegpt 300 --steps 4000
+        --out specengine/data/drafters/qwen2.5-coder-0.5b-instruct --gen-gsm 1800 --gen-chat 600 \
+        --sharegpt 450 --steps 6000
 
 It writes the training JSONL (``--work``/train_data.jsonl, outside the repository: it holds
 ShareGPT text), runs ``specengine train-drafter`` on it (the exact command is printed and
