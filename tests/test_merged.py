@@ -16,6 +16,7 @@ from helpers import rand_prompts
 from reference_verify import verify_sampling
 
 from specengine import LLM, SamplingParams
+from specengine.kv.block_manager import BlockManager
 from specengine.speculative.config import SpeculativeConfig
 from specengine.speculative.drafters.base import Drafter, prune_tree
 from specengine.speculative.drafters.eagle import EagleDrafter
@@ -596,11 +597,12 @@ def test_drafters_inside_drafters_are_found_without_forwarding():
     a part is reached as an attribute of the merged drafter."""
     a, b = FixedDrafter("a", None), FixedDrafter("b", None)
     merged = MergedDrafter([a, b])
-    outer = Harvester(merged, HiddenBuffer())
+    blocks = BlockManager(4, 8, lambda src, dst: None)
+    outer = Harvester(merged, HiddenBuffer(), blocks)
     assert outer.wrapped() == [merged] and merged.wrapped() == [a, b] and a.wrapped() == []
     assert list(outer.walk()) == [outer, merged, a, b]
     assert outer.find(MergedDrafter) is merged and outer.find(FixedDrafter) is a
-    assert a.find(MergedDrafter) is None and Harvester(None, HiddenBuffer()).wrapped() == []
+    assert a.find(MergedDrafter) is None and Harvester(None, HiddenBuffer(), blocks).wrapped() == []
     assert a.kv_pools() == [] and a.trainable_model() is None
     with pytest.raises(ValueError, match=r"no part of 'a\+b' takes published weights"):
         merged.publish({}, 1)

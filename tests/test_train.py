@@ -77,6 +77,74 @@ def test_harvested_features_equal_teacher_forced(target_dir, target):
     assert llm.get_metrics()["kv_blocks_free"] == llm.get_metrics()["kv_blocks_total"]
 
 
+@pytest.mark.parametrize("drafting", [True, False])
+def test_harvesting_adds_no_per_step_work(target_dir, drafting):
+    """Wrapped in a ``Harvester``, EAGLE is handed features exactly as alone (at draft time,
+    so none while the policy drafts for no sequence), the outputs do not change, and each
+    finished sample is read from the KV feature store once, on top of EAGLE's own reads."""
+    spec = {"method": "eagle", "model": "random", "num_speculative_tokens": 3, "topk": 2,
+            "policy": "static"}
+    from specengine.kv.block_features import BlockFeatures
+
+    def run(harvested):
+        llm = LLM(str(target_dir), dtype="float32", block_size=8,
+                  kv_cache_memory_bytes=4 << 20, speculative_config=spec)
+        eagle, buf = llm.engine.drafter, HiddenBuffer()
+        if not drafting:  # speculation off for every sequence, as auto does where it loses
+            llm.engine.policy.select = lambda seqs, strategy: [False] * len(seqs)
+        if harvested:
+            harvest(llm, buf)
+        calls = {"observe": 0, "read": 0}
+        observe, read = eagle.observe, BlockFeatures.read
+
+        def count_observe(*a):
+            calls["observe"] += 1
+            return observe(*a)
+
+        def count_read(self, slots):
+            calls["read"] += 1
+            return read(self, slots)
+
+        eagle.observe = count_observe
+        BlockFeatures.read = count_read
+        try:
+            sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, n=2)
+            outs = llm.generate(prompts(3, seed=7), sp, use_tqdm=False)
+        finally:
+            BlockFeatures.read = read
+        return [c.token_ids for o in outs for c in o.outputs], calls, buf
+
+    plain_tokens, plain_calls, _ = run(False)
+    tokens, calls, buf = run(True)
+    assert tokens == plain_tokens
+    assert calls["observe"] == plain_calls["observe"]
+    assert (plain_calls["observe"] > 0) == drafting
+    assert calls["read"] == plain_calls["read"] + 6 and len(buf) == 6
+
+
+def test_harvest_started_mid_rollout_skips_the_samples_already_running(target_dir, target):
+    """Samples running before ``harvest`` have no stored features for their first positions:
+    they are counted in ``skipped``, not put in the buffer with features of other positions;
+    a sample admitted after it is harvested whole."""
+    llm = LLM(str(target_dir), dtype="float32", block_size=8, kv_cache_memory_bytes=4 << 20)
+    early, late = prompts(2, seed=11), prompts(1, seed=12)[0]
+    for p in early:
+        llm.add_request(p, greedy(12))
+    for _ in range(4):
+        llm.step()
+    buf = HiddenBuffer()
+    h = harvest(llm, buf)
+    llm.add_request(late, greedy(12))
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert h.skipped == 2 and len(buf) == 1
+    (r,) = buf.snapshot()
+    assert r.token_ids[:12] == late and len(r.token_ids) == 24 and r.hidden.shape[0] == 23
+    want = teacher_force(target.model, [r.token_ids])[0]
+    torch.testing.assert_close(r.hidden, want, atol=1e-4, rtol=1e-4)
+    assert llm.get_metrics()["kv_blocks_free"] == llm.get_metrics()["kv_blocks_total"]
+
+
 def test_teacher_force_errors(target):
     with pytest.raises(ValueError, match="sequence 1 has 1 tokens"):
         teacher_force(target.model, [[1, 2, 3], [4]])

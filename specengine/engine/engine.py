@@ -356,11 +356,12 @@ class Engine:
                               self.policy.decision_time)
 
     def finish_sample(self, seq: Sequence) -> None:
-        """Finish ``seq``: its KV blocks go back to the pool, its drafter state is dropped, the
+        """Finish ``seq``: its drafter state is dropped (``Drafter.release``, while its KV
+        blocks and their features are still held), its KV blocks go back to the pool, the
         policy is told (``Policy.finished``: output lengths per prompt group)."""
-        self.scheduler.finish(seq)
         if self.drafter is not None:
             self.drafter.release(seq)
+        self.scheduler.finish(seq)
         self.policy.finished(seq)
 
     def finish_request(self, req: Request, now: float) -> RequestOutput:

@@ -136,14 +136,18 @@ class StepRecovery:
             if s.is_finished:
                 continue
             s.finish_reason = "abort"
-            self.engine.scheduler.finish(s)
-            try:
+            try:  # as Engine.finish_sample: the drafter first, while the blocks are held
                 if self.engine.drafter is not None:
                     self.engine.drafter.release(s)
+            except Exception:  # noqa: BLE001 - the request is gone either way
+                logger.exception("drafter forgetting sample %s#%d of failed request",
+                                 request_id, s.index)
+            self.engine.scheduler.finish(s)
+            try:
                 self.engine.policy.finished(s)
             except Exception:  # noqa: BLE001 - the request is gone either way
-                logger.exception("forgetting sample %s#%d of failed request", request_id,
-                                 s.index)
+                logger.exception("policy forgetting sample %s#%d of failed request",
+                                 request_id, s.index)
         waiting = self.engine.scheduler.waiting
         kept = [g for g in waiting if g[0].request_id != request_id]
         waiting.clear()

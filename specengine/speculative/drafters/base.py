@@ -37,8 +37,7 @@ class Drafter:
             per KV slot (``BlockFeatures``) hands them over then, the missing ones in one read
             (``phases.hand_features``, from ``observed``), and after a step only to the
             sequences drafted for; a step that drafts for none does no per-sequence work for
-            it. False: ``observe`` gets every committed position every step (the training
-            ``Harvester`` keeps every sequence's features).
+            it. False: ``observe`` gets every committed position every step.
     """
 
     name = "base"
@@ -71,7 +70,9 @@ class Drafter:
 
     def release(self, seq: Sequence) -> None:
         """``seq`` finished (``seq.finish_reason`` says why: ``"stop"``, ``"length"``,
-        ``"abort"`` or None when every request was aborted): drop any state kept for it."""
+        ``"abort"`` or None when every request was aborted): drop any state kept for it. The
+        engine calls it before ``seq``'s KV blocks go back (its stored features can still be
+        read: the training ``Harvester`` does)."""
 
     def set_weight_version(self, version: int) -> None:
         """The target's weights are now version ``version`` (the engine calls this whenever

@@ -3,8 +3,8 @@ target's features (``SequenceFeatures``).
 
 Features are the target's post-norm last hidden states of positions 0..L-2 (the last token's
 feature is never computed in decoding). They come for free from decoding (``Harvester``,
-installed by ``harvest``, reads them through the engine's ``observe`` hook into a bounded
-``HiddenBuffer``) or from one teacher-forced target forward over given token sequences
+installed by ``harvest``, reads a finished sequence's from the engine's KV feature store into a
+bounded ``HiddenBuffer``) or from one teacher-forced target forward over given token sequences
 (``teacher_force``).
 """
 
@@ -78,19 +78,36 @@ class HiddenBuffer:
 
 
 class Harvester(Drafter):
-    """Wraps a drafter (or none) and collects each finished sequence's tokens and target
-    features into a ``HiddenBuffer`` through the engine's ``observe`` hook: no extra forward.
+    """Wraps a drafter (or none) and puts each finished sequence's tokens and target features
+    into a ``HiddenBuffer``: no extra forward and no work per step. The engine keeps every
+    committed position's features in its KV blocks (``BlockFeatures``, tracked for any drafter
+    that ``wants_hidden``); ``release`` reads a finishing sequence's from there in one gather,
+    before its blocks go back.
 
-    Install with ``harvest(llm, buffer)``. Drafting is the inner drafter's (no inner: none).
+    Install with ``harvest(llm, buffer)``. Drafting is the inner drafter's (no inner: none);
+    the inner drafter is handed features as it would be alone (``observes_at_draft``).
+
+    Args:
+        inner: the drafter that drafts, or None.
+        buffer: where finished sequences go.
+        blocks: the engine's ``BlockManager`` (its ``features`` store is read at release;
+            kept as ``target_blocks``).
+
+    Attributes:
+        skipped: finished sequences not harvested because some of their positions have no
+            stored feature (they were running before harvesting started).
     """
 
     name = "harvester"
     wants_hidden = True
 
-    def __init__(self, inner: Drafter | None, buffer: HiddenBuffer):
+    def __init__(self, inner: Drafter | None, buffer: HiddenBuffer,
+                 target_blocks: BlockManager):
         super().__init__(inner.strategy if inner is not None else None)
-        self.inner, self.buffer = inner, buffer
-        self.feats: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        self.inner, self.buffer, self.target_blocks = inner, buffer, target_blocks
+        self._feeds = inner is not None and inner.wants_hidden
+        self.observes_at_draft = not self._feeds or inner.observes_at_draft
+        self.skipped = 0
 
     def wrapped(self) -> list[Drafter]:
         """The inner drafter (``[]`` without one)."""
@@ -102,39 +119,41 @@ class Harvester(Drafter):
         return self.inner.propose(seqs, strategy)
 
     def observe(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
-        parts = self.feats.setdefault(seq.seq_id, [])
-        while parts and parts[-1][0] >= start:  # recomputed after a preemption
-            parts.pop()
-        if parts and parts[-1][0] + parts[-1][1].shape[0] > start:
-            s0, h = parts.pop()
-            parts.append((s0, h[:start - s0]))
-        parts.append((start, hidden.detach().clone()))
-        if self.inner is not None and self.inner.wants_hidden:
+        if self._feeds:
             self.inner.observe(seq, start, hidden)
 
+    def observed(self, seq: Sequence) -> int:
+        """The inner drafter's; without one that reads features, every cached position (the
+        engine has nothing to hand over)."""
+        return self.inner.observed(seq) if self._feeds else seq.num_cached
+
     def features(self, seq: Sequence) -> torch.Tensor | None:
-        inner = self.inner.features(seq) if self.inner is not None else None
-        if inner is not None:
-            return inner
-        parts = self.feats.get(seq.seq_id)
-        if not parts or parts[0][0] != 0:
-            return None
-        return torch.cat([h for _, h in parts])
+        return self.inner.features(seq) if self.inner is not None else None
 
     def discard(self, seq: Sequence) -> None:
         """``seq`` moved to another engine: its features go with it, not into the buffer."""
-        self.feats.pop(seq.seq_id, None)
         if self.inner is not None:
             self.inner.discard(seq)
 
     def release(self, seq: Sequence) -> None:
-        parts = self.feats.pop(seq.seq_id, None)
-        if parts:
-            hidden = torch.cat([h for _, h in parts])
-            n = min(hidden.shape[0], len(seq) - 1)
-            self.buffer.add(SequenceFeatures(list(seq.token_ids[:n + 1]), hidden[:n]))
+        self._collect(seq)
         if self.inner is not None:
             self.inner.release(seq)
+
+    def _collect(self, seq: Sequence) -> None:
+        """Put ``seq``'s tokens and the stored features of positions ``0 .. n-1`` (``n`` its
+        cached positions, at most ``len(seq) - 1``) into the buffer. A sequence that holds no
+        target KV blocks (a policy's profiling dummy) is passed over; one with a position
+        lacking its feature is counted in ``skipped``."""
+        store = self.target_blocks.features
+        n = min(seq.num_cached, len(seq) - 1)
+        if store is None or n < 1 or len(seq.block_table) * self.target_blocks.block_size < n:
+            return
+        slots = self.target_blocks.slots(seq, 0, n)
+        if not store.all_valid(slots):
+            self.skipped += 1
+            return
+        self.buffer.add(SequenceFeatures(list(seq.token_ids[:n + 1]), store.read(slots)))
 
     def set_weight_version(self, version: int) -> None:
         if self.inner is not None:
@@ -152,7 +171,7 @@ def harvest(llm, buffer: HiddenBuffer) -> Harvester:
     if isinstance(eng.drafter, Harvester):
         eng.drafter.buffer = buffer
         return eng.drafter
-    eng.drafter = Harvester(eng.drafter, buffer)
+    eng.drafter = Harvester(eng.drafter, buffer, eng.blocks)
     return eng.drafter
 
 
