@@ -395,6 +395,8 @@ def main(argv=None) -> int:
             rows_out.append(epoch_row(name, runs[name], before[name], counters(llm),
                                       None if name == "off" else runs["off"], a.tail_batch))
             rows_out[-1]["gpu_projection"] = projection(trace, gpu)
+            # what the policy chose and why, counted from the engine's start (every epoch so far)
+            rows_out[-1]["policy_so_far"] = llm.engine.policy.stats()
             if name == "eagle-online":
                 rows_out[-1]["online_training"] = train
             print(f"epoch {epoch} {name}: {runs[name]['wall_s']:.1f} s, "
