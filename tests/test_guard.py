@@ -432,6 +432,40 @@ def test_progress_counts_what_moves_the_batch_finish():
     assert pol._progress(rec(group, [2, 2, 1, 5])) == 2
 
 
+def test_a_stop_in_a_speculative_step_is_not_counted_as_saved():
+    """A sequence that stops (EOS) in a speculative step far short of its expected remaining
+    output moved the finish by what it committed, not by all it was expected to need: plain
+    steps reach the same stop a few steps later. Counting its whole remaining output had
+    credited one step with hundreds of plain steps' savings (the guard's books of qwen's
+    8-15 bucket read 16 s saved in an epoch whose steps there ran 1.7 s)."""
+    from types import SimpleNamespace
+
+    from specengine.sampling.params import SamplingParams
+
+    pol = AutoPolicy([Strategy(3)])
+    params = SamplingParams(max_tokens=1000)
+    left: dict[int, float] = {}
+    pol.remaining = SimpleNamespace(observed=True, expected=lambda s: left[id(s)],
+                                    runs_to_cap=lambda s: False)
+
+    def rec(ss, accepted):
+        verified = [(s, None, [0] * a) for s, a in zip(ss, accepted)]
+        return StepRecord(Strategy(3), len(ss), 0, 0, 0, 0, len(ss) + sum(accepted), accepted,
+                          0.0, 0.01, 0.0, verified)
+
+    alone = SimpleNamespace(params=params, num_output_tokens=40, finish_reason=None)
+    left[id(alone)] = 300.0
+    pol.weights([alone])
+    alone.finish_reason = "stop"  # its EOS among the 3 tokens the step committed
+    assert pol._progress(rec([alone], [2])) == 3
+    pair = [SimpleNamespace(params=params, num_output_tokens=o, finish_reason=None)
+            for o in (40, 40)]
+    left.update({id(pair[0]): 300.0, id(pair[1]): 100.0})
+    pol.weights(pair)
+    pair[0].finish_reason = "stop"  # the longest expected stops: the finish moved 2, not 200
+    assert pol._progress(rec(pair, [1, 0])) == 2
+
+
 class ProbedSim(Sim):
     """``Sim`` whose kernels' thread tuner probes the new forward size that speculation
     brings: its first 4 speculative steps run at a slower thread count (``slow`` seconds

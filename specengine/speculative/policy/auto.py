@@ -582,8 +582,9 @@ class AutoPolicy(Policy):
         samples of 256 tokens, suffix drafting at 0.97x by the wall clock while its books saw
         gains). Over the steps this is the drop of the longest remaining output: those that
         accepted lead, the rest tie, and theirs moves it next. At batch 1 it is the tokens
-        committed. Without the step's sequences (``select`` not called), the tokens committed
-        per sequence."""
+        committed. A sequence that finished in the step counts as moved by what it committed,
+        not to 0: the plain steps reach the same stop too. Without the step's sequences
+        (``select`` not called), the tokens committed per sequence."""
         seqs = self._step_seqs
         if len(seqs) != rec.num_decode:
             return rec.num_committed / max(rec.num_decode, 1)
@@ -596,7 +597,11 @@ class AutoPolicy(Policy):
             to_cap = id(s) in self._step_capped and rem is not None and rem >= cap - self.TIE
             if rem is None:
                 rem = cap
-            rows.append((rem, 0.0 if s.finish_reason is not None else rem - c, to_cap))
+            # one that finished in the step moved by what it committed, like the rest: its stop
+            # is no saving (plain steps reach the same stop, c - 1 steps later), though it
+            # drops its remaining output to 0 (one stopping at EOS far short of its estimate
+            # had credited a single step with hundreds of plain steps)
+            rows.append((rem, rem - c, to_cap))
         before = max(r for r, _, _ in rows)
         tied = [r - a for r, a, cap in rows if r >= before - self.TIE and not cap]
         after = max(([before - sum(tied) / len(tied)] if tied else []) +
