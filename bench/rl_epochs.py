@@ -208,6 +208,35 @@ def bucket_ratios(mine: dict, theirs: dict) -> dict[int, float]:
             and theirs[b][1] > 0}
 
 
+def same_batch_ratios(mine: list[tuple], theirs: list[tuple]) -> dict[int, float]:
+    """Per running-batch bucket (upper edge in ``BUCKETS``): the committed tokens/s of
+    ``mine`` over ``theirs`` at the same number of running sequences, averaged over the
+    counts of the bucket weighted by ``mine``'s seconds at each (counts ``theirs`` never ran
+    are left out). A bucket spans several counts (5-8 sequences: bucket 8) and a CPU step
+    costs about the same at each, so a row whose samples finish at other moments spends its
+    bucket's time at other counts and ``bucket_ratios`` reads that mix as a change of speed;
+    this ratio does not."""
+    def per_count(steps):
+        out: dict[int, list[float]] = {}
+        prev = 0.0
+        for end, running, tokens in steps:
+            acc = out.setdefault(running, [0.0, 0.0])
+            acc[0] += end - prev
+            acc[1] += tokens
+            prev = end
+        return out
+    m, t = per_count(mine), per_count(theirs)
+    num: dict[int, float] = {}
+    den: dict[int, float] = {}
+    for n, (sec, tok) in m.items():
+        if n not in t or sec <= 0 or t[n][0] <= 0 or t[n][1] <= 0:
+            continue
+        b = next(x for x in BUCKETS + (10**9,) if n <= x)
+        num[b] = num.get(b, 0.0) + sec * (tok / sec) / (t[n][1] / t[n][0])
+        den[b] = den.get(b, 0.0) + sec
+    return {b: num[b] / den[b] for b in num}
+
+
 def counters(llm: LLM) -> dict:
     """The metrics this bench differences per epoch."""
     m = llm.get_metrics()
@@ -247,6 +276,9 @@ def epoch_row(name: str, run: dict, before: dict, after: dict, base: dict | None
         row["bucket_ratio"] = ratios
         row["bucket_rates"], row["off_bucket_rates"] = mine, theirs  # (s, tokens, steps)
         row["slowest_bucket"] = min(ratios.items(), key=lambda kv: kv[1]) if ratios else None
+        same = same_batch_ratios(run["steps"], base["steps"])
+        row["same_batch_ratio"] = same
+        row["slowest_same_batch"] = min(same.items(), key=lambda kv: kv[1]) if same else None
         # seconds in buckets off never ran (its samples all ran to the end together): no
         # ratio covers them, though they are part of this row's wall time
         row["unmatched_s"] = sum(v[0] for b, v in mine.items() if b not in ratios)
@@ -417,11 +449,14 @@ def main(argv=None) -> int:
                           f"{sb[1]:.2f} (b<={sb[0]}, {row['bucket_rates'][sb[0]][2]} steps)"
                           + (f"; {row['unmatched_s']:.1f} s in buckets off never ran"
                              if row.get("unmatched_s") else "") if sb else "-",
+                          "{1:.2f} (b<={0})".format(*row["slowest_same_batch"])
+                          if row.get("slowest_same_batch") else "-",
                           row.get("mismatch", 0),
                           f"{row['memory_bytes'] / 2**20:.1f}" if row["memory_bytes"] else "-",
                           f"{row['gpu_projection'].get('as-logged', {}).get('speedup', 0):.2f}"])
     print(markdown_table(["epoch", "row", "wall s", "tau", "accepted/step by source",
-                          "speedup", "tail speedup", "slowest bucket", "mismatch",
+                          "speedup", "tail speedup", "slowest bucket",
+                          "slowest bucket, same batch", "mismatch",
                           "memory MiB", "GPU projection (as logged)"], table))
     summary = over_epochs(results)
     if summary:

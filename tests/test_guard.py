@@ -101,6 +101,28 @@ def test_guard_backs_off_where_speculation_keeps_losing():
     assert 4 not in g.backoff
 
 
+def test_backoff_follows_the_expected_saving_not_one_draw():
+    """Two probes rejected at their first node lost 10 ms each, where the strategy's mean
+    acceptance would have saved 15 ms: the books take both losses but the bucket does not back
+    off (without ``expected_saved`` it backs off to 4, its slack growing 4x slower)."""
+    judged, drawn = LossGuard(alpha=0.02), LossGuard(alpha=0.02)
+    for g in (judged, drawn):
+        for _ in range(50):
+            g.observe(1, 0.04, 0.0)  # plain steps earn the allowance
+    for _ in range(2):
+        judged.observe(1, 0.05, -0.010, worst_loss=0.012, expected_saved=0.015)
+        drawn.observe(1, 0.05, -0.010, worst_loss=0.012)
+    assert judged.backoff.get(1, 1) == 1
+    assert drawn.backoff[1] == 4
+    assert judged.saved[1] == drawn.saved[1] < -0.019  # the books: the real losses
+    # expected losses back it off as real ones do, once they outweigh the recent gains
+    for _ in range(2):
+        judged.observe(1, 0.05, -0.010, worst_loss=0.012, expected_saved=-0.008)
+    assert judged.backoff.get(1, 1) == 1
+    judged.observe(1, 0.05, -0.010, worst_loss=0.012, expected_saved=-0.008)
+    assert judged.backoff[1] == 2
+
+
 def test_losses_of_a_winning_bucket_do_not_back_it_off():
     """One sequence's chain either wins a few tokens or is rejected at its first node: where
     speculation pays on balance (here +10 ms, -6 ms in turn, 1.3x), its losses are draws of

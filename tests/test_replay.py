@@ -371,3 +371,33 @@ def test_default_policies_name_a_source_for_merged_traces(traced):
     with pytest.raises(ValueError, match="no draft nodes from source 'ngram'"):
         replay(trace, CostTable(TABLE), "static:d=3")
     assert replay(trace, CostTable(TABLE), policies[2]).seconds > 0
+
+
+def test_rl_epochs_same_batch_ratio_is_not_moved_by_the_mix_of_batch_sizes(monkeypatch):
+    """``bench/rl_epochs.py``: two rows that run every step at the same speed per running
+    count, one spending its bucket-8 time at 5 sequences and the other at 8 (a CPU step costs
+    the same at both): the bucket ratio reads 0.82, the same-batch ratio 1.0; a row twice as
+    fast at each count reads 2.0."""
+    import importlib.util
+
+    bench = Path(__file__).parent.parent / "bench"
+    monkeypatch.syspath_prepend(str(bench))
+    spec = importlib.util.spec_from_file_location("bench_rl_epochs", bench / "rl_epochs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def steps(plan):  # (running, tokens, seconds) per step -> (end, running, tokens)
+        out, t = [], 0.0
+        for running, tokens, sec in plan:
+            t += sec
+            out.append((t, running, tokens))
+        return out
+
+    off = steps([(8, 8, 0.05)] * 10 + [(5, 5, 0.05)] * 10)
+    late = steps([(8, 8, 0.05)] * 2 + [(5, 5, 0.05)] * 18)
+    fast = steps([(8, 16, 0.05)] * 10 + [(5, 10, 0.05)] * 10)
+    mixed = mod.bucket_ratios(mod.bucket_rates(late), mod.bucket_rates(off))
+    assert mixed[8] == pytest.approx(106 / 130)
+    assert mod.same_batch_ratios(late, off) == {8: pytest.approx(1.0)}
+    assert mod.same_batch_ratios(fast, off) == {8: pytest.approx(2.0)}
+    assert mod.same_batch_ratios(steps([(3, 3, 0.05)]), off) == {}  # a count off never ran

@@ -533,11 +533,16 @@ class AutoPolicy(Policy):
         backoff. A step the thread tuner
         ran at a probed count (``rec.thread_probe``) counts what it saved or lost, but neither
         measures a plain step nor teaches the guard how far its model underestimates a
-        speculative one: that loss is the tuner's."""
+        speculative one: that loss is the tuner's. Whether speculation keeps losing
+        (``LossGuard.observe``'s ``expected_saved``, which sets ``backoff``) is judged on the
+        same step at the acceptance model's mean (its progress scaled by the expected over
+        the committed tokens per drafted sequence): one draw of acceptance, a chain rejected
+        at its first node about one step in three where speculation pays, is no evidence
+        that it does not; the books (``saved``) take the draw."""
         own, self._decided = self.decision_time - self._decided, self.decision_time
         if self.guard is None or not rec.is_decode_only:
             return
-        b, saved, noise = rec.num_decode, 0.0, 0.0
+        b, saved, noise, expected = rec.num_decode, 0.0, 0.0, None
         self._plain_age[b] = self._plain_age.get(b, 0) + 1
         if rec.strategy is None:  # what a plain step costs, measured, and its noise
             if not rec.thread_probe:
@@ -552,13 +557,21 @@ class AutoPolicy(Policy):
             t_off = statistics.median(plain) if plain else \
                 (b / off_rate if off_rate > 0 else 0.0)
             if t_off:
-                saved = self._progress(rec) * t_off - rec.step_time
+                progress = self._progress(rec)
+                saved = progress * t_off - rec.step_time
+                drafted = [1 + len(a) for _, _, a in rec.verified]
+                if drafted:  # the same step at the acceptance model's mean, not this draw's
+                    got = sum(drafted) / len(drafted)
+                    mean = self.acceptance.expected_committed(rec.strategy)
+                    expected = progress * mean / got * t_off - rec.step_time
             if plain and len(plain) >= 5:  # measured where the step ran, when it can be
                 self._noise_frac = _spread(plain)
             noise = (self._noise_frac or 0.0) * t_off
         modelled = rec.strategy is not None and not rec.thread_probe  # a probe's loss: not ours
-        self.guard.observe(rec.num_decode, rec.step_time + own, saved - own - rec.observe_time,
-                           self._worst if modelled else None, noise, own + rec.observe_time)
+        fixed = own + rec.observe_time
+        self.guard.observe(rec.num_decode, rec.step_time + own, saved - fixed,
+                           self._worst if modelled else None, noise, fixed,
+                           None if expected is None else expected - fixed)
 
     def _progress(self, rec: StepRecord) -> float:
         """How many plain steps' worth the speculative step ``rec`` moved the batch's finish:

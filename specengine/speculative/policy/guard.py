@@ -126,7 +126,7 @@ class LossGuard:
 
     def observe(self, batch: int, step_seconds: float, saved_seconds: float,
                 worst_loss: float | None = None, noise: float = 0.0,
-                overhead: float = 0.0) -> None:
+                overhead: float = 0.0, expected_saved: float | None = None) -> None:
         """A decode step of ``batch`` sequences took ``step_seconds`` and saved
         ``saved_seconds`` against no speculation (0 for a step without it); a speculative
         step the policy modelled also gives the ``worst_loss`` it was allowed on (seconds, as
@@ -143,7 +143,14 @@ class LossGuard:
         its overhead is owed (``owed``, fading as the sums do) and earned back by the next
         steps first: a policy that learns in one 2.5 ms burst every 64 plain steps of 10 ms
         pays 0.04 ms a step on average, well within ``alpha``'s 0.2 ms, but earning back only
-        0.2 ms of each burst had kept a bucket's slack from ever growing."""
+        0.2 ms of each burst had kept a bucket's slack from ever growing.
+
+        ``expected_saved``: what the step would have saved at its strategy's mean acceptance
+        (seconds; None: ``saved_seconds``). ``recent``, which decides ``backoff``, sums these:
+        sparse probes at batch 1, each a single draw rejected about one time in three where
+        speculation pays 1.4x, had backed a bucket off to 8 after two unlucky ones in a row
+        and left it idle for 250 steps (qwen2.5-0.5B, an RL epoch's batch-1 tail). ``saved``
+        takes the real saving, so the slack still bounds what speculation loses."""
         b = batch_bucket(batch)
         self.saved[b] = self.saved.get(b, 0.0) * self.fade + saved_seconds
         self.spent[b] = self.spent.get(b, 0.0) * self.fade + step_seconds
@@ -156,7 +163,8 @@ class LossGuard:
         if worst_loss is None:
             return
         excess = -saved_seconds - max(noise, 0.0)  # the loss no plain step's spread explains
-        recent = self.recent.get(b, 0.0) * self._recent_fade + saved_seconds
+        recent = self.recent.get(b, 0.0) * self._recent_fade + (
+            saved_seconds if expected_saved is None else expected_saved)
         self.recent[b] = recent
         if excess > 0 and recent < 0:
             self.backoff[b] = min(self.max_backoff, 2 * self.backoff.get(b, 1))
