@@ -185,19 +185,27 @@ def tail_seconds(steps: list[tuple], tail_batch: int) -> float:
     return 0.0
 
 
-def bucket_rates(steps: list[tuple]) -> dict[int, tuple[float, float, int]]:
-    """Per running-batch bucket (upper edge in ``BUCKETS``): (seconds, tokens committed,
-    steps)."""
+def _per_key(steps: list[tuple], key) -> dict[int, list[float]]:
+    """``steps`` grouped by ``key(running)``: per group [seconds, tokens committed, steps]."""
     out: dict[int, list[float]] = {}
     prev = 0.0
     for end, running, tokens in steps:
-        b = next(x for x in BUCKETS + (10**9,) if running <= x)
-        acc = out.setdefault(b, [0.0, 0.0, 0])
+        acc = out.setdefault(key(running), [0.0, 0.0, 0])
         acc[0] += end - prev
         acc[1] += tokens
         acc[2] += 1
         prev = end
-    return {b: (s, t, n) for b, (s, t, n) in out.items()}
+    return out
+
+
+def _bucket(running: int) -> int:
+    return next(x for x in BUCKETS + (10**9,) if running <= x)
+
+
+def bucket_rates(steps: list[tuple]) -> dict[int, tuple[float, float, int]]:
+    """Per running-batch bucket (upper edge in ``BUCKETS``): (seconds, tokens committed,
+    steps)."""
+    return {b: (s, t, n) for b, (s, t, n) in _per_key(steps, _bucket).items()}
 
 
 def bucket_ratios(mine: dict, theirs: dict) -> dict[int, float]:
@@ -216,23 +224,14 @@ def same_batch_ratios(mine: list[tuple], theirs: list[tuple]) -> dict[int, float
     costs about the same at each, so a row whose samples finish at other moments spends its
     bucket's time at other counts and ``bucket_ratios`` reads that mix as a change of speed;
     this ratio does not."""
-    def per_count(steps):
-        out: dict[int, list[float]] = {}
-        prev = 0.0
-        for end, running, tokens in steps:
-            acc = out.setdefault(running, [0.0, 0.0])
-            acc[0] += end - prev
-            acc[1] += tokens
-            prev = end
-        return out
-    m, t = per_count(mine), per_count(theirs)
+    m, t = _per_key(mine, int), _per_key(theirs, int)
     num: dict[int, float] = {}
     den: dict[int, float] = {}
-    for n, (sec, tok) in m.items():
+    for n, (sec, tok, _) in m.items():
         if n not in t or sec <= 0 or t[n][0] <= 0 or t[n][1] <= 0:
             continue
-        b = next(x for x in BUCKETS + (10**9,) if n <= x)
-        num[b] = num.get(b, 0.0) + sec * (tok / sec) / (t[n][1] / t[n][0])
+        b = _bucket(n)
+        num[b] = num.get(b, 0.0) + tok / (t[n][1] / t[n][0])  # seconds x (mine / theirs)
         den[b] = den.get(b, 0.0) + sec
     return {b: num[b] / den[b] for b in num}
 

@@ -90,8 +90,8 @@ class Harvester(Drafter):
     Args:
         inner: the drafter that drafts, or None.
         buffer: where finished sequences go.
-        blocks: the engine's ``BlockManager`` (its ``features`` store is read at release;
-            kept as ``target_blocks``).
+        target_blocks: the engine's ``BlockManager`` (its ``features`` store is read at
+            release).
 
     Attributes:
         skipped: finished sequences not harvested because some of their positions have no
