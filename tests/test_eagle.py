@@ -120,6 +120,69 @@ def test_features_reach_the_drafter_when_it_drafts(target_dir, plain, caching):
     assert runs[True][3] < runs[False][3]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prompt_drafter_kv_is_built_at_prefill_once_per_prompt(target_dir, plain, dtype):
+    """At a prompt's prefill EAGLE computes the drafter KV of the prompt once and copies it to
+    each of its samples (``EagleDrafter.prefill``), so the first draft catches up on the
+    generated tokens only: with drafting on every third step, the trees drafted (tokens,
+    parents, scores) and the drafter KV rows each sample ends with are those of building it
+    at the first draft, bit for bit, the samples equal plain decoding's, the prompt rows are
+    fed once per prompt instead of once per sample, and the drafter's blocks all come back."""
+    prompts = rand_prompts(3, seed=21)
+    params = [SamplingParams(n=3, temperature=1.0, seed=5 + i, max_tokens=16, ignore_eos=True)
+              for i in range(3)]
+    want = [[c.token_ids for c in o.outputs] for o in plain.generate(prompts, params,
+                                                                     use_tqdm=False)]
+    runs = {}
+    for at_prefill in (True, False):
+        llm = LLM(str(target_dir), dtype=dtype, block_size=8, kv_cache_memory_bytes=8 << 20,
+                  speculative_config={"policy": "static", **eagle(3, 2, 5)})
+        drafter = llm.engine.drafter
+        llm.engine.policy = EveryThird(drafter.strategy)
+        if not at_prefill:
+            drafter.prefill = lambda samples: []
+        trees, rows, catch_up, kv = [], [], [], {}
+        propose, feed, release = drafter.propose, drafter._feed_prefix, drafter.release
+
+        def record_propose(seqs, strategy, propose=propose, trees=trees, catch_up=catch_up):
+            catch_up.append(sorted(s.catch_up for s in seqs))
+            out = propose(seqs, strategy)
+            trees.append([(t.tokens, t.parents, t.draft_logprobs) if t else None for t in out])
+            return out
+
+        def record_feed(shadows, prefix, feed=feed, rows=rows):
+            rows.append(len(prefix.ids))
+            return feed(shadows, prefix)
+
+        def record_release(seq, drafter=drafter, release=release, kv=kv):
+            st = drafter.states.get(seq.seq_id)
+            if st is not None:  # the KV rows of the sample's committed prefix
+                sh = st.shadow
+                slots = [sh.block_table[j // 8] * 8 + j % 8 for j in range(sh.num_cached)]
+                kv[(seq.request_id, seq.index)] = drafter.kv.flatten(1, 2)[:, slots].clone()
+            return release(seq)
+
+        drafter.propose, drafter._feed_prefix = record_propose, record_feed
+        drafter.release = record_release
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        met = llm.get_metrics()
+        assert met["kv_blocks_free"] == met["kv_blocks_total"] and not drafter.states
+        assert drafter.blocks.num_free == drafter.blocks.num_blocks
+        runs[at_prefill] = ([[c.token_ids for c in o.outputs] for o in outs], trees, rows,
+                            catch_up, {k: kv[k] for k in sorted(kv)}, met["accepted_tokens"])
+    on, off = runs[True], runs[False]
+    if dtype == "float32":  # plain is a float32 engine
+        assert on[0] == want
+    assert on[0] == off[0]
+    assert on[1] == off[1] and on[5] == off[5] > 0
+    assert on[4].keys() == off[4].keys() and len(on[4]) == 9
+    assert all(torch.equal(on[4][k], off[4][k]) for k in on[4])
+    prompt_rows = sum(len(p) - 1 for p in prompts)
+    assert on[2][:3] == [len(p) - 1 for p in prompts]  # one feed per prompt at its prefill
+    assert sum(off[2]) - sum(on[2]) == 2 * prompt_rows  # the other two samples' feeds
+    assert max(on[3][0]) <= 3 < min(off[3][0])  # the first draft: generated tokens only
+
+
 def test_sampling_seeds_reproduce(target_dir):
     llm = make(target_dir, eagle(3, 2, 5))
     prompts = rand_prompts(4, seed=9)

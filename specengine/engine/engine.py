@@ -331,6 +331,7 @@ class Engine:
             phases.commit_kv(self.runner, self.blocks, layout, commits)
             t_observe = time.perf_counter()
             phases.observe(self.drafter, self.blocks, layout, hidden, commits)
+            phases.prefill_drafter(self.drafter, self.blocks, layout)
             times.observe_time = time.perf_counter() - t_observe
             times.mark("sampled")
             num_appended, finished = phases.append(

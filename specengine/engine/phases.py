@@ -183,6 +183,26 @@ def observe(drafter: Drafter | None, blocks: BlockManager, layout: ForwardLayout
         row += r
 
 
+def prefill_drafter(drafter: Drafter | None, blocks: BlockManager,
+                    layout: ForwardLayout) -> None:
+    """After ``observe``: for each prompt whose prefill finished this step (whole prompt
+    cached, no token appended yet), a drafter that keeps per-sequence state builds it now,
+    once for the prompt's samples (``Drafter.prefill``; its first sample's features handed
+    over first, from the KV blocks' feature store when the drafter reads them at draft
+    time), and their prompt counts as seen (``Sequence.drafted_through``): turning
+    speculation on later catches up on the generated tokens only."""
+    if drafter is None or not drafter.catches_up:
+        return
+    for e in layout.entries:
+        if not e.is_prefill or e.seq.num_cached < len(e.seq):
+            continue  # a decode, or a chunk of a prompt still prefilling
+        samples = e.samplers or [e.seq]
+        if at_draft(drafter, blocks):
+            hand_features(drafter, blocks, samples[:1])
+        for s in drafter.prefill(samples):
+            s.drafted_through = len(s.token_ids)
+
+
 def append(requests: dict[str, Request], output: OutputProcessor, blocks: BlockManager,
            finish_sample: Callable[[Sequence], None], weight_version: int,
            layout: ForwardLayout, commits: list[Commit], hidden: torch.Tensor,

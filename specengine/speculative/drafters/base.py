@@ -38,11 +38,16 @@ class Drafter:
             (``phases.hand_features``, from ``observed``), and after a step only to the
             sequences drafted for; a step that drafts for none does no per-sequence work for
             it. False: ``observe`` gets every committed position every step.
+        catches_up: True: the drafter keeps per-sequence state built from the tokens it has
+            seen (EAGLE's and a draft model's KV), so a draft first catches up on the tokens
+            committed since it last drafted (``Sequence.catch_up``); False: stateless
+            (n-gram, suffix), drafting costs the same whenever it starts.
     """
 
     name = "base"
     wants_hidden = False
     observes_at_draft = False
+    catches_up = False
 
     def __init__(self, strategy: Strategy):
         self.strategy = strategy
@@ -73,6 +78,18 @@ class Drafter:
         ``"abort"`` or None when every request was aborted): drop any state kept for it. The
         engine calls it before ``seq``'s KV blocks go back (its stored features can still be
         read: the training ``Harvester`` does)."""
+
+    def prefill(self, samples: list[Sequence]) -> list[Sequence]:
+        """The target has just prefilled a prompt (its whole prompt cached, no token appended
+        yet) whose ``samples`` (one request's ``n``, the same tokens) this drafter holds the
+        target features of (``observed``, the first at least). A drafter with per-sequence
+        state that it must build before it can draft (EAGLE's KV) may build it now, once for
+        all samples, so that turning speculation on later costs only the tokens generated
+        since (``Sequence.catch_up``) and not the prompt, for each sample. Returns the samples
+        it built the state of (the engine then counts their prompt as seen:
+        ``Sequence.drafted_through``); ``[]`` (default): none, the first draft catches up on
+        the prompt."""
+        return []
 
     def set_weight_version(self, version: int) -> None:
         """The target's weights are now version ``version`` (the engine calls this whenever

@@ -47,6 +47,7 @@ class DraftModelDrafter(Drafter):
     """
 
     name = "draft_model"
+    catches_up = True
 
     def __init__(self, strategy: Strategy, model, num_blocks: int, block_size: int,
                  vocab_size: int):

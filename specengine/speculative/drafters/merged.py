@@ -285,6 +285,7 @@ class MergedDrafter(Drafter):
         self.name = "+".join(names)
         self.wants_hidden = any(p.wants_hidden for p in parts)
         self.observes_at_draft = all(p.observes_at_draft for p in parts if p.wants_hidden)
+        self.catches_up = any(p.catches_up for p in parts)
         self.scorer = scorer or SourceCalibrators()
         self.explore_every = explore_every
         self.calls = 0
@@ -370,6 +371,13 @@ class MergedDrafter(Drafter):
         for p in self.parts:
             if p.wants_hidden:
                 p.observe(seq, start, hidden)
+
+    def prefill(self, samples: list[Sequence]) -> list[Sequence]:
+        """Every part's ``prefill``; the samples every part that keeps per-sequence state
+        built it for (a part that keeps none, like the suffix drafter, has nothing to catch
+        up on)."""
+        built = [{id(s) for s in p.prefill(samples)} for p in self.parts if p.catches_up]
+        return [s for s in samples if built and all(id(s) in b for b in built)]
 
     def observed(self, seq: Sequence) -> int:
         """The fewest positions any feature-reading part holds for ``seq`` (0 without one)."""

@@ -107,6 +107,7 @@ class Harvester(Drafter):
         self.inner, self.buffer, self.target_blocks = inner, buffer, target_blocks
         self._feeds = inner is not None and inner.wants_hidden
         self.observes_at_draft = not self._feeds or inner.observes_at_draft
+        self.catches_up = inner is not None and inner.catches_up
         self.skipped = 0
 
     def wrapped(self) -> list[Drafter]:
@@ -121,6 +122,9 @@ class Harvester(Drafter):
     def observe(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
         if self._feeds:
             self.inner.observe(seq, start, hidden)
+
+    def prefill(self, samples: list[Sequence]) -> list[Sequence]:
+        return self.inner.prefill(samples) if self.inner is not None else []
 
     def observed(self, seq: Sequence) -> int:
         """The inner drafter's; without one that reads features, every cached position (the

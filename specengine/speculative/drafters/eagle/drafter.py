@@ -106,6 +106,7 @@ class EagleDrafter(Drafter):
     name = "eagle"
     wants_hidden = True
     observes_at_draft = True
+    catches_up = True
 
     def __init__(self, strategy: Strategy, model: EagleModel, num_blocks: int, block_size: int):
         super().__init__(strategy)
@@ -145,6 +146,39 @@ class EagleDrafter(Drafter):
     def observed(self, seq: Sequence) -> int:
         st = self.states.get(seq.seq_id)
         return st.num_feats if st is not None else 0
+
+    def prefill(self, samples: list[Sequence]) -> list[Sequence]:
+        """The drafter KV of a just-prefilled prompt (positions ``0 .. n-1``, ``n`` the
+        prompt's length less one), computed once from the first sample's features (a K/V
+        projection per row, as a catch-up: ``_feed_prefix``) and copied block by block to
+        every other sample of the same tokens, as vLLM's and SGLang's EAGLE workers run the
+        draft model over the prompt at prefill. The rows are the ones ``propose`` would
+        compute (same kernels, so the same bits); a later draft starts from the last one.
+        Returns the samples whose KV it holds now: none when the first sample's features are
+        not all held, the drafter's KV pool is short or the prompt is one token; a sample
+        of other tokens than the first (none at a prompt's prefill) is left to its draft."""
+        first = samples[0]
+        st = self._sync(first, 0)
+        if st is None:
+            return []
+        with torch.inference_mode():
+            self._feed_prefix([st.shadow], self._prefix_rows([first], [st]))
+        src, built = st.shadow, [first]
+        whole = src.block_table[:-(-src.num_cached // self.blocks.block_size)]
+        for s in samples[1:]:
+            if s.token_ids != first.token_ids:
+                continue
+            sib = self.states.get(s.seq_id)
+            if sib is None:
+                sib = self.states[s.seq_id] = _State(s, st.feats.shape[1], st.feats.dtype,
+                                                     self.kv.device)
+            if not sync_shadow(self.blocks, sib.shadow, s, 1, 0):
+                continue
+            with torch.inference_mode():
+                self.kv[:, sib.shadow.block_table[:len(whole)]] = self.kv[:, whole]
+            sib.shadow.num_cached = src.num_cached
+            built.append(s)
+        return built
 
     def stats(self) -> dict:
         """``drafter_version`` and, per version, tau = tokens committed per verify step."""
