@@ -122,8 +122,8 @@ def test_features_reach_the_drafter_when_it_drafts(target_dir, plain, caching):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_prompt_drafter_kv_is_built_at_prefill_once_per_prompt(target_dir, plain, dtype):
-    """At a prompt's prefill EAGLE computes the drafter KV of the prompt once and copies it to
-    each of its samples (``EagleDrafter.prefill``), so the first draft catches up on the
+    """At a prompt's prefill EAGLE computes the drafter KV of the prompt once and shares its
+    blocks with each of its samples (``EagleDrafter.prefill``), so the first draft catches up on the
     generated tokens only: with drafting on every third step, the trees drafted (tokens,
     parents, scores) and the drafter KV rows each sample ends with are those of building it
     at the first draft, bit for bit, the samples equal plain decoding's, the prompt rows are

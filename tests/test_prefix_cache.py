@@ -160,6 +160,31 @@ def cached_lookup(bm, tokens, i):
     return bm.cache.lookup(chain_hashes(tokens, bm.block_size, i + 1, root=bm.salt)[i])
 
 
+def test_shared_blocks_are_copied_before_a_write_and_all_come_back():
+    """``BlockPool.share`` (how EAGLE's samples of one prompt hold its drafter KV): the second
+    sequence reads the first's blocks, one more reference each; growing it copies the partly
+    filled last block before writing there while the full one stays shared; freeing both
+    returns every block; sharing into a sequence that holds blocks is an error."""
+    copies = []
+    bm = BlockManager(8, BS, lambda s, d: copies.append((s, d)))
+    a = Sequence("a", 0, list(range(13)), SamplingParams(), SampleNoise(0, 0))
+    bm.grow(a, 13)  # positions 0-12: a full block and 5 slots of the next
+    a.num_cached = 13
+    b = Sequence("a", 1, list(range(13)), SamplingParams(), SampleNoise(0, 0))
+    bm.share(a, b)
+    assert (b.block_table, b.num_cached, bm.num_free) == (a.block_table, 13, 6)
+    assert [bm.allocator.refcount(x) for x in a.block_table] == [2, 2]
+    bm.grow(b, 2)  # positions 13-14 go into the shared partial block: b gets a copy
+    assert b.block_table[0] == a.block_table[0] and b.block_table[1] != a.block_table[1]
+    assert copies == [(a.block_table[1], b.block_table[1])] and bm.num_free == 5
+    assert [bm.allocator.refcount(x) for x in a.block_table] == [2, 1]
+    with pytest.raises(ValueError, match="holds 2 blocks"):
+        bm.share(a, b)
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_free == 8
+
+
 def test_unconfirmed_blocks_are_dropped_when_the_prefill_never_ran():
     bm = BlockManager(8, 4, lambda s, d: None, enable_prefix_caching=True)
     a = Sequence("a", 0, list(range(9)), SamplingParams(), SampleNoise(0, 0))

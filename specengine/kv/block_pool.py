@@ -187,6 +187,22 @@ class BlockPool:
         seq.num_cached = 0
         seq.num_registered_blocks = 0
 
+    def share(self, src: Sequence, dst: Sequence) -> None:
+        """``dst`` (holding no blocks) takes ``src``'s blocks and cached positions, one more
+        reference to each: the K/V of positions ``0 .. src.num_cached-1`` is then read by both
+        from one copy, and ``grow`` copies a shared block before either writes into it.
+
+        Raises:
+            ValueError: ``dst`` already holds blocks.
+        """
+        if dst.block_table:
+            raise ValueError(f"BlockPool.share: the destination sequence holds "
+                             f"{len(dst.block_table)} blocks already")
+        for b in src.block_table:
+            self.allocator.incref(b)
+        dst.block_table = list(src.block_table)
+        dst.num_cached = src.num_cached
+
     def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Flat cache slots of positions ``start .. end-1`` of ``seq``."""
         bs, table = self.block_size, seq.block_table

@@ -150,33 +150,31 @@ class EagleDrafter(Drafter):
     def prefill(self, samples: list[Sequence]) -> list[Sequence]:
         """The drafter KV of a just-prefilled prompt (positions ``0 .. n-1``, ``n`` the
         prompt's length less one), computed once from the first sample's features (a K/V
-        projection per row, as a catch-up: ``_feed_prefix``) and copied block by block to
-        every other sample of the same tokens, as vLLM's and SGLang's EAGLE workers run the
-        draft model over the prompt at prefill. The rows are the ones ``propose`` would
-        compute (same kernels, so the same bits); a later draft starts from the last one.
-        Returns the samples whose KV it holds now: none when the first sample's features are
-        not all held, the drafter's KV pool is short or the prompt is one token; a sample
-        of other tokens than the first (none at a prompt's prefill) is left to its draft."""
+        projection per row, as a catch-up: ``_feed_prefix``) and shared by every other sample
+        of the same tokens (``BlockPool.share``: one copy of the blocks, the partly filled last
+        one copied when a sample first writes into it), as vLLM's and SGLang's EAGLE workers
+        run the draft model over the prompt at prefill. The rows are the ones ``propose``
+        would compute (same kernels, so the same bits); a later draft starts from the last
+        one. Returns the samples whose KV it holds now: none when the first sample's features
+        are not all held, the drafter's KV pool is short or the prompt is one token; a sample
+        of other tokens than the first (none at a prompt's prefill) or already holding
+        drafter KV is left to its draft."""
         first = samples[0]
         st = self._sync(first, 0)
         if st is None:
             return []
         with torch.inference_mode():
             self._feed_prefix([st.shadow], self._prefix_rows([first], [st]))
-        src, built = st.shadow, [first]
-        whole = src.block_table[:-(-src.num_cached // self.blocks.block_size)]
+        built = [first]
         for s in samples[1:]:
-            if s.token_ids != first.token_ids:
-                continue
             sib = self.states.get(s.seq_id)
+            if s.token_ids != first.token_ids or (sib is not None and sib.shadow.block_table):
+                continue
             if sib is None:
                 sib = self.states[s.seq_id] = _State(s, st.feats.shape[1], st.feats.dtype,
                                                      self.kv.device)
-            if not sync_shadow(self.blocks, sib.shadow, s, 1, 0):
-                continue
-            with torch.inference_mode():
-                self.kv[:, sib.shadow.block_table[:len(whole)]] = self.kv[:, whole]
-            sib.shadow.num_cached = src.num_cached
+            self.blocks.share(st.shadow, sib.shadow)
+            sib.shadow.token_ids = list(st.shadow.token_ids)
             built.append(s)
         return built
 
