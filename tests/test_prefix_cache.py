@@ -446,24 +446,29 @@ def test_eagle_and_harvested_features_after_hits_equal_recomputed(tiny_dir):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_feature_store_write_in_one_call_equals_torch_indexing(dtype, monkeypatch):
+@pytest.mark.parametrize("width,offset", [(8, 0), (9, 0), (8, 1), (72, 0)])
+def test_feature_store_write_in_one_call_equals_torch_indexing(dtype, width, offset,
+                                                               monkeypatch):
     """``BlockFeatures.write`` through the extension (``store_rows``) stores the same rows
     and validity as torch's indexing (the path without it), converting the rows' dtype, and
-    names a slot out of range."""
+    names a slot out of range: rows of whole 16-byte units from an aligned source (streaming
+    stores on x86-64: 8 or 72 bf16 features), of 18 bytes (9 features), and bf16 rows read
+    from a source one element off alignment (``offset``)."""
     import specengine.kv.block_features as bf
     assert hasattr(bf.ext(), "store_rows")  # the extension is built: its path is the one tested
-    feats = torch.randn(5, 8).to(dtype)
+    feats = torch.randn(5 * width + offset).to(dtype)[offset:].view(5, width)
     slots = [3, 17, 0, 31, 9]
     stores = []
     for native in (True, False):
         if not native:
             monkeypatch.setattr(bf, "ext", lambda: None)
-        store = bf.BlockFeatures(2, 16, 8, torch.bfloat16)
+        store = bf.BlockFeatures(2, 16, width, torch.bfloat16)
         store.write(slots, feats)
         stores.append(store)
     a, b = stores
     assert torch.equal(a.data, b.data) and torch.equal(a.valid, b.valid)
     assert a.valid.sum() == 5 and torch.equal(a.data[slots], feats.to(torch.bfloat16))
+    assert not a.data[[s for s in range(32) if s not in slots]].any()  # nothing else written
     monkeypatch.undo()
     with pytest.raises(ValueError, match="out of range"):
-        bf.BlockFeatures(2, 16, 8, torch.bfloat16).write([32], feats[:1])
+        bf.BlockFeatures(2, 16, width, torch.bfloat16).write([32], feats[:1])

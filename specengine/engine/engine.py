@@ -330,7 +330,8 @@ class Engine:
             commits = phases.sample(self.sampler, layout, logits)
             phases.commit_kv(self.runner, self.blocks, layout, commits)
             t_observe = time.perf_counter()
-            phases.observe(self.drafter, self.blocks, layout, hidden, commits)
+            phases.observe(self.drafter, self.blocks, layout, hidden, commits,
+                           self.runner.last_slots)
             phases.prefill_drafter(self.drafter, self.blocks, layout)
             times.observe_time = time.perf_counter() - t_observe
             times.mark("sampled")

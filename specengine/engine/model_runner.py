@@ -25,6 +25,7 @@ class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int,
                  backend: AttentionBackend | None = None):
         self.model = model
+        self.last_slots: list[int] = []  # the last ``prepare``'s flat KV slot per token fed
         cfg = model.config
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -76,6 +77,7 @@ class ModelRunner:
             (the last token of a prefill; the root and every node of a decode entry).
         """
         ids, pos, slots, qseq, kv_lens, rows = [], [], [], [], [], []
+        self.last_slots = slots  # filled below: the KV slot of each token fed, in order
         base, trees_at = [], []  # trees_at: (row of node 0, parents) per tree
         width = max((e.tree.num_nodes for e in entries if e.tree is not None), default=0)
         for row, e in enumerate(entries):

@@ -150,13 +150,22 @@ def hand_features(drafter: Drafter, blocks: BlockManager, seqs: list[Sequence]) 
 
 
 def observe(drafter: Drafter | None, blocks: BlockManager, layout: ForwardLayout,
-            hidden: torch.Tensor, commits: list[Commit]) -> None:
+            hidden: torch.Tensor, commits: list[Commit],
+            fed_slots: list[int] | None = None) -> None:
     """Store the hidden states (``hidden`` ``[T, H]``) of the positions committed this step
     (a prefill's tokens, a decode's root and the accepted tree nodes after it) in the KV
     blocks' feature store, and hand them to a drafter that reads the target's features
     (EAGLE): every sequence's, or, for one that takes them at draft time (``at_draft``),
-    only those of the sequences drafted for this step whose earlier features it holds."""
+    only those of the sequences drafted for this step whose earlier features it holds.
+    ``fed_slots``: the KV slot of each of the ``T`` tokens fed (``ModelRunner.last_slots``);
+    in a step without trees every token fed is committed where it was written, so a drafter
+    that takes features at draft time and drafted for none costs one store of ``hidden`` at
+    those slots (no per-sequence work: a step's Python runs on caches the forward evicted)."""
     if drafter is None or not drafter.wants_hidden:
+        return
+    if (fed_slots is not None and len(fed_slots) == hidden.shape[0] and at_draft(drafter, blocks)
+            and not any(e.drafted or e.tree is not None for e in layout.entries)):
+        blocks.features.write(fed_slots, hidden)
         return
     accepted = {id(c.entry): c.accepted for c in commits if c.is_verified}
     rows, spans = [], []
