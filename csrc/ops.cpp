@@ -9,8 +9,12 @@
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <emmintrin.h>
+#endif
 
 #include "kernels.h"
 #include "ops.h"
@@ -167,6 +171,23 @@ void store_rows_cpu(at::Tensor& data, at::Tensor& valid, const std::vector<int64
   auto* dst = static_cast<char*>(data.data_ptr());
   const auto* from = static_cast<const char*>(src.data_ptr());
   bool* ok = valid.data_ptr<bool>();
+#if defined(__x86_64__) || defined(_M_X64)
+  // Rows are read back only when a drafter drafts, many steps later: streaming stores write
+  // them without first reading their (cold) lines into the cache, the slow part of a step's
+  // store (measured in an engine: ~11 us a 1792-byte row, 0.2 ms of a 16-row step).
+  const bool stream = bytes % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(from) % 16 == 0;
+  if (stream) {
+    for (int64_t i = 0; i < S; ++i) {
+      auto* d = reinterpret_cast<__m128i*>(dst + slots[i] * bytes);
+      const auto* f = reinterpret_cast<const __m128i*>(from + i * bytes);
+      for (int64_t j = 0; j < bytes / 16; ++j) _mm_stream_si128(d + j, _mm_load_si128(f + j));
+      ok[slots[i]] = true;
+    }
+    _mm_sfence();
+    return;
+  }
+#endif
   for (int64_t i = 0; i < S; ++i) {
     std::memcpy(dst + slots[i] * bytes, from + i * bytes, bytes);
     ok[slots[i]] = true;
