@@ -49,6 +49,11 @@ def greedy(n=24, **kw):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
 
 
+def samples(outs):
+    """Per request output, the token ids of each of its samples."""
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
 def eagle(d=3, k=1, m=None):
     return {"method": "eagle", "model": "random", "num_speculative_tokens": d, "topk": k,
             "num_verify_tokens": m}
@@ -98,8 +103,7 @@ def test_features_reach_the_drafter_when_it_drafts(target_dir, plain, caching):
     prompts = rand_prompts(3, seed=11)
     params = [SamplingParams(n=2, temperature=1.0, seed=3 + i, max_tokens=20, ignore_eos=True)
               for i in range(3)]
-    want = [[c.token_ids for c in o.outputs] for o in plain.generate(prompts, params,
-                                                                     use_tqdm=False)]
+    want = samples(plain.generate(prompts, params, use_tqdm=False))
     runs = {}
     for at_draft in (True, False):
         llm = make(target_dir, eagle(3, 2, 5), enable_prefix_caching=caching)
@@ -112,7 +116,7 @@ def test_features_reach_the_drafter_when_it_drafts(target_dir, plain, caching):
             calls.append(start), observe(s, start, h))
         outs = llm.generate(prompts, params, use_tqdm=False)
         met = llm.get_metrics()
-        runs[at_draft] = ([[c.token_ids for c in o.outputs] for o in outs],
+        runs[at_draft] = (samples(outs),
                           met["drafted_tokens"], met["accepted_tokens"], len(calls))
         assert met["kv_blocks_free"] == met["kv_blocks_total"] and not drafter.states
     assert runs[True][0] == runs[False][0] == want
@@ -131,8 +135,7 @@ def test_prompt_drafter_kv_is_built_at_prefill_once_per_prompt(target_dir, plain
     prompts = rand_prompts(3, seed=21)
     params = [SamplingParams(n=3, temperature=1.0, seed=5 + i, max_tokens=16, ignore_eos=True)
               for i in range(3)]
-    want = [[c.token_ids for c in o.outputs] for o in plain.generate(prompts, params,
-                                                                     use_tqdm=False)]
+    want = samples(plain.generate(prompts, params, use_tqdm=False))
     runs = {}
     for at_prefill in (True, False):
         llm = LLM(str(target_dir), dtype=dtype, block_size=8, kv_cache_memory_bytes=8 << 20,
@@ -168,7 +171,7 @@ def test_prompt_drafter_kv_is_built_at_prefill_once_per_prompt(target_dir, plain
         met = llm.get_metrics()
         assert met["kv_blocks_free"] == met["kv_blocks_total"] and not drafter.states
         assert drafter.blocks.num_free == drafter.blocks.num_blocks
-        runs[at_prefill] = ([[c.token_ids for c in o.outputs] for o in outs], trees, rows,
+        runs[at_prefill] = (samples(outs), trees, rows,
                             catch_up, {k: kv[k] for k in sorted(kv)}, met["accepted_tokens"])
     on, off = runs[True], runs[False]
     if dtype == "float32":  # plain is a float32 engine

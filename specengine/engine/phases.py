@@ -164,7 +164,7 @@ def observe(drafter: Drafter | None, blocks: BlockManager, layout: ForwardLayout
     if drafter is None or not drafter.wants_hidden:
         return
     if (fed_slots is not None and len(fed_slots) == hidden.shape[0] and at_draft(drafter, blocks)
-            and not any(e.drafted or e.tree is not None for e in layout.entries)):
+            and not any(e.drafted for e in layout.entries)):
         blocks.features.write(fed_slots, hidden)
         return
     accepted = {id(c.entry): c.accepted for c in commits if c.is_verified}
