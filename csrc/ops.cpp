@@ -374,7 +374,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   const uint16_t* xptr;
   int64_t xs;
   if (M > 16) {  // the kernel copies x into tile order (xt), zero-padding K itself
-    xt = at::empty({(M + 15) / 16 * Kb * 512}, x.options());
+    xt = at::empty({(M + 31) / 32 * 2 * Kb * 512}, x.options());  // whole 32-row blocks
     xp = x.stride(1) == 1 ? x : x.contiguous();
     xptr = reinterpret_cast<const uint16_t*>(xp.data_ptr());
     xs = xp.stride(0);
