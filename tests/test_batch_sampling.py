@@ -408,6 +408,41 @@ def test_sampler_sample_matches_the_per_row_sampler(mode):
     assert any(lp is not None for lp in got[1])
 
 
+def test_sampler_masks_stop_ids_in_place_and_puts_them_back_when_no_row_wants_logprobs(
+        monkeypatch):
+    """Without logprobs the ``min_tokens`` mask is written into the logits themselves (no
+    [R, V] copy) for the draw only: the tokens are the per-row sampler's, no masked row draws
+    a stop id, and the logits are as they came, also after an error in the draw."""
+    rng, g = random.Random(5), torch.Generator().manual_seed(5)
+    sampler = Sampler(None, "raw_logprobs", lambda s: [EOS, EOS + 1])
+    seqs = []
+    for r in range(10):
+        params = SamplingParams(**rng.choice(PARAMS), seed=r, min_tokens=rng.choice([0, 3]),
+                                max_tokens=50)
+        s = Sequence(f"r{r}", 0, [1, 2], params, SampleNoise(params.seed, 0))
+        s.token_ids += [7] * rng.randrange(5)
+        seqs.append(s)
+    masked_rows = [r for r, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
+    assert masked_rows and len(masked_rows) < len(seqs)
+    x = logits_rows(g, len(seqs), 900)
+    x[:, EOS] = x.max() + 1  # a stop id would win wherever it is not masked
+    before = x.clone()
+    want = ref.sampler_sample(sampler, x.clone(), seqs)
+    assert torch.equal(x, before)
+    got = sampler.sample(x, seqs)
+    assert got == want and got[1] == [None] * len(seqs)
+    assert all(got[0][r] not in (EOS, EOS + 1) for r in masked_rows)
+    assert torch.equal(x, before)
+
+    def fail(*a, **k):
+        assert (x[masked_rows, EOS] == float("-inf")).all()  # masked while drawing
+        raise RuntimeError("draw failed")
+    monkeypatch.setattr(sampler_mod, "draw", fail)
+    with pytest.raises(RuntimeError, match="draw failed"):
+        sampler.sample(x, seqs)
+    assert torch.equal(x, before)
+
+
 def random_tree(rng: random.Random, root_row: torch.Tensor, vocab: int) -> DraftTree:
     """Up to 8 nodes; children carry likely tokens of the root's row so that some are
     accepted, siblings distinct."""

@@ -11,7 +11,8 @@ the rows (``specengine.sampling.batched``), with the per-row definitions' result
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -74,16 +75,26 @@ class Sampler:
             asks for no logprobs) per row.
         """
         positions = [s.num_output_tokens for s in seqs]
-        masked = self.mask_stop_ids(logits, seqs, positions)
-        masked = penalize(masked, seqs)
         params = [s.params for s in seqs]
+        if all(p.logprobs is None for p in params):  # nothing reads the raw logits but the draw
+            with self.stop_ids_masked(logits, seqs, positions) as masked:
+                processed = self.process(penalize(masked, seqs), params)
+                return self._draw(processed, seqs, positions), [None] * len(seqs)
+        masked = penalize(self.mask_stop_ids(logits, seqs, positions), seqs)
         processed = self.process(masked, params)
+        tokens = self._draw(processed, seqs, positions)
+        return tokens, self.logprob_entries(logits, masked, params, list(range(len(seqs))),
+                                            tokens, processed)
+
+    @staticmethod
+    def _draw(processed: torch.Tensor, seqs: list[Sequence], positions: list[int]) -> list[int]:
+        """``batched.draw`` of every row: greedy rows' argmax, the others' race against the
+        noise of their sequence at its output position."""
+        params = [s.params for s in seqs]
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         noise = NoiseStreams([seqs[i].noise.key for i in sampled],
                              [positions[i] for i in sampled]) if sampled else None
-        tokens = draw(processed, params, noise).tolist()
-        return tokens, self.logprob_entries(logits, masked, params, list(range(len(seqs))),
-                                            tokens, processed)
+        return draw(processed, params, noise).tolist()
 
     def verify_trees(self, seqs: list[Sequence], trees: list[DraftTree],
                      logits: list[torch.Tensor]
@@ -186,16 +197,43 @@ class Sampler:
         """``logits`` ``[R, V]`` with the stop ids of ``seqs[r]`` set to ``-inf`` in every row
         ``r`` whose token lands at output position ``positions[r]`` < ``min_tokens``; a clone
         when any row is masked, else ``logits`` itself."""
+        where = self._stop_entries(seqs, positions)
+        if where is None:
+            return logits
+        masked = logits.clone()
+        masked[where] = float("-inf")  # one scatter
+        return masked
+
+    @contextmanager
+    def stop_ids_masked(self, logits: torch.Tensor, seqs: list[Sequence],
+                        positions: list[int]) -> Iterator[torch.Tensor]:
+        """``mask_stop_ids`` without the copy: the stop ids are set to ``-inf`` in ``logits``
+        itself for the ``with`` block and their values put back when it ends (also on an
+        error), for callers that read no raw logit inside it. At 64 rows of a 49,152-token
+        vocabulary the clone took 3-5 ms of a 47 ms decode step (2-core Intel Xeon), every step
+        of a request with ``min_tokens``."""
+        where = self._stop_entries(seqs, positions)
+        if where is None:
+            yield logits
+            return
+        with torch.inference_mode():  # the forward's logits are inference tensors
+            kept = logits[where]
+            logits[where] = float("-inf")
+        try:
+            yield logits
+        finally:
+            with torch.inference_mode():
+                logits[where] = kept
+
+    def _stop_entries(self, seqs: list[Sequence], positions: list[int]
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The (rows, columns) ``mask_stop_ids`` sets to ``-inf``, or None when none."""
         rows, cols = [], []
         for r, (s, pos) in enumerate(zip(seqs, positions)):
             if pos < s.params.min_tokens and (ids := self.stop_ids(s)):
                 rows += [r] * len(ids)
                 cols += ids
-        if not rows:
-            return logits
-        masked = logits.clone()
-        masked[torch.tensor(rows), torch.tensor(cols)] = float("-inf")  # one scatter
-        return masked
+        return (torch.tensor(rows), torch.tensor(cols)) if rows else None
 
     @staticmethod
     def process(masked: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
