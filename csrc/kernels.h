@@ -80,6 +80,7 @@ struct AmxArgs {
   int64_t ldy, M, N, Kb;  // N: valid output features (glu: I)
   bool glu, out_f32;      // out_f32: not in glu mode
   uint16_t* xt;           // M > 16: scratch for x in tile order, [2 ceil(M/32), Kb, 16, 32]
+  bool stream = false;    // out_f32: write whole lines past the caches (no read for ownership)
 };
 
 bool amx_available();  // the CPU has AMX-BF16 (amx_supported) and the cap allows it

@@ -124,7 +124,11 @@ SE_AMX_TARGET inline void epilogue_rows(const AmxArgs& a, int64_t p, int64_t r0,
       const __m512 v = _mm512_add_ps(_mm512_loadu_ps(&c[r][h * 16]), b);
       const int64_t at = (r0 + r) * a.ldy + col;
       if (a.out_f32) {
-        _mm512_mask_storeu_ps(static_cast<float*>(a.y) + at, mk, v);
+        float* dst = static_cast<float*>(a.y) + at;
+        if (a.stream && valid == 16 && (reinterpret_cast<uintptr_t>(dst) & 63) == 0)
+          _mm512_stream_ps(dst, v);  // a whole aligned line: no read for ownership
+        else
+          _mm512_mask_storeu_ps(dst, mk, v);
       } else {
         const __m256i o = (__m256i)_mm512_cvtneps_pbh(v);
         _mm256_mask_storeu_epi16(static_cast<uint16_t*>(a.y) + at, mk, o);
@@ -245,6 +249,7 @@ SE_AMX_TARGET void amx_pairs(const AmxArgs& a, const uint16_t* xt, int64_t p0, i
     }
   }
   if (last.p >= 0) epilogue(a, last.p, last.r0, last.rows, last.c);
+  if (a.stream) _mm_sfence();  // the streamed lines are in memory before the call returns
   _tile_release();
 }
 

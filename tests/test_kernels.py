@@ -339,6 +339,22 @@ def test_amx_linear_strided_input_and_float32_output(N, K):
                          .packed, 64, None, True, True)
 
 
+@pytest.mark.skipif(not kernels.amx_available(), reason="no AMX tiles on this CPU (or capped)")
+@pytest.mark.parametrize("N", [16384, 16400])
+def test_amx_float32_output_of_4_mib_or_more_is_streamed_with_the_same_values(N):
+    """Float32 outputs of 4 MiB or more (logits) are written with streaming stores, whole
+    aligned lines only (a partial last group of columns is stored as before): every value is
+    still the accumulator the bf16 output rounds, and no row or column is skipped."""
+    g = torch.Generator().manual_seed(N)
+    x = torch.randn(64, 64, generator=g).to(torch.bfloat16)
+    pw = kernels.prepack(torch.randn(N, 64, generator=g).to(torch.bfloat16))
+    b = torch.randn(N, generator=g)
+    f = ext().linear_amx(x, pw.packed, N, b, False, True)
+    assert f.numel() * 4 >= 4 << 20 and f.shape == (64, N)
+    assert torch.equal(f.to(torch.bfloat16), ext().linear_amx(x, pw.packed, N, b))
+    assert torch.equal(f[5:6], ext().linear_amx(x[5:6], pw.packed, N, b, False, True))
+
+
 @needs_packed
 @packed_dtype
 @pytest.mark.parametrize("N,K", [(200, 576), (45, 33)])
